@@ -1,0 +1,158 @@
+package api
+
+import "strings"
+
+// ContainerKeyPrefix starts every canonical per-container annotation key:
+// nvidia.com/container.<container><suffix>. The container name sits between
+// the prefix and a known suffix and may itself contain dots, so keys are
+// split by their suffix, never by the first dot.
+const ContainerKeyPrefix = "nvidia.com/container."
+
+// Suffixes of the canonical per-container keys (KAI Scheduler NvFractions contract).
+const (
+	// SuffixMemoryRequest is the guaranteed memory on each assigned GPU, a
+	// Kubernetes quantity. The scheduler charges this amount.
+	SuffixMemoryRequest = ".gpu-memory.request"
+	// SuffixMemoryLimit is the hard cap a container may burst to on each GPU.
+	SuffixMemoryLimit = ".gpu-memory.limit"
+	// SuffixComputeMode is time-slicing (default) or sm-sharing.
+	SuffixComputeMode = ".gpu-compute.mode"
+	// SuffixDevices is the comma-separated list of assigned GPU UUIDs.
+	// Scheduler-owned.
+	SuffixDevices = ".gpus.devices"
+	// SuffixComputePortion is the sm-sharing compute share in (0,1].
+	// Scheduler-owned.
+	SuffixComputePortion = ".gpu-compute.portion"
+)
+
+// Pod-level shorthand keys. Admission rewrites them into the canonical
+// per-container keys and keeps them.
+const (
+	KeyFraction           = "gpu-fraction"
+	KeyMemory             = "gpu-memory"
+	KeyFractionLimit      = "gpu-fraction.limit"
+	KeyMemoryLimit        = "gpu-memory.limit"
+	KeyNumDevices         = "gpu-fraction-num-devices"
+	KeyContainerName      = "gpu-fraction-container-name"
+	KeyComputeSharingMode = "kai.scheduler/gpu-compute-sharing-mode"
+)
+
+// ResourceGPU is the device plugin's whole-GPU extended resource.
+const ResourceGPU = "nvidia.com/gpu"
+
+// userSuffixes are the canonical suffixes a manifest may set, in the order
+// error messages list them.
+var userSuffixes = []string{SuffixMemoryRequest, SuffixMemoryLimit, SuffixComputeMode}
+
+// schedulerSuffixes are written only by the scheduler after binding.
+var schedulerSuffixes = []string{SuffixDevices, SuffixComputePortion}
+
+// allSuffixes holds every known suffix; none is a suffix of another, so the
+// split is unambiguous.
+var allSuffixes = append(append([]string{}, userSuffixes...), schedulerSuffixes...)
+
+var shorthandKeys = []string{
+	KeyFraction, KeyMemory, KeyFractionLimit, KeyMemoryLimit,
+	KeyNumDevices, KeyContainerName, KeyComputeSharingMode,
+}
+
+// ContainerKey returns the canonical annotation key for container c.
+func ContainerKey(c, suffix string) string {
+	return ContainerKeyPrefix + c + suffix
+}
+
+// SplitContainerKey splits a canonical key into its container name and
+// suffix. ok is false when key is not under ContainerKeyPrefix; suffix is ""
+// when the key is under the prefix but ends in no known suffix, and
+// container is "" when the key names no container.
+func SplitContainerKey(key string) (container, suffix string, ok bool) {
+	rest, ok := strings.CutPrefix(key, ContainerKeyPrefix)
+	if !ok {
+		return "", "", false
+	}
+	for _, s := range allSuffixes {
+		if c, found := strings.CutSuffix(rest, s); found {
+			return c, s, true
+		}
+	}
+	return rest, "", true
+}
+
+// IsSchedulerOwned reports whether key is one that only the scheduler may
+// write: a container's assigned devices or its compute portion.
+func IsSchedulerOwned(key string) bool {
+	c, suffix, ok := SplitContainerKey(key)
+	return ok && c != "" && (suffix == SuffixDevices || suffix == SuffixComputePortion)
+}
+
+// IsFractionKey reports whether key is any annotation this API reads: a
+// shorthand or anything under ContainerKeyPrefix (known or not).
+func IsFractionKey(key string) bool {
+	if strings.HasPrefix(key, ContainerKeyPrefix) {
+		return true
+	}
+	for _, k := range shorthandKeys {
+		if key == k {
+			return true
+		}
+	}
+	return false
+}
+
+// nearShorthand returns the shorthand key that key was probably meant to
+// be ("gpu_fraction", "GPU-Memory", "gpu-fraction-limit", "gpu-fracton"),
+// or "". A misspelt key would otherwise be ignored and the pod would run
+// without the GPU share its author asked for.
+func nearShorthand(key string) string {
+	// Every shorthand holds "gpu"; a key without it is somebody else's,
+	// which keeps this check off the path of ordinary annotations.
+	if len(key) < len(KeyMemory) || !strings.Contains(normaliseKey(key), "gpu") || IsFractionKey(key) {
+		return ""
+	}
+	norm := normaliseKey(key)
+	for i, k := range shorthandKeys {
+		if norm == normalisedShorthands[i] || withinOneEdit(key, k) {
+			return k
+		}
+	}
+	return ""
+}
+
+var normalisedShorthands = func() []string {
+	n := make([]string, len(shorthandKeys))
+	for i, k := range shorthandKeys {
+		n[i] = normaliseKey(k)
+	}
+	return n
+}()
+
+func normaliseKey(k string) string {
+	return strings.Map(func(r rune) rune {
+		switch {
+		case r == '_' || r == '.':
+			return '-'
+		case r >= 'A' && r <= 'Z':
+			return r + ('a' - 'A')
+		}
+		return r
+	}, k)
+}
+
+// withinOneEdit reports whether a becomes b by at most one insertion,
+// deletion or substitution of a byte.
+func withinOneEdit(a, b string) bool {
+	if len(a) > len(b) {
+		a, b = b, a
+	}
+	if len(b)-len(a) > 1 {
+		return false
+	}
+	i := 0
+	for i < len(a) && a[i] == b[i] {
+		i++
+	}
+	if len(a) == len(b) {
+		return i == len(a) || a[i+1:] == b[i+1:]
+	}
+	return a[i:] == b[i+1:]
+}
