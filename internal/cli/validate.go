@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"io"
@@ -47,7 +48,8 @@ cannot be read or is not YAML/JSON (the file and line are printed).`,
 	}
 }
 
-func runValidate(stdin io.Reader, out, errOut io.Writer, args []string) error {
+func runValidate(stdin io.Reader, stdout, errOut io.Writer, args []string) error {
+	out := bufio.NewWriter(stdout)
 	files, err := expandArgs(args)
 	code := 0
 	if err != nil {
@@ -62,9 +64,15 @@ func runValidate(stdin io.Reader, out, errOut io.Writer, args []string) error {
 			}
 		}
 		if err != nil {
+			if flushErr := out.Flush(); flushErr != nil { // keep stdout and stderr in order
+				return flushErr
+			}
 			fmt.Fprintf(errOut, "error: %v\n", err)
 			code = exitUnreadable
 		}
+	}
+	if err := out.Flush(); err != nil {
+		return err
 	}
 	if code != 0 {
 		return &ExitError{Code: code}

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"errors"
 	"testing"
 )
 
@@ -38,7 +39,7 @@ func TestParseFraction(t *testing.T) {
 	}
 	for _, tt := range tests {
 		got, err := ParseFraction(tt.in)
-		if err != tt.wantErr {
+		if !errors.Is(err, tt.wantErr) {
 			t.Errorf("ParseFraction(%q) error = %v, want %v", tt.in, err, tt.wantErr)
 			continue
 		}

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -284,7 +285,7 @@ func (p *parser) shorthandFraction(c string) (Fraction, bool) {
 		return Fraction{}, false
 	}
 	f, _, err := parseFraction(v)
-	if err == errNotDecimal || err == errEmptyDecimal {
+	if errors.Is(err, errNotDecimal) || errors.Is(err, errEmptyDecimal) {
 		p.fail(c, KeyFraction, v, "must be a decimal number such as 0.5")
 		return Fraction{}, false
 	}
@@ -306,7 +307,7 @@ func (p *parser) shorthandFractionLimit(c string, fraction Fraction, hasFraction
 	}
 	f, written, err := parseFraction(v)
 	switch {
-	case err == errNotDecimal || err == errEmptyDecimal:
+	case errors.Is(err, errNotDecimal) || errors.Is(err, errEmptyDecimal):
 		p.fail(c, KeyFractionLimit, v, "must be a decimal number such as 0.75")
 	case written > maxFractionLimitDecimals:
 		p.fail(c, KeyFractionLimit, v, "must have at most %d decimal places", maxFractionLimitDecimals)

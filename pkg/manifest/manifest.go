@@ -307,12 +307,12 @@ func checkStringValues(m *yaml.Node, path string) error {
 }
 
 func tagName(n *yaml.Node) string {
-	switch {
-	case n.Tag == "!!int", n.Tag == "!!float":
+	switch n.Tag {
+	case "!!int", "!!float":
 		return "number"
-	case n.Tag == "!!bool":
+	case "!!bool":
 		return "boolean"
-	case n.Tag == "!!null":
+	case "!!null":
 		return "null"
 	}
 	return n.Tag

@@ -1,6 +1,7 @@
 package manifest
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -117,7 +118,8 @@ func FuzzDecode(f *testing.F) {
 	f.Fuzz(func(t *testing.T, in string) {
 		objs, err := Decode(strings.NewReader(in), "f")
 		if err != nil {
-			if _, ok := err.(*SyntaxError); !ok {
+			var syntax *SyntaxError
+			if !errors.As(err, &syntax) {
 				t.Fatalf("error %T %v is not a SyntaxError", err, err)
 			}
 		}
