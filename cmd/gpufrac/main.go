@@ -3,15 +3,21 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/gpufrac/gpufrac/internal/cli"
 )
 
 func main() {
-	err := cli.NewRootCommand().Execute()
+	// SIGINT/SIGTERM cancel the context so servers shut down cleanly.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := cli.NewRootCommand().ExecuteContext(ctx)
+	stop()
 	if err == nil {
 		return
 	}

@@ -1,0 +1,45 @@
+package cli
+
+import (
+	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/gpufrac/gpufrac/pkg/admission"
+)
+
+func newWebhookCommand() *cobra.Command {
+	opts := admission.ServerOptions{Identity: admission.Identity{}}
+	cmd := &cobra.Command{
+		Use:   "webhook",
+		Short: "Serve the admission webhooks: validate fractions, normalise shorthands, guard scheduler-owned keys",
+		Long: `webhook serves two admission webhooks over TLS (deploy/webhook registers them):
+
+  ` + admission.ValidatePath + `  rejects pods and workload templates whose GPU-fraction annotations break
+             a rule (the same rules and messages as 'gpufrac validate'), and denies
+             anyone but the scheduler setting, changing or removing the keys the
+             scheduler owns, or changing a scheduled pod's fraction;
+  ` + admission.MutatePath + `    writes the canonical per-container keys from the pod-level shorthands,
+             labels fractional pods ` + admission.SelectionLabel + `=true, and with
+             --scheduler-name sends them to that scheduler.
+
+The certificate and key (tls.crt, tls.key in --cert-dir) are reloaded when
+they change.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			logger := klog.FromContext(ctx)
+			ctrllog.SetLogger(logger)
+			return admission.NewServer(opts).Start(klog.NewContext(ctx, logger))
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&opts.Host, "host", "", "address to serve the webhooks on (default: all)")
+	f.IntVar(&opts.Port, "port", 9443, "TLS port of the webhooks")
+	f.StringVar(&opts.CertDir, "cert-dir", "/etc/gpufrac/webhook-certs", "directory holding tls.crt and tls.key (reloaded on change)")
+	f.StringVar(&opts.HealthAddr, "health-addr", ":8081", "address of /healthz and /readyz (plain HTTP); empty disables")
+	f.StringSliceVar(&opts.Identity.Users, "scheduler-user", []string{admission.DefaultSchedulerUser},
+		"user names allowed to write scheduler-owned keys (service accounts as system:serviceaccount:NS:NAME); repeatable")
+	f.StringVar(&opts.SchedulerName, "scheduler-name", "", "schedulerName to give fractional pods that use the default scheduler (empty: leave it)")
+	return cmd
+}

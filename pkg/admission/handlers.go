@@ -1,0 +1,102 @@
+package admission
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+
+	"gomodules.xyz/jsonpatch/v2"
+	admissionv1 "k8s.io/api/admission/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
+)
+
+// Paths the webhook server serves; deploy/webhook names them.
+const (
+	ValidatePath = "/validate"
+	MutatePath   = "/mutate"
+)
+
+// Validator is the validating webhook: pods (create and update) and the
+// pod templates of workloads.
+type Validator struct {
+	Identity Identity
+}
+
+var _ admission.Handler = (*Validator)(nil)
+
+// Handle reviews one admission request.
+func (v *Validator) Handle(ctx context.Context, req admission.Request) admission.Response {
+	logger := klog.FromContext(ctx).WithValues("kind", req.Kind.Kind, "namespace", req.Namespace, "name", req.Name,
+		"operation", req.Operation, "user", req.UserInfo.Username)
+	op := Operation(req.Operation)
+	if op != Create && op != Update {
+		return admission.Allowed("")
+	}
+	var err error
+	if req.Kind.Group == "" && req.Kind.Kind == "Pod" {
+		var pod, old *corev1.Pod
+		if pod, err = decodePod(req.Object.Raw); err != nil {
+			return admission.Errored(http.StatusBadRequest, err)
+		}
+		if op == Update {
+			if old, err = decodePod(req.OldObject.Raw); err != nil {
+				return admission.Errored(http.StatusBadRequest, err)
+			}
+		}
+		err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
+	} else {
+		err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
+	}
+	if err != nil {
+		logger.V(2).Info("Denied", "reason", err.Error())
+		return admission.Denied(err.Error())
+	}
+	return admission.Allowed("")
+}
+
+// Mutator is the mutating webhook for pod creation: it writes the
+// canonical keys and the selection label, and optionally sends fractional
+// pods to gpufrac's scheduler.
+type Mutator struct {
+	// SchedulerName, when set, becomes the schedulerName of fractional pods
+	// that did not choose a scheduler.
+	SchedulerName string
+}
+
+var _ admission.Handler = (*Mutator)(nil)
+
+// Handle mutates one pod creation.
+func (m *Mutator) Handle(_ context.Context, req admission.Request) admission.Response {
+	if req.Operation != admissionv1.Create || req.Kind.Group != "" || req.Kind.Kind != "Pod" {
+		return admission.Allowed("")
+	}
+	pod, err := decodePod(req.Object.Raw)
+	if err != nil {
+		return admission.Errored(http.StatusBadRequest, err)
+	}
+	annotations, labels, ok := Normalise(pod)
+	if !ok {
+		return admission.Allowed("") // not fractional, or invalid: the validator says why
+	}
+	// Patch only what changes: re-encoding the whole pod could rewrite
+	// fields this webhook knows nothing about.
+	patches := []jsonpatch.JsonPatchOperation{
+		{Operation: "add", Path: "/metadata/annotations", Value: annotations},
+		{Operation: "add", Path: "/metadata/labels", Value: labels},
+	}
+	if m.SchedulerName != "" && (pod.Spec.SchedulerName == "" || pod.Spec.SchedulerName == corev1.DefaultSchedulerName) {
+		patches = append(patches, jsonpatch.JsonPatchOperation{Operation: "add", Path: "/spec/schedulerName", Value: m.SchedulerName})
+	}
+	return admission.Patched("normalised GPU-fraction annotations", patches...)
+}
+
+func decodePod(raw []byte) (*corev1.Pod, error) {
+	var pod corev1.Pod
+	if err := json.Unmarshal(raw, &pod); err != nil {
+		return nil, fmt.Errorf("cannot read the pod: %w", err)
+	}
+	return &pod, nil
+}

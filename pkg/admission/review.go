@@ -1,0 +1,188 @@
+// Package admission holds gpufrac's admission decisions: validating pods and
+// workload templates with the same rules as `gpufrac validate`, rewriting
+// pod-level shorthands into the canonical keys, and guarding the keys only
+// the scheduler may write. The decisions are pure functions of the request;
+// the webhook handlers are thin adapters over them.
+package admission
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/manifest"
+)
+
+// DefaultSchedulerUser is the identity of gpufrac's scheduler as deployed
+// by deploy/: its service account.
+const DefaultSchedulerUser = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
+
+// SelectionLabel marks pods that ask for a GPU fraction, so that
+// schedulers, node agents and people can select them (kubectl get pods -l).
+const SelectionLabel = "gpufrac.io/fractional"
+
+// Identity says which requesters are the scheduler: only they may write
+// the scheduler-owned keys and change a scheduled pod's fraction.
+type Identity struct {
+	// Users are user names as the API server authenticates them; a service
+	// account is system:serviceaccount:<namespace>:<name>.
+	Users []string
+}
+
+// IsScheduler reports whether user is one of the scheduler's identities.
+func (i Identity) IsScheduler(user string) bool {
+	return slices.Contains(i.Users, user)
+}
+
+// Operation is the admission operation being reviewed.
+type Operation string
+
+// The operations gpufrac reviews.
+const (
+	Create Operation = "CREATE"
+	Update Operation = "UPDATE"
+)
+
+// ReviewPod decides whether user may perform op on a pod. old is nil on
+// CREATE. The returned error, when not nil, is the one-line reason for the
+// denial.
+func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) error {
+	scheduler := i.IsScheduler(user)
+	if op == Update && old != nil {
+		if err := i.guardUpdate(user, scheduler, old, pod); err != nil {
+			return err
+		}
+		if scheduler || !fractionKeysChanged(old.Annotations, pod.Annotations) {
+			// Nothing a user asked for changed: a bound pod's resolved
+			// annotations need not (and cannot) parse as user intent.
+			return nil
+		}
+	}
+	annotations := pod.Annotations
+	if scheduler {
+		annotations = withoutSchedulerKeys(annotations)
+	}
+	_, err := api.ParseTemplate(annotations, &pod.Spec)
+	return err
+}
+
+// guardUpdate denies a user other than the scheduler any change to the
+// scheduler-owned keys, and any change to the fraction of a pod that is
+// already scheduled.
+func (i Identity) guardUpdate(user string, scheduler bool, old, pod *corev1.Pod) error {
+	if scheduler {
+		return nil
+	}
+	var errs api.ErrorList
+	for _, key := range changedKeys(old.Annotations, pod.Annotations) {
+		if !api.IsSchedulerOwned(key) {
+			continue
+		}
+		c, _, _ := api.SplitContainerKey(key)
+		errs = append(errs, &api.FieldError{Container: c, Key: key, Value: describeChange(old.Annotations, pod.Annotations, key),
+			Rule: fmt.Sprintf("can be set, changed or removed only by the scheduler (%s), not by %s", strings.Join(i.Users, ", "), user)})
+	}
+	if len(errs) > 0 {
+		return errs
+	}
+	if node := scheduledTo(old); node != "" && fractionKeysChanged(old.Annotations, pod.Annotations) {
+		key := changedFractionKeys(old.Annotations, pod.Annotations)[0]
+		return api.ErrorList{{Key: key, Value: describeChange(old.Annotations, pod.Annotations, key),
+			Rule: fmt.Sprintf("cannot change: the pod is already scheduled to %s, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction", node)}}
+	}
+	return nil
+}
+
+// scheduledTo names where the pod is placed: its node, or "a GPU" when the
+// scheduler has assigned devices but not yet bound it.
+func scheduledTo(pod *corev1.Pod) string {
+	if pod.Spec.NodeName != "" {
+		return "node " + pod.Spec.NodeName
+	}
+	for k := range pod.Annotations {
+		if api.IsSchedulerOwned(k) {
+			return "a GPU"
+		}
+	}
+	return ""
+}
+
+// describeChange renders a key's change as its new value, or says it was
+// removed, for the error message.
+func describeChange(old, cur map[string]string, key string) string {
+	if v, ok := cur[key]; ok {
+		return v
+	}
+	return "(removed; was " + old[key] + ")"
+}
+
+// changedKeys lists, sorted, the keys added, removed or changed between two
+// annotation maps.
+func changedKeys(old, cur map[string]string) []string {
+	var keys []string
+	for k, v := range cur {
+		if ov, ok := old[k]; !ok || ov != v {
+			keys = append(keys, k)
+		}
+	}
+	for k := range old {
+		if _, ok := cur[k]; !ok {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+func changedFractionKeys(old, cur map[string]string) []string {
+	return slices.DeleteFunc(changedKeys(old, cur), func(k string) bool { return !api.IsFractionKey(k) })
+}
+
+func fractionKeysChanged(old, cur map[string]string) bool {
+	return len(changedFractionKeys(old, cur)) > 0
+}
+
+func withoutSchedulerKeys(annotations map[string]string) map[string]string {
+	out := maps.Clone(annotations)
+	maps.DeleteFunc(out, func(k, _ string) bool { return api.IsSchedulerOwned(k) })
+	return out
+}
+
+// ReviewWorkload validates the pod template of a workload (Deployment,
+// StatefulSet, DaemonSet, ReplicaSet, Job, CronJob) from its JSON, exactly
+// as `gpufrac validate` does.
+func ReviewWorkload(kind string, raw []byte) error {
+	_, err := manifest.Validate(manifest.FromJSON(kind, raw))
+	return err
+}
+
+// Normalise returns the annotations and labels a valid fractional pod
+// should carry after admission: the canonical per-container keys written
+// from the shorthands (which stay), and the selection label. A fraction of
+// a GPU is not written as memory: only the scheduler can resolve it, on the
+// GPU it picks. ok is false when the pod asks for no fraction or is invalid
+// (the validating webhook explains why).
+func Normalise(pod *corev1.Pod) (annotations, labels map[string]string, ok bool) {
+	reqs, err := api.Parse(pod)
+	if err != nil || len(reqs) == 0 {
+		return nil, nil, false
+	}
+	annotations = maps.Clone(pod.Annotations)
+	for _, r := range reqs {
+		annotations[api.ContainerKey(r.Container, api.SuffixComputeMode)] = string(r.Mode)
+		if !r.Memory.IsFraction() {
+			annotations[api.ContainerKey(r.Container, api.SuffixMemoryRequest)] = r.Memory.String()
+			annotations[api.ContainerKey(r.Container, api.SuffixMemoryLimit)] = r.Limit.String()
+		}
+	}
+	labels = maps.Clone(pod.Labels)
+	if labels == nil {
+		labels = map[string]string{}
+	}
+	labels[SelectionLabel] = "true"
+	return annotations, labels, true
+}

@@ -1,0 +1,148 @@
+package admission
+
+import (
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+const scheduler = DefaultSchedulerUser
+
+var identity = Identity{Users: []string{scheduler}}
+
+func pod(annotations map[string]string, node string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "ns", Annotations: annotations},
+		Spec:       corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
+	}
+}
+
+type ann = map[string]string
+
+func TestReviewPod(t *testing.T) {
+	devices := "nvidia.com/container.main.gpus.devices"
+	portion := "nvidia.com/container.main.gpu-compute.portion"
+	resolvedReq := "nvidia.com/container.main.gpu-memory.request"
+	scheduled := ann{"gpu-fraction": "0.5", devices: "GPU-1", resolvedReq: "40448Mi"}
+	tests := []struct {
+		name    string
+		op      Operation
+		user    string
+		old     *corev1.Pod
+		pod     *corev1.Pod
+		wantErr string // "" means allowed
+	}{
+		{"valid create", Create, "alice", nil, pod(ann{"gpu-fraction": "0.5"}, ""), ""},
+		{"invalid create names the rule", Create, "alice", nil, pod(ann{"gpu-fraction": "1"}, ""),
+			`container "main": gpu-fraction "1" must be greater than 0 and less than 1`},
+		{"forged devices on create", Create, "alice", nil, pod(ann{"gpu-fraction": "0.5", devices: "GPU-1"}, ""),
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-1" is written by the scheduler and cannot be set in a manifest: remove it`},
+		{"scheduler may create with its keys", Create, scheduler, nil, pod(ann{"gpu-fraction": "0.5", devices: "GPU-1"}, ""), ""},
+		{"scheduler's create is still validated", Create, scheduler, nil, pod(ann{"gpu-fraction": "2", devices: "GPU-1"}, ""),
+			`container "main": gpu-fraction "2" must be greater than 0 and less than 1`},
+		{"user adds devices", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.5", devices: "GPU-1"}, ""),
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-1" can be set, changed or removed only by the scheduler (` + scheduler + `), not by alice`},
+		{"user edits devices", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, devices, "GPU-2"), "n1"),
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-2" can be set, changed or removed only by the scheduler (` + scheduler + `), not by alice`},
+		{"user removes devices", Update, "alice", pod(scheduled, "n1"), pod(without(scheduled, devices), "n1"),
+			`container "main": nvidia.com/container.main.gpus.devices "(removed; was GPU-1)" can be set, changed or removed only by the scheduler (` + scheduler + `), not by alice`},
+		{"user sets portion", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.5", portion: "1"}, ""),
+			`container "main": nvidia.com/container.main.gpu-compute.portion "1" can be set, changed or removed only by the scheduler (` + scheduler + `), not by alice`},
+		{"scheduler writes its keys and the resolved request", Update, scheduler, pod(ann{"gpu-fraction": "0.5"}, ""), pod(scheduled, ""), ""},
+		{"scheduler may rewrite a bound pod", Update, scheduler, pod(scheduled, "n1"), pod(with(scheduled, devices, "GPU-2"), "n1"), ""},
+		{"user changes the fraction of a bound pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, "n1"), pod(ann{"gpu-fraction": "0.75"}, "n1"),
+			`gpu-fraction "0.75" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`},
+		{"user changes the resolved request before binding", Update, "alice", pod(scheduled, ""), pod(with(scheduled, resolvedReq, "80000Mi"), ""),
+			`nvidia.com/container.main.gpu-memory.request "80000Mi" cannot change: the pod is already scheduled to a GPU, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`},
+		{"user adds a fraction key to a bound pod", Update, "alice", pod(nil, "n1"), pod(ann{"gpu-memory": "1024"}, "n1"),
+			`gpu-memory "1024" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`},
+		{"user edits other annotations of a bound pod", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, "team", "ml"), "n1"), ""},
+		{"user fixes the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.25"}, ""), ""},
+		{"user breaks the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "50"}, ""),
+			`container "main": gpu-fraction "50" must be greater than 0 and less than 1`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := identity.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
+			got := ""
+			if err != nil {
+				got = err.Error()
+			}
+			if got != tt.wantErr {
+				t.Errorf("ReviewPod error:\n got  %q\n want %q", got, tt.wantErr)
+			}
+		})
+	}
+}
+
+func with(m ann, k, v string) ann {
+	out := ann{k: v}
+	for key, val := range m {
+		if key != k {
+			out[key] = val
+		}
+	}
+	return out
+}
+
+func without(m ann, k string) ann {
+	out := ann{}
+	for key, val := range m {
+		if key != k {
+			out[key] = val
+		}
+	}
+	return out
+}
+
+func TestNormalise(t *testing.T) {
+	tests := []struct {
+		name   string
+		in     ann
+		want   ann
+		wantOK bool
+	}{
+		{"memory shorthand becomes canonical; shorthands stay", ann{"gpu-memory": "4096", "gpu-memory.limit": "8Gi", "x": "y"},
+			ann{"gpu-memory": "4096", "gpu-memory.limit": "8Gi", "x": "y",
+				"nvidia.com/container.main.gpu-memory.request": "4096Mi",
+				"nvidia.com/container.main.gpu-memory.limit":   "8192Mi",
+				"nvidia.com/container.main.gpu-compute.mode":   "time-slicing"}, true},
+		{"a fraction is not resolved here", ann{"gpu-fraction": "0.5", "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing"},
+			ann{"gpu-fraction": "0.5", "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing",
+				"nvidia.com/container.main.gpu-compute.mode": "sm-sharing"}, true},
+		{"canonical quantities are normalised to Mi", ann{"nvidia.com/container.main.gpu-memory.request": "2Gi"},
+			ann{"nvidia.com/container.main.gpu-memory.request": "2048Mi",
+				"nvidia.com/container.main.gpu-memory.limit": "2048Mi",
+				"nvidia.com/container.main.gpu-compute.mode": "time-slicing"}, true},
+		{"no fraction", ann{"x": "y"}, nil, false},
+		{"invalid is left to the validator", ann{"gpu-fraction": "1"}, nil, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := pod(tt.in, "")
+			got, labels, ok := Normalise(p)
+			if ok != tt.wantOK {
+				t.Fatalf("ok = %v, want %v", ok, tt.wantOK)
+			}
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("annotations (-want +got):\n%s", diff)
+			}
+			if ok && labels[SelectionLabel] != "true" {
+				t.Errorf("labels %v lack %s=true", labels, SelectionLabel)
+			}
+			// Idempotent: the normalised pod is valid and normalises to itself.
+			if ok {
+				p.Annotations = got
+				again, _, ok2 := Normalise(p)
+				if !ok2 || !cmp.Equal(got, again) {
+					t.Errorf("not idempotent: %v then %v (ok=%v)", got, again, ok2)
+				}
+				if err := identity.ReviewPod(Create, "alice", nil, p); err != nil {
+					t.Errorf("normalised pod does not validate: %v", err)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,81 @@
+package admission
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	"sigs.k8s.io/controller-runtime/pkg/webhook"
+)
+
+// ServerOptions configure the admission webhook server.
+type ServerOptions struct {
+	// Host and Port are where the TLS webhook endpoint listens.
+	Host string
+	Port int
+	// CertDir holds tls.crt and tls.key; the server reloads them when they
+	// change, so a rotated certificate needs no restart.
+	CertDir string
+	// HealthAddr serves /healthz and /readyz over plain HTTP; "" disables it.
+	HealthAddr string
+	// Identity is who counts as the scheduler.
+	Identity Identity
+	// SchedulerName, when set, is given to fractional pods that chose no scheduler.
+	SchedulerName string
+}
+
+// Server serves the validating and mutating webhooks and the health probes.
+type Server struct {
+	opts    ServerOptions
+	webhook webhook.Server
+}
+
+// NewServer builds the server; Start runs it.
+func NewServer(opts ServerOptions) *Server {
+	ws := webhook.NewServer(webhook.Options{Host: opts.Host, Port: opts.Port, CertDir: opts.CertDir})
+	ws.Register(ValidatePath, &webhook.Admission{Handler: &Validator{Identity: opts.Identity}})
+	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName}})
+	return &Server{opts: opts, webhook: ws}
+}
+
+// Start serves until ctx is cancelled, then shuts down gracefully.
+func (s *Server) Start(ctx context.Context) error {
+	logger := klog.FromContext(ctx)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errs := make(chan error, 2)
+	go func() { errs <- s.webhook.Start(ctx) }()
+	if s.opts.HealthAddr != "" {
+		go func() { errs <- s.serveHealth(ctx) }()
+	}
+	logger.Info("Serving admission webhooks", "address", net.JoinHostPort(s.opts.Host, fmt.Sprint(s.opts.Port)),
+		"certDir", s.opts.CertDir, "health", s.opts.HealthAddr, "schedulerUsers", s.opts.Identity.Users)
+	err := <-errs
+	cancel()
+	return err
+}
+
+// StartedChecker reports ready once the TLS endpoint accepts connections.
+func (s *Server) StartedChecker() healthz.Checker { return s.webhook.StartedChecker() }
+
+func (s *Server) serveHealth(ctx context.Context) error {
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", http.StripPrefix("/healthz", &healthz.Handler{Checks: map[string]healthz.Checker{"ping": healthz.Ping}}))
+	mux.Handle("/readyz", http.StripPrefix("/readyz", &healthz.Handler{Checks: map[string]healthz.Checker{"webhook": s.StartedChecker()}}))
+	srv := &http.Server{Addr: s.opts.HealthAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		<-ctx.Done()
+		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(shutdown)
+	}()
+	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("health endpoint %s: %w", s.opts.HealthAddr, err)
+	}
+	return nil
+}

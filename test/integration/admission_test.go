@@ -1,0 +1,373 @@
+// Package integration runs gpufrac against the real kube-apiserver and etcd.
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/admission"
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+const (
+	schedulerUser = admission.DefaultSchedulerUser
+	schedulerName = "gpufrac"
+)
+
+// webhookEnv is one API server with gpufrac's webhook configurations from
+// deploy/webhook installed and our webhook server answering them over TLS.
+type webhookEnv struct {
+	admin, alice, scheduler *kubernetes.Clientset
+	stopWebhook             context.CancelFunc
+	webhookDone             chan error
+}
+
+var shared *webhookEnv
+
+func TestMain(m *testing.M) {
+	ctrllog.SetLogger(klog.NewKlogr())
+	code, err := runWithEnv(m)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "integration environment:", err)
+		os.Exit(1)
+	}
+	os.Exit(code)
+}
+
+func runWithEnv(m *testing.M) (int, error) {
+	env, err := testenv.New()
+	if err != nil {
+		return 0, err
+	}
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		return 0, err
+	}
+	env.WebhookInstallOptions.Paths = []string{filepath.Join(root, "deploy", "webhook")}
+	if _, err := env.Start(); err != nil {
+		return 0, fmt.Errorf("start kube-apiserver: %w", err)
+	}
+	defer func() { _ = env.Stop() }()
+
+	w := &webhookEnv{webhookDone: make(chan error, 1)}
+	if w.admin, err = testenv.User(env, "admin", "system:masters"); err != nil {
+		return 0, err
+	}
+	if w.alice, err = testenv.User(env, "alice", "system:masters"); err != nil {
+		return 0, err
+	}
+	if w.scheduler, err = testenv.User(env, schedulerUser, "system:serviceaccounts", "system:masters"); err != nil {
+		return 0, err
+	}
+	o := env.WebhookInstallOptions
+	srv := admission.NewServer(admission.ServerOptions{
+		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
+		Identity: admission.Identity{Users: []string{schedulerUser}}, SchedulerName: schedulerName,
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	w.stopWebhook = cancel
+	go func() { w.webhookDone <- srv.Start(ctx) }()
+	defer cancel()
+	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return srv.StartedChecker()(nil) == nil, nil
+	}); err != nil {
+		return 0, fmt.Errorf("webhook server did not start: %w", err)
+	}
+	shared = w
+	return m.Run(), nil
+}
+
+var podSeq int
+
+func fracPod(annotations map[string]string, containers ...string) *corev1.Pod {
+	if len(containers) == 0 {
+		containers = []string{"main"}
+	}
+	podSeq++
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("pod-%d", podSeq), Namespace: "default", Annotations: annotations}}
+	for _, c := range containers {
+		p.Spec.Containers = append(p.Spec.Containers, corev1.Container{Name: c, Image: "cuda"})
+	}
+	return p
+}
+
+func deniedWith(t *testing.T, err error, webhook, msg string) {
+	t.Helper()
+	if err == nil {
+		t.Fatalf("admitted; want denial %q", msg)
+	}
+	want := fmt.Sprintf("admission webhook %q denied the request: %s", webhook, msg)
+	if !strings.Contains(err.Error(), want) {
+		t.Fatalf("error:\n got  %s\n want %s", err, want)
+	}
+}
+
+// Each rule of SPEC §1, through the API server exactly as kubectl sends it.
+func TestPodRulesRejectedAtCreate(t *testing.T) {
+	ctx := context.Background()
+	gpu := func(p *corev1.Pod) *corev1.Pod {
+		p.Spec.Containers[0].Resources.Limits = corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}
+		return p
+	}
+	tests := []struct {
+		name string
+		pod  *corev1.Pod
+		msg  string
+	}{
+		{"fraction out of range", fracPod(map[string]string{"gpu-fraction": "1"}),
+			`container "main": gpu-fraction "1" must be greater than 0 and less than 1`},
+		{"fraction as a quantity", fracPod(map[string]string{"gpu-fraction": "500m"}),
+			`container "main": gpu-fraction "500m" must be a decimal number such as 0.5`},
+		{"fraction NaN", fracPod(map[string]string{"gpu-fraction": "NaN"}),
+			`container "main": gpu-fraction "NaN" must be a decimal number such as 0.5`},
+		{"fraction limit with six decimals", fracPod(map[string]string{"gpu-fraction": "0.5", "gpu-fraction.limit": "0.500001"}),
+			`container "main": gpu-fraction.limit "0.500001" must have at most 5 decimal places`},
+		{"fraction limit not above request", fracPod(map[string]string{"gpu-fraction": "0.5", "gpu-fraction.limit": "0.5"}),
+			`container "main": gpu-fraction.limit "0.5" must be greater than gpu-fraction (0.5) and less than 1`},
+		{"fraction limit without fraction", fracPod(map[string]string{"gpu-memory": "1024", "gpu-fraction.limit": "0.5"}),
+			`container "main": gpu-fraction.limit "0.5" needs gpu-fraction: the limit is a share of the same GPU as the request`},
+		{"memory with a unit", fracPod(map[string]string{"gpu-memory": "4Gi"}),
+			`container "main": gpu-memory "4Gi" must be a positive whole number of MiB without a unit, such as 4096`},
+		{"memory limit without a unit", fracPod(map[string]string{"gpu-memory": "4096", "gpu-memory.limit": "8192"}),
+			`container "main": gpu-memory.limit "8192" must be a quantity with a unit, such as 8Gi (unlike gpu-memory, it is not a number of MiB)`},
+		{"memory limit below request", fracPod(map[string]string{"gpu-memory": "4096", "gpu-memory.limit": "1Gi"}),
+			`container "main": gpu-memory.limit "1Gi" must be at least gpu-memory (4096Mi)`},
+		{"fraction and memory", fracPod(map[string]string{"gpu-fraction": "0.5", "gpu-memory": "1024"}),
+			`container "main": gpu-memory "1024" cannot be combined with gpu-fraction: ask for a share of a GPU or for an amount of memory, not both`},
+		{"num-devices zero", fracPod(map[string]string{"gpu-fraction": "0.5", "gpu-fraction-num-devices": "0"}),
+			`container "main": gpu-fraction-num-devices "0" must be a positive whole number of GPUs, such as 2`},
+		{"num-devices without a request", fracPod(map[string]string{"gpu-fraction-num-devices": "2"}),
+			`container "main": gpu-fraction-num-devices "2" needs a memory request: set gpu-fraction or gpu-memory (or .gpu-memory.request)`},
+		{"target container missing", fracPod(map[string]string{"gpu-fraction": "0.5", "gpu-fraction-container-name": "gpu"}, "main", "side"),
+			`gpu-fraction-container-name "gpu" names a container that is not in the pod (containers: main, side)`},
+		{"mode blank", fracPod(map[string]string{"gpu-fraction": "0.5", "kai.scheduler/gpu-compute-sharing-mode": ""}),
+			`container "main": kai.scheduler/gpu-compute-sharing-mode "" must be time-slicing or sm-sharing`},
+		{"canonical limit below request", fracPod(map[string]string{"nvidia.com/container.main.gpu-memory.request": "2Gi", "nvidia.com/container.main.gpu-memory.limit": "1Gi"}),
+			`container "main": nvidia.com/container.main.gpu-memory.limit "1Gi" must be at least the memory request (2048Mi)`},
+		{"canonical and shorthand disagree", fracPod(map[string]string{"gpu-memory": "1024", "nvidia.com/container.main.gpu-memory.request": "2Gi"}),
+			`container "main": nvidia.com/container.main.gpu-memory.request "2Gi" disagrees with gpu-memory "1024" (2048Mi vs 1024Mi): set one, or make them equal`},
+		{"unknown suffix", fracPod(map[string]string{"nvidia.com/container.main.gpu-mem": "1Gi"}),
+			`nvidia.com/container.main.gpu-mem "1Gi" is not a known key: per-container keys end in .gpu-memory.request, .gpu-memory.limit, .gpu-compute.mode`},
+		{"forged devices", fracPod(map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-1"}),
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-1" is written by the scheduler and cannot be set in a manifest: remove it`},
+		{"forged portion", fracPod(map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpu-compute.portion": "1"}),
+			`container "main": nvidia.com/container.main.gpu-compute.portion "1" is written by the scheduler and cannot be set in a manifest: remove it`},
+		{"whole GPU and fraction", gpu(fracPod(map[string]string{"gpu-fraction": "0.5"})),
+			`container "main": resources.limits[nvidia.com/gpu] "1" cannot be combined with GPU-fraction annotations on the same pod: ask for whole GPUs or for a fraction, not both`},
+		{"two fractional containers", fracPod(map[string]string{"nvidia.com/container.a.gpu-memory.request": "1Gi", "nvidia.com/container.b.gpu-memory.request": "1Gi"}, "a", "b"),
+			`GPU-fraction containers "a, b" are more than one: only one container per pod may have fraction annotations (pod-level keys apply to "a" unless gpu-fraction-container-name names another)`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := shared.alice.CoreV1().Pods("default").Create(ctx, tt.pod, metav1.CreateOptions{})
+			deniedWith(t, err, "pods.validate.gpufrac.io", tt.msg)
+		})
+	}
+}
+
+func TestValidPodAdmittedAndNormalised(t *testing.T) {
+	ctx := context.Background()
+	created, err := shared.alice.CoreV1().Pods("default").Create(ctx,
+		fracPod(map[string]string{"gpu-memory": "4096", "gpu-memory.limit": "6Gi", "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing"}),
+		metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("valid pod denied: %v", err)
+	}
+	want := map[string]string{
+		"gpu-memory":                                   "4096",
+		"gpu-memory.limit":                             "6Gi",
+		"kai.scheduler/gpu-compute-sharing-mode":       "sm-sharing",
+		"nvidia.com/container.main.gpu-memory.request": "4096Mi",
+		"nvidia.com/container.main.gpu-memory.limit":   "6144Mi",
+		"nvidia.com/container.main.gpu-compute.mode":   "sm-sharing",
+	}
+	for k, v := range want {
+		if created.Annotations[k] != v {
+			t.Errorf("annotation %s = %q, want %q (all: %v)", k, created.Annotations[k], v, created.Annotations)
+		}
+	}
+	if created.Labels[admission.SelectionLabel] != "true" {
+		t.Errorf("labels %v lack %s=true", created.Labels, admission.SelectionLabel)
+	}
+	if created.Spec.SchedulerName != schedulerName {
+		t.Errorf("schedulerName = %q, want %q", created.Spec.SchedulerName, schedulerName)
+	}
+
+	plain, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(nil), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("plain pod denied: %v", err)
+	}
+	if plain.Spec.SchedulerName != corev1.DefaultSchedulerName || plain.Labels[admission.SelectionLabel] != "" {
+		t.Errorf("plain pod was mutated: scheduler %q labels %v", plain.Spec.SchedulerName, plain.Labels)
+	}
+}
+
+func TestWorkloadTemplatesRejectedAtCreate(t *testing.T) {
+	ctx := context.Background()
+	template := func(annotations map[string]string) corev1.PodTemplateSpec {
+		return corev1.PodTemplateSpec{
+			ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "x"}, Annotations: annotations},
+			Spec:       corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever, Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
+		}
+	}
+	deployment := func(name string, annotations map[string]string) *appsv1.Deployment {
+		d := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: appsv1.DeploymentSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "x"}}, Template: template(annotations)}}
+		d.Spec.Template.Spec.RestartPolicy = corev1.RestartPolicyAlways
+		return d
+	}
+	deps := shared.alice.AppsV1().Deployments("default")
+	_, err := deps.Create(ctx, deployment("bad", map[string]string{"gpu-fraction": "1.5"}), metav1.CreateOptions{})
+	deniedWith(t, err, "workloads.validate.gpufrac.io", `container "main": gpu-fraction "1.5" must be greater than 0 and less than 1`)
+
+	good, err := deps.Create(ctx, deployment("good", map[string]string{"gpu-fraction": "0.5"}), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("valid deployment denied: %v", err)
+	}
+	good.Spec.Template.Annotations["gpu-fraction"] = "2"
+	_, err = deps.Update(ctx, good, metav1.UpdateOptions{})
+	deniedWith(t, err, "workloads.validate.gpufrac.io", `container "main": gpu-fraction "2" must be greater than 0 and less than 1`)
+
+	misplaced := deployment("misplaced", nil)
+	misplaced.Annotations = map[string]string{"gpu-fraction": "0.5"}
+	_, err = deps.Create(ctx, misplaced, metav1.CreateOptions{})
+	deniedWith(t, err, "workloads.validate.gpufrac.io",
+		`metadata.annotations[gpu-fraction] "0.5" is on the Deployment itself, where nothing reads it: move it to the pod template's metadata.annotations`)
+
+	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "train"}, Spec: batchv1.JobSpec{Template: template(map[string]string{"gpu-memory": "4Gi"})}}
+	job.Spec.Template.Labels = nil
+	_, err = shared.alice.BatchV1().Jobs("default").Create(ctx, job, metav1.CreateOptions{})
+	deniedWith(t, err, "workloads.validate.gpufrac.io",
+		`container "main": gpu-memory "4Gi" must be a positive whole number of MiB without a unit, such as 4096`)
+
+	cron := &batchv1.CronJob{ObjectMeta: metav1.ObjectMeta{Name: "nightly"}, Spec: batchv1.CronJobSpec{Schedule: "0 3 * * *",
+		JobTemplate: batchv1.JobTemplateSpec{Spec: batchv1.JobSpec{Template: template(map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-1"})}}}}
+	cron.Spec.JobTemplate.Spec.Template.Labels = nil
+	_, err = shared.alice.BatchV1().CronJobs("default").Create(ctx, cron, metav1.CreateOptions{})
+	deniedWith(t, err, "cronjobs.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "GPU-1" is written by the scheduler and cannot be set in a manifest: remove it`)
+
+	// A workload with no template metadata at all must not trip the scope
+	// conditions (an error there would fail closed on every such Job).
+	bare := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "bare"}, Spec: batchv1.JobSpec{Template: template(nil)}}
+	bare.Spec.Template.ObjectMeta = metav1.ObjectMeta{}
+	if _, err := shared.alice.BatchV1().Jobs("default").Create(ctx, bare, metav1.CreateOptions{}); err != nil {
+		t.Errorf("plain job denied: %v", err)
+	}
+}
+
+func TestSchedulerOwnedKeysAreGuarded(t *testing.T) {
+	ctx := context.Background()
+	devices := "nvidia.com/container.main.gpus.devices"
+	pods := func(c *kubernetes.Clientset) func(*corev1.Pod) (*corev1.Pod, error) {
+		return func(p *corev1.Pod) (*corev1.Pod, error) {
+			return c.CoreV1().Pods("default").Update(ctx, p, metav1.UpdateOptions{})
+		}
+	}
+	p, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(map[string]string{"gpu-fraction": "0.5"}), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	p.Annotations[devices] = "GPU-aaaa"
+	_, err = pods(shared.alice)(p.DeepCopy())
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "GPU-aaaa" can be set, changed or removed only by the scheduler (`+schedulerUser+`), not by alice`)
+
+	// The scheduler writes its decision, as its PreBind does.
+	p.Annotations["nvidia.com/container.main.gpu-memory.request"] = "40448Mi"
+	p.Annotations["nvidia.com/container.main.gpu-memory.limit"] = "40448Mi"
+	written, err := pods(shared.scheduler)(p.DeepCopy())
+	if err != nil {
+		t.Fatalf("scheduler denied: %v", err)
+	}
+
+	edited := written.DeepCopy()
+	edited.Annotations[devices] = "GPU-bbbb"
+	_, err = pods(shared.alice)(edited)
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "GPU-bbbb" can be set, changed or removed only by the scheduler (`+schedulerUser+`), not by alice`)
+
+	removed := written.DeepCopy()
+	delete(removed.Annotations, devices)
+	_, err = pods(shared.alice)(removed)
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "(removed; was GPU-aaaa)" can be set, changed or removed only by the scheduler (`+schedulerUser+`), not by alice`)
+
+	raised := written.DeepCopy()
+	raised.Annotations["nvidia.com/container.main.gpu-memory.limit"] = "80000Mi"
+	_, err = pods(shared.alice)(raised)
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`nvidia.com/container.main.gpu-memory.limit "80000Mi" cannot change: the pod is already scheduled to a GPU, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
+
+	// A JSON merge patch that deletes the key, as `kubectl annotate key-` does.
+	_, err = shared.alice.CoreV1().Pods("default").Patch(ctx, p.Name, "application/merge-patch+json",
+		[]byte(`{"metadata":{"annotations":{"`+devices+`":null}}}`), metav1.PatchOptions{})
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "(removed; was GPU-aaaa)" can be set, changed or removed only by the scheduler (`+schedulerUser+`), not by alice`)
+
+	// Other annotations stay editable.
+	other := written.DeepCopy()
+	other.Annotations["team"] = "ml"
+	if _, err := pods(shared.alice)(other); err != nil {
+		t.Errorf("unrelated annotation edit denied: %v", err)
+	}
+}
+
+func TestFractionFixedOnceBound(t *testing.T) {
+	ctx := context.Background()
+	p := fracPod(map[string]string{"gpu-fraction": "0.5"})
+	p.Spec.NodeName = "gpu-node-1"
+	bound, err := shared.alice.CoreV1().Pods("default").Create(ctx, p, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bound.Annotations["gpu-fraction"] = "0.75"
+	_, err = shared.alice.CoreV1().Pods("default").Update(ctx, bound, metav1.UpdateOptions{})
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`gpu-fraction "0.75" cannot change: the pod is already scheduled to node gpu-node-1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
+}
+
+// Runs last (it stops the webhook server): the scope of the configurations
+// keeps ordinary pods flowing through an outage, while fractional pods
+// fail closed.
+func TestZZWebhookOutage(t *testing.T) {
+	ctx := context.Background()
+	shared.stopWebhook()
+	select {
+	case err := <-shared.webhookDone:
+		if err != nil {
+			t.Fatalf("webhook server stopped with error: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("webhook server did not stop")
+	}
+	if _, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(nil), metav1.CreateOptions{}); err != nil {
+		t.Errorf("plain pod blocked by a webhook outage: %v", err)
+	}
+	whole := fracPod(nil)
+	whole.Spec.Containers[0].Resources.Limits = corev1.ResourceList{api.ResourceGPU: resource.MustParse("2")}
+	if _, err := shared.alice.CoreV1().Pods("default").Create(ctx, whole, metav1.CreateOptions{}); err != nil {
+		t.Errorf("whole-GPU pod blocked by a webhook outage: %v", err)
+	}
+	_, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(map[string]string{"gpu-fraction": "0.5"}), metav1.CreateOptions{})
+	if err == nil || !strings.Contains(err.Error(), "failed calling webhook") {
+		t.Errorf("fractional pod admitted without its webhook (want fail closed): %v", err)
+	}
+}
