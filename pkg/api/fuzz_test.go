@@ -30,6 +30,8 @@ func FuzzParse(f *testing.F) {
 		"nvidia.com/container.main.gpu-compute.portion=0.5",
 		"nvidia.com/container.main.gpu-compute.mode=sm-sharing\ngpu-memory=1",
 		"nvidia.com/container.main.gpu-memory=1Gi",
+		"nvidia.com/container.main.gpus.devices=GPU-a,GPU-b\nnvidia.com/container.main.gpu-memory.request=4Gi\nnvidia.com/container.main.gpu-compute.mode=sm-sharing\nnvidia.com/container.main.gpu-compute.portion=0.5",
+		"gpu-fraction=0.5\nnvidia.com/container.main.gpus.devices=GPU-a\nnvidia.com/container.main.gpu-memory.limit=40448Mi",
 	}
 	for _, s := range seeds {
 		f.Add(s, false)
@@ -45,6 +47,7 @@ func FuzzParse(f *testing.F) {
 		if wholeGPU {
 			b.wholeGPUs(0, "1")
 		}
+		checkAssignments(t, b.pod.Annotations, b)
 		reqs, err := Parse(b.pod)
 		again, errAgain := Parse(b.pod)
 		if !reflect.DeepEqual(reqs, again) || (err == nil) != (errAgain == nil) || (err != nil && err.Error() != errAgain.Error()) {
@@ -101,5 +104,34 @@ func checkInvariants(t *testing.T, r Request) {
 	}
 	if res, err := r.Resolve(81920, 1024); err == nil && (res.RequestMiB <= 0 || res.LimitMiB < res.RequestMiB) {
 		t.Fatalf("resolved %+v: want 0 < request ≤ limit", res)
+	}
+}
+
+// checkAssignments holds ParseAssignments, which the node side trusts, to
+// the same standard: no panic, and nothing accepted that it could not
+// enforce.
+func checkAssignments(t *testing.T, annotations map[string]string, b *podBuilder) {
+	t.Helper()
+	as, err := ParseAssignments(annotations, &b.pod.Spec)
+	if err != nil {
+		if as != nil || strings.ContainsAny(err.Error(), "\n\r") {
+			t.Fatalf("assignments %v with error %q", as, err)
+		}
+		return
+	}
+	for _, a := range as {
+		seen := map[string]bool{}
+		for _, d := range a.Devices {
+			if d == "" || seen[d] {
+				t.Fatalf("devices %q: empty or repeated", a.Devices)
+			}
+			seen[d] = true
+		}
+		if len(a.Devices) == 0 || a.RequestMiB <= 0 || a.LimitMiB < a.RequestMiB {
+			t.Fatalf("assignment %+v breaks 0 < request <= limit with devices", a)
+		}
+		if a.Mode == SMSharing && (a.Portion.IsZero() || a.Portion.Cmp(Fraction{num: 1}) > 0 || a.ActiveThreadPercentage() < 1) {
+			t.Fatalf("sm-sharing assignment %+v without a portion in (0,1]", a)
+		}
 	}
 }

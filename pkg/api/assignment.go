@@ -1,0 +1,161 @@
+package api
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+)
+
+// Assignment is the scheduler's decision for one container, as written on
+// the pod once it is scheduled: the GPUs it got and the memory and compute
+// to enforce on each. The node side enforces exactly this and nothing the
+// pod claims elsewhere, whichever scheduler (gpufrac's or KAI's) wrote it.
+type Assignment struct {
+	Container string
+	// Devices are the assigned GPU UUIDs, distinct, in the scheduler's order.
+	Devices []string
+	// RequestMiB is the guaranteed (soft) limit on each device.
+	RequestMiB int64
+	// LimitMiB is the hard limit on each device, ≥ RequestMiB.
+	LimitMiB int64
+	Mode     ComputeMode
+	// Portion is the sm-sharing compute share in (0,1]; zero for time-slicing.
+	Portion Fraction
+}
+
+// ActiveThreadPercentage is the MPS active-thread ceiling for an sm-sharing
+// portion: floor(portion × 100), at least 1 so a tiny share still runs.
+func (a Assignment) ActiveThreadPercentage() int {
+	return max(int(a.Portion.Of(100)), 1)
+}
+
+// ParseAssignments reads the scheduler's decisions from a scheduled pod.
+// It returns nil and no error for a pod with no GPU-fraction annotations.
+// A container that asks for a fraction but lacks a complete, consistent
+// decision is an error: the node must refuse it rather than run it
+// without limits.
+func ParseAssignments(annotations map[string]string, spec *corev1.PodSpec) ([]Assignment, error) {
+	var errs ErrorList
+	fail := func(c, key, value, rule string, args ...any) {
+		errs = append(errs, &FieldError{Container: c, Key: key, Value: value, Rule: fmt.Sprintf(rule, args...)})
+	}
+	perContainer := map[string]map[string]string{}
+	for key, value := range annotations {
+		c, suffix, ok := SplitContainerKey(key)
+		if !ok || c == "" || suffix == "" {
+			continue
+		}
+		if perContainer[c] == nil {
+			perContainer[c] = map[string]string{}
+		}
+		perContainer[c][suffix] = value
+	}
+	if target := shorthandTarget(annotations, spec); target != "" && perContainer[target] == nil {
+		perContainer[target] = map[string]string{}
+	}
+	names := make([]string, 0, len(perContainer))
+	for c := range perContainer {
+		names = append(names, c)
+	}
+	slices.Sort(names)
+
+	var out []Assignment
+	for _, c := range names {
+		values := perContainer[c]
+		devicesKey := ContainerKey(c, SuffixDevices)
+		raw, ok := values[SuffixDevices]
+		if !ok {
+			fail(c, devicesKey, "", "is missing: the container asks for a GPU fraction but no scheduler has assigned it GPUs")
+			continue
+		}
+		devices, bad := splitDevices(raw)
+		if bad != "" {
+			fail(c, devicesKey, raw, "must be a comma-separated list of distinct GPU UUIDs: %s", bad)
+			continue
+		}
+		a := Assignment{Container: c, Devices: devices, Mode: TimeSlicing}
+		p := parser{}
+		reqKey, limitKey := ContainerKey(c, SuffixMemoryRequest), ContainerKey(c, SuffixMemoryLimit)
+		req, hasReq := p.quantityMiB(c, reqKey, values, SuffixMemoryRequest, false)
+		limit, hasLimit := p.quantityMiB(c, limitKey, values, SuffixMemoryLimit, false)
+		errs = append(errs, p.errs...)
+		switch {
+		case len(p.errs) > 0:
+			continue
+		case !hasReq && !hasLimit:
+			fail(c, reqKey, "", "is missing: the scheduler writes the resolved memory request with the devices")
+			continue
+		case !hasReq:
+			req = limit
+		case !hasLimit:
+			limit = req
+		}
+		if limit < req {
+			fail(c, limitKey, values[SuffixMemoryLimit], "must be at least the memory request (%dMi)", req)
+			continue
+		}
+		a.RequestMiB, a.LimitMiB = req, limit
+		if m, present := values[SuffixComputeMode]; present {
+			mode, valid := ParseComputeMode(m)
+			if !valid {
+				fail(c, ContainerKey(c, SuffixComputeMode), m, "must be %s or %s", TimeSlicing, SMSharing)
+				continue
+			}
+			a.Mode = mode
+		}
+		portionKey := ContainerKey(c, SuffixComputePortion)
+		if v, present := values[SuffixComputePortion]; present {
+			f, err := ParseFraction(v)
+			if err != nil || f.IsZero() {
+				fail(c, portionKey, v, "must be a decimal greater than 0 and at most 1")
+				continue
+			}
+			a.Portion = f
+		}
+		if a.Mode == SMSharing && a.Portion.IsZero() {
+			fail(c, portionKey, "", "is missing: sm-sharing needs the compute portion the scheduler assigns")
+			continue
+		}
+		out = append(out, a)
+	}
+	if len(errs) > 0 {
+		return nil, errs
+	}
+	return out, nil
+}
+
+// shorthandTarget is the container the pod-level shorthands apply to, or
+// "" when the pod has none.
+func shorthandTarget(annotations map[string]string, spec *corev1.PodSpec) string {
+	for _, k := range shorthandKeys {
+		if _, ok := annotations[k]; ok {
+			if name, ok := annotations[KeyContainerName]; ok {
+				return name
+			}
+			if len(spec.Containers) > 0 {
+				return spec.Containers[0].Name
+			}
+			return ""
+		}
+	}
+	return ""
+}
+
+// splitDevices parses a device list; bad says what is wrong, if anything.
+func splitDevices(raw string) (devices []string, bad string) {
+	for _, d := range strings.Split(raw, ",") {
+		d = strings.TrimSpace(d)
+		switch {
+		case d == "":
+			return nil, "an entry is empty"
+		case strings.ContainsFunc(d, func(r rune) bool { return r <= ' ' || r > '~' }):
+			return nil, fmt.Sprintf("%q has characters a UUID does not", d)
+		case slices.Contains(devices, d):
+			return nil, fmt.Sprintf("%q is listed twice", d)
+		}
+		devices = append(devices, d)
+	}
+	return devices, ""
+}

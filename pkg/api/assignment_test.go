@@ -1,0 +1,75 @@
+package api
+
+import (
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestParseAssignments(t *testing.T) {
+	dev := "nvidia.com/container.main.gpus.devices"
+	req := "nvidia.com/container.main.gpu-memory.request"
+	limit := "nvidia.com/container.main.gpu-memory.limit"
+	mode := "nvidia.com/container.main.gpu-compute.mode"
+	portion := "nvidia.com/container.main.gpu-compute.portion"
+	half := mustFraction(t, "0.5")
+	tests := []struct {
+		name    string
+		ann     map[string]string
+		want    []Assignment
+		wantErr string
+	}{
+		{"no fraction", map[string]string{"a": "b"}, nil, ""},
+		{"gpufrac scheduler output for a fraction",
+			map[string]string{KeyFraction: "0.5", dev: "GPU-a", req: "40448Mi", limit: "40448Mi", mode: "time-slicing"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 40448, LimitMiB: 40448, Mode: TimeSlicing}}, ""},
+		{"KAI-style canonical keys only, two devices, sm-sharing",
+			map[string]string{dev: "GPU-a, GPU-b", req: "4Gi", limit: "8Gi", mode: "sm-sharing", portion: "0.5"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a", "GPU-b"}, RequestMiB: 4096, LimitMiB: 8192, Mode: SMSharing, Portion: half}}, ""},
+		{"limit alone", map[string]string{dev: "GPU-a", limit: "1Gi"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024, Mode: TimeSlicing}}, ""},
+		{"dotted container", map[string]string{"nvidia.com/container.llm.v2.gpus.devices": "GPU-a", "nvidia.com/container.llm.v2.gpu-memory.request": "1Gi"},
+			[]Assignment{{Container: "llm.v2", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024, Mode: TimeSlicing}}, ""},
+		{"fraction not yet scheduled", map[string]string{KeyFraction: "0.5"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "" is missing: the container asks for a GPU fraction but no scheduler has assigned it GPUs`},
+		{"devices without memory", map[string]string{dev: "GPU-a"}, nil,
+			`container "main": nvidia.com/container.main.gpu-memory.request "" is missing: the scheduler writes the resolved memory request with the devices`},
+		{"duplicate device", map[string]string{dev: "GPU-a,GPU-a", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-a,GPU-a" must be a comma-separated list of distinct GPU UUIDs: "GPU-a" is listed twice`},
+		{"empty device entry", map[string]string{dev: "GPU-a,", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-a," must be a comma-separated list of distinct GPU UUIDs: an entry is empty`},
+		{"limit below request", map[string]string{dev: "GPU-a", req: "2Gi", limit: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpu-memory.limit "1Gi" must be at least the memory request (2048Mi)`},
+		{"sm-sharing without portion", map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing"}, nil,
+			`container "main": nvidia.com/container.main.gpu-compute.portion "" is missing: sm-sharing needs the compute portion the scheduler assigns`},
+		{"portion above 1", map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing", portion: "1.5"}, nil,
+			`container "main": nvidia.com/container.main.gpu-compute.portion "1.5" must be a decimal greater than 0 and at most 1`},
+		{"bad mode", map[string]string{dev: "GPU-a", req: "1Gi", mode: "mps"}, nil,
+			`container "main": nvidia.com/container.main.gpu-compute.mode "mps" must be time-slicing or sm-sharing`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := newPod(tt.ann, "main", "llm.v2").pod
+			got, err := ParseAssignments(p.Annotations, &p.Spec)
+			gotErr := ""
+			if err != nil {
+				gotErr = err.Error()
+			}
+			if gotErr != tt.wantErr {
+				t.Fatalf("error:\n got  %q\n want %q", gotErr, tt.wantErr)
+			}
+			if diff := cmp.Diff(tt.want, got, cmp.AllowUnexported(Fraction{})); diff != "" {
+				t.Errorf("(-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestActiveThreadPercentage(t *testing.T) {
+	for portion, want := range map[string]int{"0.5": 50, "0.255": 25, "1": 100, "0.001": 1, "0.999": 99} {
+		a := Assignment{Portion: mustFraction(t, portion)}
+		if got := a.ActiveThreadPercentage(); got != want {
+			t.Errorf("portion %s: %d, want %d", portion, got, want)
+		}
+	}
+}
