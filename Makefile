@@ -13,6 +13,9 @@ KUBE_LDFLAGS  := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) \
                  -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 \
                  -X k8s.io/component-base/version.gitTreeState=clean
 export KUBEBUILDER_ASSETS := $(KUBE_BIN)
+# go-nvml needs cgo; its header marks calls deprecated that it still wraps.
+export CGO_ENABLED := 1
+export CGO_CFLAGS  := -O2 -g -Wno-deprecated-declarations
 FUZZTIME ?= 5m
 
 .DEFAULT_GOAL := help

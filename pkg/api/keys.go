@@ -40,6 +40,12 @@ const (
 // ResourceGPU is the device plugin's whole-GPU extended resource.
 const ResourceGPU = "nvidia.com/gpu"
 
+// ReservedGPUAnnotation is written by the node agent on a reservation pod:
+// the UUID of the physical GPU the device plugin gave it, read from the
+// kubelet's PodResources API. The scheduler waits for it before it writes
+// .gpus.devices.
+const ReservedGPUAnnotation = "gpufrac.io/reserved-gpu-uuid"
+
 // userSuffixes are the canonical suffixes a manifest may set, in the order
 // error messages list them.
 var userSuffixes = []string{SuffixMemoryRequest, SuffixMemoryLimit, SuffixComputeMode}

@@ -343,31 +343,3 @@ func TestFractionFixedOnceBound(t *testing.T) {
 	deniedWith(t, err, "pods.validate.gpufrac.io",
 		`gpu-fraction "0.75" cannot change: the pod is already scheduled to node gpu-node-1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
 }
-
-// Runs last (it stops the webhook server): the scope of the configurations
-// keeps ordinary pods flowing through an outage, while fractional pods
-// fail closed.
-func TestZZWebhookOutage(t *testing.T) {
-	ctx := context.Background()
-	shared.stopWebhook()
-	select {
-	case err := <-shared.webhookDone:
-		if err != nil {
-			t.Fatalf("webhook server stopped with error: %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("webhook server did not stop")
-	}
-	if _, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(nil), metav1.CreateOptions{}); err != nil {
-		t.Errorf("plain pod blocked by a webhook outage: %v", err)
-	}
-	whole := fracPod(nil)
-	whole.Spec.Containers[0].Resources.Limits = corev1.ResourceList{api.ResourceGPU: resource.MustParse("2")}
-	if _, err := shared.alice.CoreV1().Pods("default").Create(ctx, whole, metav1.CreateOptions{}); err != nil {
-		t.Errorf("whole-GPU pod blocked by a webhook outage: %v", err)
-	}
-	_, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(map[string]string{"gpu-fraction": "0.5"}), metav1.CreateOptions{})
-	if err == nil || !strings.Contains(err.Error(), "failed calling webhook") {
-		t.Errorf("fractional pod admitted without its webhook (want fail closed): %v", err)
-	}
-}

@@ -1,0 +1,188 @@
+// Package injection computes what the node agent's NRI plugin injects into
+// a container at creation: a pure function of the pod's annotations, the
+// container and the node's configuration, so every shape is table-tested
+// without a runtime.
+package injection
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	nriapi "github.com/containerd/nri/pkg/api"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// Environment variables the node sets. Pod-provided values of all of them
+// are replaced, never trusted.
+const (
+	EnvVisibleDevices   = "NVIDIA_VISIBLE_DEVICES"
+	EnvMemoryRequest    = "NVIDIA_GPU_MEMORY_REQUEST" // MiB, read by NVIDIA Container Toolkit's memory-limit hook
+	EnvMemoryLimit      = "NVIDIA_GPU_MEMORY_LIMIT"   // MiB
+	EnvMPSPinnedLimit   = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+	EnvMPSPipeDirectory = "CUDA_MPS_PIPE_DIRECTORY"
+	EnvMPSThreads       = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+	EnvLibraryPath      = "LD_LIBRARY_PATH"
+
+	// Hook environment: what the createRuntime hook applies.
+	EnvHookDevices    = "GPUFRAC_DEVICES"
+	EnvHookRequestMiB = "GPUFRAC_MEMORY_REQUEST_MIB"
+	EnvHookLimitMiB   = "GPUFRAC_MEMORY_LIMIT_MIB"
+	EnvHookContainer  = "GPUFRAC_CONTAINER"
+)
+
+// noDevices is the NVIDIA Container Toolkit value that exposes no GPU.
+const noDevices = "void"
+
+// Paths inside the container.
+const (
+	ContainerMPSPipeDir = "/run/nvidia/mps"
+	ContainerShimDir    = "/usr/local/gpufrac/lib"
+)
+
+// HookCommand is the gpufrac subcommand the runtime runs as the
+// createRuntime hook to apply driver memory limits.
+var HookCommand = []string{"hook", "apply-memory-limits"}
+
+// Config is what the node contributes to every injection.
+type Config struct {
+	// HookPath is the gpufrac binary on the host the runtime runs as the
+	// createRuntime hook; "" adds no hook (enforcement left to another
+	// backend, such as the Container Toolkit's CDI hook).
+	HookPath string
+	// MPSPipeDir is the host directory of the MPS control daemon's pipes,
+	// mounted into sm-sharing containers.
+	MPSPipeDir string
+	// ShimDir is the host directory holding the nvidia-smi view library;
+	// "" mounts nothing.
+	ShimDir string
+}
+
+// Adjust computes the adjustment for container (its name and current
+// environment, KEY=VALUE) of a pod with the given annotations. It returns
+// nil for a pod that asks for no fraction. A pod that asks for one without
+// a complete scheduler decision is an error: the container must not run.
+// Containers of a fractional pod that get no GPU are shown none, so an
+// image's NVIDIA_VISIBLE_DEVICES=all cannot reach the pod's neighbours.
+func Adjust(annotations map[string]string, container string, env []string, cfg Config) (*nriapi.ContainerAdjustment, error) {
+	if !hasFractionKeys(annotations) {
+		return nil, nil
+	}
+	assignments, err := api.ParseAssignments(annotations, &corev1.PodSpec{})
+	if err != nil {
+		return nil, err
+	}
+	if len(assignments) == 0 {
+		return nil, fmt.Errorf("the pod has GPU-fraction annotations but no scheduler decision (%s): refusing to run it without limits",
+			api.ContainerKeyPrefix+"<container>"+api.SuffixDevices)
+	}
+	adj := &nriapi.ContainerAdjustment{}
+	for _, a := range assignments {
+		if a.Container != container {
+			continue
+		}
+		if a.Mode == api.SMSharing && cfg.MPSPipeDir == "" {
+			return nil, fmt.Errorf("container %q: sm-sharing needs MPS, and this node has no MPS pipe directory configured", container)
+		}
+		inject(adj, a, env, cfg)
+		return adj, nil
+	}
+	hideGPUs(adj)
+	return adj, nil
+}
+
+// FailOpen is the adjustment for a container whose GPU fraction cannot be
+// enforced on a node configured to run such containers anyway: it gets no
+// GPU at all, never an unlimited one.
+func FailOpen() *nriapi.ContainerAdjustment {
+	adj := &nriapi.ContainerAdjustment{}
+	hideGPUs(adj)
+	return adj
+}
+
+func hideGPUs(adj *nriapi.ContainerAdjustment) {
+	setEnv(adj, EnvVisibleDevices, noDevices)
+	for _, k := range []string{EnvMemoryRequest, EnvMemoryLimit, EnvMPSPinnedLimit, EnvMPSPipeDirectory, EnvMPSThreads} {
+		adj.RemoveEnv(k)
+	}
+}
+
+func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, env []string, cfg Config) {
+	request, limit := strconv.FormatInt(a.RequestMiB, 10), strconv.FormatInt(a.LimitMiB, 10)
+	setEnv(adj, EnvVisibleDevices, strings.Join(a.Devices, ","))
+	setEnv(adj, EnvMemoryRequest, request)
+	setEnv(adj, EnvMemoryLimit, limit)
+	// The devices appear in the container as ordinals 0..n-1.
+	pinned := make([]string, len(a.Devices))
+	for i := range a.Devices {
+		pinned[i] = fmt.Sprintf("%d=%sM", i, limit)
+	}
+	setEnv(adj, EnvMPSPinnedLimit, strings.Join(pinned, ","))
+
+	if a.Mode == api.SMSharing {
+		setEnv(adj, EnvMPSPipeDirectory, ContainerMPSPipeDir)
+		setEnv(adj, EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
+		adj.AddMount(&nriapi.Mount{Source: cfg.MPSPipeDir, Destination: ContainerMPSPipeDir, Type: "bind",
+			Options: []string{"rbind", "rw"}})
+	} else {
+		adj.RemoveEnv(EnvMPSPipeDirectory)
+		adj.RemoveEnv(EnvMPSThreads)
+	}
+
+	if cfg.ShimDir != "" {
+		adj.AddMount(&nriapi.Mount{Source: cfg.ShimDir, Destination: ContainerShimDir, Type: "bind",
+			Options: []string{"rbind", "ro"}})
+		setEnv(adj, EnvLibraryPath, mergePath(ContainerShimDir, lookup(env, EnvLibraryPath)))
+	}
+
+	if cfg.HookPath != "" {
+		adj.AddHooks(&nriapi.Hooks{CreateRuntime: []*nriapi.Hook{{
+			Path: cfg.HookPath,
+			Args: append([]string{cfg.HookPath}, HookCommand...),
+			Env: []string{
+				EnvHookContainer + "=" + a.Container,
+				EnvHookDevices + "=" + strings.Join(a.Devices, ","),
+				EnvHookRequestMiB + "=" + request,
+				EnvHookLimitMiB + "=" + limit,
+			},
+		}}})
+	}
+}
+
+// setEnv replaces whatever the pod (or another plugin) set for key.
+func setEnv(adj *nriapi.ContainerAdjustment, key, value string) {
+	adj.RemoveEnv(key)
+	adj.AddEnv(key, value)
+}
+
+// mergePath puts dir first in a colon-separated path, keeping the rest and
+// dropping a previous copy of dir.
+func mergePath(dir, path string) string {
+	parts := []string{dir}
+	for _, p := range strings.Split(path, ":") {
+		if p != "" && p != dir {
+			parts = append(parts, p)
+		}
+	}
+	return strings.Join(parts, ":")
+}
+
+func lookup(env []string, key string) string {
+	for _, kv := range env {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == key {
+			return v
+		}
+	}
+	return ""
+}
+
+func hasFractionKeys(annotations map[string]string) bool {
+	for k := range annotations {
+		if api.IsFractionKey(k) {
+			return true
+		}
+	}
+	return false
+}

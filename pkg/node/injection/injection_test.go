@@ -1,0 +1,191 @@
+package injection
+
+import (
+	"strings"
+	"testing"
+
+	nriapi "github.com/containerd/nri/pkg/api"
+	"github.com/google/go-cmp/cmp"
+)
+
+var cfg = Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib"}
+
+// finalEnv applies an adjustment's env edits to env, as the runtime does.
+func finalEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
+	out := map[string]string{}
+	for _, kv := range env {
+		k, v, _ := strings.Cut(kv, "=")
+		out[k] = v
+	}
+	for _, kv := range adj.GetEnv() {
+		if k, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
+			delete(out, k)
+			continue
+		}
+		out[kv.Key] = kv.Value
+	}
+	return out
+}
+
+func TestAdjust(t *testing.T) {
+	hostile := []string{
+		"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=999999", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100",
+		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=80G", "CUDA_MPS_PIPE_DIRECTORY=/tmp/evil", "LD_LIBRARY_PATH=/usr/lib/app:/opt/gpufrac-not",
+		"HOME=/root",
+	}
+	tests := []struct {
+		name      string
+		ann       map[string]string
+		container string
+		env       []string
+		wantEnv   map[string]string // the container's whole environment afterwards
+		wantHook  []string          // hook env, nil for no hook
+		wantMount []string          // destinations
+		wantErr   string
+	}{
+		{
+			name: "single device time-slicing, hostile env replaced",
+			ann: map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-a",
+				"nvidia.com/container.main.gpu-memory.request": "40448Mi", "nvidia.com/container.main.gpu-memory.limit": "40448Mi"},
+			container: "main", env: hostile,
+			wantEnv: map[string]string{
+				"NVIDIA_VISIBLE_DEVICES": "GPU-a", "NVIDIA_GPU_MEMORY_REQUEST": "40448", "NVIDIA_GPU_MEMORY_LIMIT": "40448",
+				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=40448M", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib:/usr/lib/app:/opt/gpufrac-not",
+				"HOME": "/root",
+			},
+			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB=40448", "GPUFRAC_MEMORY_LIMIT_MIB=40448"},
+			wantMount: []string{"/usr/local/gpufrac/lib"},
+		},
+		{
+			name: "multi-device burst limit",
+			ann: map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a,GPU-b",
+				"nvidia.com/container.main.gpu-memory.request": "4Gi", "nvidia.com/container.main.gpu-memory.limit": "8Gi"},
+			container: "main",
+			wantEnv: map[string]string{
+				"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b", "NVIDIA_GPU_MEMORY_REQUEST": "4096", "NVIDIA_GPU_MEMORY_LIMIT": "8192",
+				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M,1=8192M", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib",
+			},
+			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a,GPU-b", "GPUFRAC_MEMORY_REQUEST_MIB=4096", "GPUFRAC_MEMORY_LIMIT_MIB=8192"},
+			wantMount: []string{"/usr/local/gpufrac/lib"},
+		},
+		{
+			name: "sm-sharing on a dotted container name (KAI-written keys)",
+			ann: map[string]string{"nvidia.com/container.llm.v2.gpus.devices": "GPU-c",
+				"nvidia.com/container.llm.v2.gpu-memory.request": "10Gi", "nvidia.com/container.llm.v2.gpu-compute.mode": "sm-sharing",
+				"nvidia.com/container.llm.v2.gpu-compute.portion": "0.255"},
+			container: "llm.v2", env: hostile,
+			wantEnv: map[string]string{
+				"NVIDIA_VISIBLE_DEVICES": "GPU-c", "NVIDIA_GPU_MEMORY_REQUEST": "10240", "NVIDIA_GPU_MEMORY_LIMIT": "10240",
+				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M", "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps",
+				"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib:/usr/lib/app:/opt/gpufrac-not",
+				"HOME": "/root",
+			},
+			wantHook:  []string{"GPUFRAC_CONTAINER=llm.v2", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=10240", "GPUFRAC_MEMORY_LIMIT_MIB=10240"},
+			wantMount: []string{"/run/nvidia/mps", "/usr/local/gpufrac/lib"},
+		},
+		{
+			name: "tiny portion still gets one percent",
+			ann: map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-c", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+				"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.004"},
+			container: "main",
+			wantEnv: map[string]string{
+				"NVIDIA_VISIBLE_DEVICES": "GPU-c", "NVIDIA_GPU_MEMORY_REQUEST": "1024", "NVIDIA_GPU_MEMORY_LIMIT": "1024",
+				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1024M", "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps",
+				"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib",
+			},
+			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=1024", "GPUFRAC_MEMORY_LIMIT_MIB=1024"},
+			wantMount: []string{"/run/nvidia/mps", "/usr/local/gpufrac/lib"},
+		},
+		{
+			name:      "sidecar of a fractional pod sees no GPU",
+			ann:       map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"},
+			container: "sidecar", env: hostile,
+			wantEnv: map[string]string{"NVIDIA_VISIBLE_DEVICES": "void", "LD_LIBRARY_PATH": "/usr/lib/app:/opt/gpufrac-not", "HOME": "/root"},
+		},
+		{
+			name: "fraction never scheduled is refused", ann: map[string]string{"gpu-fraction": "0.5"}, container: "main",
+			wantErr: "the pod has GPU-fraction annotations but no scheduler decision (nvidia.com/container.<container>.gpus.devices): refusing to run it without limits",
+		},
+		{
+			name: "named target without devices is refused", ann: map[string]string{"gpu-fraction": "0.5", "gpu-fraction-container-name": "main"}, container: "main",
+			wantErr: `container "main": nvidia.com/container.main.gpus.devices "" is missing: the container asks for a GPU fraction but no scheduler has assigned it GPUs`,
+		},
+		{
+			name:      "malformed decision is refused",
+			ann:       map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "lots"},
+			container: "main",
+			wantErr:   `container "main": nvidia.com/container.main.gpu-memory.request "lots" must be a Kubernetes quantity such as 4Gi or 7680Mi`,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			adj, err := Adjust(tt.ann, tt.container, tt.env, cfg)
+			if tt.wantErr != "" {
+				if err == nil || err.Error() != tt.wantErr {
+					t.Fatalf("error %v, want %s", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff(tt.wantEnv, finalEnv(tt.env, adj)); diff != "" {
+				t.Errorf("environment (-want +got):\n%s", diff)
+			}
+			var hookEnv []string
+			if hooks := adj.GetHooks().GetCreateRuntime(); len(hooks) > 0 {
+				if len(hooks) != 1 || hooks[0].Path != cfg.HookPath || strings.Join(hooks[0].Args, " ") != cfg.HookPath+" hook apply-memory-limits" {
+					t.Errorf("hooks = %v", hooks)
+				}
+				hookEnv = hooks[0].Env
+			}
+			if diff := cmp.Diff(tt.wantHook, hookEnv); diff != "" {
+				t.Errorf("hook env (-want +got):\n%s", diff)
+			}
+			var mounts []string
+			for _, m := range adj.GetMounts() {
+				mounts = append(mounts, m.Destination)
+			}
+			if diff := cmp.Diff(tt.wantMount, mounts); diff != "" {
+				t.Errorf("mounts (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestAdjustIgnoresOrdinaryPods(t *testing.T) {
+	adj, err := Adjust(map[string]string{"app": "web"}, "main", []string{"NVIDIA_VISIBLE_DEVICES=all"}, cfg)
+	if adj != nil || err != nil {
+		t.Errorf("ordinary pod adjusted: %v, %v", adj, err)
+	}
+}
+
+func TestSMSharingNeedsMPS(t *testing.T) {
+	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-c", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.5"}
+	_, err := Adjust(ann, "main", nil, Config{})
+	if err == nil || !strings.Contains(err.Error(), "no MPS pipe directory") {
+		t.Errorf("error = %v", err)
+	}
+}
+
+func TestFailOpenInjectsNoGPU(t *testing.T) {
+	env := finalEnv([]string{"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=1"}, FailOpen())
+	if diff := cmp.Diff(map[string]string{"NVIDIA_VISIBLE_DEVICES": "void"}, env); diff != "" {
+		t.Errorf("(-want +got):\n%s", diff)
+	}
+}
+
+// BenchmarkAdjust is the work the NRI plugin does in CreateContainer.
+func BenchmarkAdjust(b *testing.B) {
+	ann := map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-a",
+		"nvidia.com/container.main.gpu-memory.request": "40448Mi", "nvidia.com/container.main.gpu-memory.limit": "40448Mi",
+		"nvidia.com/container.main.gpu-compute.mode": "time-slicing", "app": "llm", "team": "ml"}
+	env := []string{"PATH=/usr/bin", "LD_LIBRARY_PATH=/usr/lib", "HOME=/root"}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Adjust(ann, "main", env, cfg); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,193 @@
+// Package inventory reads a node's GPUs through NVML: the real library on
+// a GPU node, or one of go-nvml's mock machines (--simulate-gpus) for local
+// clusters and tests. Both go through the same code; nothing here invents
+// a GPU when the library fails.
+package inventory
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxa100"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxb200"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh200"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+)
+
+// GPU is one physical GPU as the node sees it.
+type GPU struct {
+	Index      int
+	UUID       string
+	PCIBusID   string
+	Product    string
+	MemoryMiB  int64
+	MIGEnabled bool
+}
+
+// Inventory is what a node has.
+type Inventory struct {
+	DriverVersion string
+	// CUDADriverVersion is NVML's integer form: 13040 is CUDA 13.4.
+	CUDADriverVersion int
+	GPUs              []GPU
+}
+
+// Enforcement is the strongest memory enforcement a node can do.
+type Enforcement string
+
+const (
+	// EnforcementDriver means per-cgroup soft and hard limits set in the
+	// driver (CUDA 13.4, driver r615 and later); a tenant cannot bypass them.
+	EnforcementDriver Enforcement = "driver"
+	// EnforcementMPSPinned means only MPS's client-side pinned memory limit,
+	// which a process that avoids MPS can bypass. Weak.
+	EnforcementMPSPinned Enforcement = "mps-pinned"
+	// EnforcementNone means no memory enforcement is possible.
+	EnforcementNone Enforcement = "none"
+)
+
+// Driver-enforced limits need both CUDA 13.4 and an r615 driver.
+const (
+	minLimitsCUDA   = 13040
+	minLimitsDriver = 615
+)
+
+// Capability is the enforcement inv allows.
+func (inv Inventory) Capability() Enforcement {
+	if len(inv.GPUs) == 0 {
+		return EnforcementNone
+	}
+	major, _, _ := strings.Cut(inv.DriverVersion, ".")
+	if m, err := strconv.Atoi(major); err == nil && m >= minLimitsDriver && inv.CUDADriverVersion >= minLimitsCUDA {
+		return EnforcementDriver
+	}
+	return EnforcementMPSPinned
+}
+
+// CUDAVersion renders CUDADriverVersion as "13.4".
+func (inv Inventory) CUDAVersion() string {
+	return fmt.Sprintf("%d.%d", inv.CUDADriverVersion/1000, inv.CUDADriverVersion%1000/10)
+}
+
+// Machines are the simulated machines --simulate-gpus accepts.
+var Machines = []string{"dgxa100", "dgxh100", "dgxh200", "dgxb200"}
+
+// Simulated returns the NVML library of a go-nvml mock machine. PCI bus ids,
+// which the mocks leave empty, are filled in as 0000:<index+0x18>:00.0 so
+// that every GPU is addressable like a real one.
+func Simulated(machine string) (nvml.Interface, error) {
+	var s *server.Server
+	switch machine {
+	case "dgxa100":
+		s = dgxa100.New()
+	case "dgxh100":
+		s = dgxh100.New()
+	case "dgxh200":
+		s = dgxh200.New()
+	case "dgxb200":
+		s = dgxb200.New()
+	default:
+		return nil, fmt.Errorf("--simulate-gpus %q: unknown machine; one of %s", machine, strings.Join(Machines, ", "))
+	}
+	for i, d := range s.Devices {
+		dev, ok := d.(*server.Device)
+		if !ok {
+			continue
+		}
+		busID := fmt.Sprintf("0000:%02x:00.0", 0x18+i)
+		base := dev.GetPciInfoFunc
+		dev.GetPciInfoFunc = func() (nvml.PciInfo, nvml.Return) {
+			p, ret := base()
+			for j := range busID {
+				p.BusId[j] = int8(busID[j])
+			}
+			return p, ret
+		}
+	}
+	return s, nil
+}
+
+// Read initialises lib, reads every GPU and shuts the library down again.
+// Any NVML failure is returned as an error naming the call: the caller
+// reports the node not ready rather than guessing.
+func Read(lib nvml.Interface) (Inventory, error) {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		return Inventory{}, nvmlError("nvmlInit", ret)
+	}
+	defer func() { _ = lib.Shutdown() }() // nothing to do if releasing the library fails
+	var inv Inventory
+	var ret nvml.Return
+	if inv.DriverVersion, ret = lib.SystemGetDriverVersion(); ret != nvml.SUCCESS {
+		return Inventory{}, nvmlError("nvmlSystemGetDriverVersion", ret)
+	}
+	if inv.CUDADriverVersion, ret = lib.SystemGetCudaDriverVersion(); ret != nvml.SUCCESS {
+		return Inventory{}, nvmlError("nvmlSystemGetCudaDriverVersion", ret)
+	}
+	count, ret := lib.DeviceGetCount()
+	if ret != nvml.SUCCESS {
+		return Inventory{}, nvmlError("nvmlDeviceGetCount", ret)
+	}
+	for i := range count {
+		gpu, err := readDevice(lib, i)
+		if err != nil {
+			return Inventory{}, err
+		}
+		inv.GPUs = append(inv.GPUs, gpu)
+	}
+	slices.SortFunc(inv.GPUs, func(a, b GPU) int { return a.Index - b.Index })
+	return inv, nil
+}
+
+func readDevice(lib nvml.Interface, i int) (GPU, error) {
+	dev, ret := lib.DeviceGetHandleByIndex(i)
+	if ret != nvml.SUCCESS {
+		return GPU{}, nvmlError(fmt.Sprintf("nvmlDeviceGetHandleByIndex(%d)", i), ret)
+	}
+	g := GPU{Index: i}
+	if g.UUID, ret = dev.GetUUID(); ret != nvml.SUCCESS {
+		return GPU{}, nvmlError(fmt.Sprintf("GPU %d: nvmlDeviceGetUUID", i), ret)
+	}
+	if g.Product, ret = dev.GetName(); ret != nvml.SUCCESS {
+		return GPU{}, nvmlError(fmt.Sprintf("GPU %d: nvmlDeviceGetName", i), ret)
+	}
+	mem, ret := dev.GetMemoryInfo()
+	if ret != nvml.SUCCESS {
+		return GPU{}, nvmlError(fmt.Sprintf("GPU %d: nvmlDeviceGetMemoryInfo", i), ret)
+	}
+	g.MemoryMiB = int64(mem.Total >> 20)
+	pci, ret := dev.GetPciInfo()
+	if ret != nvml.SUCCESS {
+		return GPU{}, nvmlError(fmt.Sprintf("GPU %d: nvmlDeviceGetPciInfo", i), ret)
+	}
+	g.PCIBusID = cString(pci.BusId[:])
+	// MIG mode is informative; a GPU without MIG support answers
+	// NOT_SUPPORTED, which means "not enabled".
+	if current, _, ret := dev.GetMigMode(); ret == nvml.SUCCESS {
+		g.MIGEnabled = current == nvml.DEVICE_MIG_ENABLE
+	} else if !errors.Is(ret, nvml.ERROR_NOT_SUPPORTED) {
+		return GPU{}, nvmlError(fmt.Sprintf("GPU %d: nvmlDeviceGetMigMode", i), ret)
+	}
+	return g, nil
+}
+
+func cString(b []int8) string {
+	var s strings.Builder
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		s.WriteByte(byte(c))
+	}
+	return s.String()
+}
+
+// nvmlError converts an NVML return code at the boundary into an error
+// naming the call; Return.Error works without the library loaded.
+func nvmlError(call string, ret nvml.Return) error {
+	return fmt.Errorf("%s: %w (NVML return %d)", call, ret, int32(ret))
+}

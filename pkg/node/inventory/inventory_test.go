@@ -1,0 +1,108 @@
+package inventory
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/gpus"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+)
+
+func TestReadSimulatedMachines(t *testing.T) {
+	tests := []struct {
+		machine   string
+		product   string
+		memoryMiB int64
+	}{
+		{"dgxa100", "A100", 40960},
+		{"dgxh100", "H100", 81920},
+		{"dgxh200", "H200", 144384},
+		{"dgxb200", "B200", 184320},
+	}
+	for _, tt := range tests {
+		t.Run(tt.machine, func(t *testing.T) {
+			lib, err := Simulated(tt.machine)
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv, err := Read(lib)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(inv.GPUs) != 8 {
+				t.Fatalf("%d GPUs, want 8", len(inv.GPUs))
+			}
+			seen := map[string]bool{}
+			for i, g := range inv.GPUs {
+				if g.Index != i || g.UUID == "" || seen[g.UUID] || !strings.Contains(g.Product, tt.product) || g.MemoryMiB != tt.memoryMiB || g.PCIBusID == "" {
+					t.Errorf("GPU %d = %+v", i, g)
+				}
+				seen[g.UUID] = true
+			}
+			if inv.DriverVersion == "" || inv.CUDADriverVersion == 0 {
+				t.Errorf("versions missing: %+v", inv)
+			}
+		})
+	}
+	if _, err := Simulated("dgx-9000"); err == nil || !strings.Contains(err.Error(), "unknown machine") {
+		t.Errorf("unknown machine: %v", err)
+	}
+}
+
+func TestCapabilityFollowsDriverAndCUDA(t *testing.T) {
+	one := []GPU{{UUID: "GPU-a"}}
+	tests := []struct {
+		inv  Inventory
+		want Enforcement
+	}{
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: one}, EnforcementDriver},
+		{Inventory{DriverVersion: "620.01", CUDADriverVersion: 13050, GPUs: one}, EnforcementDriver},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13030, GPUs: one}, EnforcementMPSPinned},
+		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 13040, GPUs: one}, EnforcementMPSPinned},
+		{Inventory{DriverVersion: "garbage", CUDADriverVersion: 13040, GPUs: one}, EnforcementMPSPinned},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040}, EnforcementNone},
+	}
+	for _, tt := range tests {
+		if got := tt.inv.Capability(); got != tt.want {
+			t.Errorf("%+v: %s, want %s", tt.inv, got, tt.want)
+		}
+	}
+	if got := (Inventory{CUDADriverVersion: 13040}).CUDAVersion(); got != "13.4" {
+		t.Errorf("CUDAVersion = %s", got)
+	}
+}
+
+func TestReadFailsInsteadOfGuessing(t *testing.T) {
+	missing := &mock.Interface{InitFunc: func() nvml.Return { return nvml.ERROR_LIBRARY_NOT_FOUND }}
+	_, err := Read(missing)
+	if err == nil || !strings.HasPrefix(err.Error(), "nvmlInit: ") {
+		t.Errorf("missing library: %v", err)
+	}
+
+	lib := dgxh100.NewWithGPUs(gpus.Multiple(2, gpus.H100_SXM5_80GB)...)
+	lib.Devices[1].(*server.Device).GetMemoryInfoFunc = func() (nvml.Memory, nvml.Return) { return nvml.Memory{}, nvml.ERROR_GPU_IS_LOST }
+	_, err = Read(lib)
+	if err == nil || !strings.HasPrefix(err.Error(), "GPU 1: nvmlDeviceGetMemoryInfo: ") {
+		t.Errorf("lost GPU: %v", err)
+	}
+}
+
+// The real library: on this machine (no driver) it must fail, never
+// report GPUs. On a GPU node it reads the real devices.
+func TestReadRealLibrary(t *testing.T) {
+	inv, err := Read(nvml.New())
+	if err != nil {
+		t.Logf("real NVML unavailable, as expected without a driver: %v", err)
+		if len(inv.GPUs) != 0 {
+			t.Errorf("GPUs reported despite the error: %+v", inv)
+		}
+		return
+	}
+	if len(inv.GPUs) == 0 {
+		t.Error("NVML initialised but reported no GPUs")
+	}
+	t.Logf("real inventory: %+v (enforcement %s)", inv, inv.Capability())
+}

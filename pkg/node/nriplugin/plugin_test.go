@@ -1,0 +1,241 @@
+package nriplugin
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containerd/nri/pkg/adaptation"
+	nriapi "github.com/containerd/nri/pkg/api"
+	"github.com/google/go-cmp/cmp"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+)
+
+// runtime is the runtime side of NRI as containerd embeds it
+// (pkg/adaptation), serving the real protocol on a unix socket.
+type runtime struct {
+	*adaptation.Adaptation
+	socket string
+}
+
+func startRuntime(t *testing.T, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) *runtime {
+	t.Helper()
+	dir := t.TempDir()
+	for _, d := range []string{"plugins", "conf.d"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sock := filepath.Join(dir, "nri.sock")
+	sync := func(ctx context.Context, cb adaptation.SyncCB) error {
+		_, err := cb(ctx, pods, ctrs)
+		return err
+	}
+	update := func(context.Context, []*nriapi.ContainerUpdate) ([]*nriapi.ContainerUpdate, error) { return nil, nil }
+	a, err := adaptation.New("test-runtime", "1.0", sync, update, adaptation.WithSocketPath(sock),
+		adaptation.WithPluginPath(filepath.Join(dir, "plugins")), adaptation.WithPluginConfigPath(filepath.Join(dir, "conf.d")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+	return &runtime{Adaptation: a, socket: sock}
+}
+
+// recorder is the Reporter and Evictor of the tests.
+type recorder struct {
+	mu                         sync.Mutex
+	refused, failedOpen, evict []string
+}
+
+func (r *recorder) Refused(pod PodRef, c string, err error) {
+	r.add(&r.refused, pod.Name+"/"+c+": "+err.Error())
+}
+func (r *recorder) FailedOpen(pod PodRef, c string, err error) {
+	r.add(&r.failedOpen, pod.Name+"/"+c)
+}
+func (r *recorder) Evicted(PodRef, string, string) {}
+func (r *recorder) Evict(_ context.Context, pod PodRef, reason string) error {
+	r.add(&r.evict, pod.Name+": "+reason)
+	return nil
+}
+func (r *recorder) add(list *[]string, s string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	*list = append(*list, s)
+}
+func (r *recorder) get(list *[]string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), *list...)
+}
+
+func startPlugin(t *testing.T, rt *runtime, opts Options) *Plugin {
+	t.Helper()
+	p := New(opts)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx, rt.socket) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Logf("plugin stopped: %v", err)
+		}
+	})
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return p.Registered(), nil
+	}); err != nil {
+		t.Fatalf("plugin did not register: %v", err)
+	}
+	return p
+}
+
+var cfg = injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
+
+func sandbox(id, name string, annotations map[string]string) *nriapi.PodSandbox {
+	return &nriapi.PodSandbox{Id: id, Name: name, Namespace: "ml", Uid: "uid-" + id, Annotations: annotations}
+}
+
+func container(id, pod, name string, env ...string) *nriapi.Container {
+	return &nriapi.Container{Id: id, PodSandboxId: pod, Name: name, Env: env, State: nriapi.ContainerState_CONTAINER_RUNNING}
+}
+
+func applyEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
+	out := map[string]string{}
+	for _, kv := range env {
+		k, v, _ := strings.Cut(kv, "=")
+		out[k] = v
+	}
+	for _, kv := range adj.GetEnv() {
+		if k, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
+			delete(out, k)
+		} else {
+			out[kv.Key] = kv.Value
+		}
+	}
+	return out
+}
+
+var scheduled = map[string]string{
+	"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-a",
+	"nvidia.com/container.main.gpu-memory.request": "40448Mi", "nvidia.com/container.main.gpu-memory.limit": "60672Mi",
+}
+
+func TestCreateContainerOverNRI(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	ctx := context.Background()
+
+	pod := sandbox("p1", "llm", scheduled)
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	ctr := container("c1", "p1", "main", "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=80000", "PATH=/bin")
+	resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+	if err != nil {
+		t.Fatalf("CreateContainer: %v", err)
+	}
+	want := map[string]string{
+		"NVIDIA_VISIBLE_DEVICES": "GPU-a", "NVIDIA_GPU_MEMORY_REQUEST": "40448", "NVIDIA_GPU_MEMORY_LIMIT": "60672",
+		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=60672M", "PATH": "/bin",
+	}
+	if diff := cmp.Diff(want, applyEnv(ctr.Env, resp.GetAdjust())); diff != "" {
+		t.Errorf("container environment (-want +got):\n%s", diff)
+	}
+	hooks := resp.GetAdjust().GetHooks().GetCreateRuntime()
+	if len(hooks) != 1 || hooks[0].Path != cfg.HookPath {
+		t.Errorf("createRuntime hooks = %v", hooks)
+	}
+
+	// Ordinary pods pass untouched.
+	plain := sandbox("p2", "web", map[string]string{"app": "web"})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: plain}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: plain, Container: container("c2", "p2", "web", "NVIDIA_VISIBLE_DEVICES=all")})
+	if err != nil || len(resp.GetAdjust().GetEnv()) != 0 || len(resp.GetAdjust().GetHooks().GetCreateRuntime()) != 0 || len(resp.GetAdjust().GetMounts()) != 0 {
+		t.Errorf("ordinary container adjusted: %v, %v", resp.GetAdjust(), err)
+	}
+
+	// A fraction without a scheduler decision fails closed: the runtime
+	// gets an error and does not create the container.
+	unscheduled := sandbox("p3", "sneaky", map[string]string{"gpu-fraction": "0.5"})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: unscheduled}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: unscheduled, Container: container("c3", "p3", "main")})
+	if err == nil || !strings.Contains(err.Error(), `gpufrac: pod ml/sneaky container "main": the pod has GPU-fraction annotations but no scheduler decision`) {
+		t.Errorf("unscheduled fraction: error %v", err)
+	}
+	if got := rec.get(&rec.refused); len(got) != 1 || !strings.HasPrefix(got[0], "sneaky/main: ") {
+		t.Errorf("refusals reported: %v", got)
+	}
+}
+
+func TestFailOpenStartsWithoutGPU(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	startPlugin(t, rt, Options{Injection: cfg, FailOpen: true, Reporter: rec, Evictor: rec})
+	ctx := context.Background()
+	pod := sandbox("p1", "sneaky", map[string]string{"gpu-fraction": "0.5"})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	ctr := container("c1", "p1", "main", "NVIDIA_VISIBLE_DEVICES=all")
+	resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+	if err != nil {
+		t.Fatalf("fail-open refused: %v", err)
+	}
+	if env := applyEnv(ctr.Env, resp.GetAdjust()); env["NVIDIA_VISIBLE_DEVICES"] != "void" {
+		t.Errorf("fail-open container sees GPUs: %v", env)
+	}
+	if got := rec.get(&rec.failedOpen); !cmp.Equal(got, []string{"sneaky/main"}) {
+		t.Errorf("fail-open events: %v", got)
+	}
+}
+
+// On (re)connection the runtime replays what runs; containers that were
+// created without the injection are evicted, enforced ones are left alone.
+func TestSynchronizeAuditsRunningContainers(t *testing.T) {
+	enforcedEnv := []string{"NVIDIA_VISIBLE_DEVICES=GPU-a", "NVIDIA_GPU_MEMORY_REQUEST=40448", "NVIDIA_GPU_MEMORY_LIMIT=60672"}
+	pods := []*nriapi.PodSandbox{
+		sandbox("p1", "enforced", scheduled),
+		sandbox("p2", "unenforced", scheduled),
+		sandbox("p3", "plain", nil),
+		sandbox("p4", "forged", map[string]string{"gpu-fraction": "0.5"}),
+	}
+	ctrs := []*nriapi.Container{
+		container("c1", "p1", "main", enforcedEnv...),
+		container("c2", "p2", "main", "NVIDIA_VISIBLE_DEVICES=GPU-a"),
+		container("c3", "p3", "web", "NVIDIA_VISIBLE_DEVICES=all"),
+		container("c4", "p4", "main"),
+	}
+	rt := startRuntime(t, pods, ctrs)
+	rec := &recorder{}
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	want := []string{
+		`unenforced: NVIDIA_GPU_MEMORY_REQUEST is "", want "40448"`,
+		`forged: running although its GPU fraction cannot be enforced: the pod has GPU-fraction annotations but no scheduler decision (nvidia.com/container.<container>.gpus.devices): refusing to run it without limits`,
+	}
+	if diff := cmp.Diff(want, rec.get(&rec.evict)); diff != "" {
+		t.Errorf("evictions (-want +got):\n%s", diff)
+	}
+}
+
+func TestSynchronizeWithNothingRunningEvictsNothing(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	if got := rec.get(&rec.evict); len(got) != 0 {
+		t.Errorf("evictions on an empty resync: %v", got)
+	}
+}

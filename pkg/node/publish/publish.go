@@ -1,0 +1,186 @@
+// Package publish tells the cluster what a node can do for GPU fractions:
+// the readiness condition the scheduler waits for, the GPU inventory
+// labels, and the enforcement the node is capable of. What to publish is a
+// pure function of the agent's state; Apply writes it.
+package publish
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+// ConditionReady is the node condition schedulers read (KAI's key).
+const ConditionReady corev1.NodeConditionType = "gpu-fractioning.nvidia.com/Ready"
+
+// Labels. The nvidia.com/gpu.* ones are GPU Feature Discovery's: the agent
+// sets them only with --publish-gpu-labels and only where GFD has not.
+const (
+	LabelGPUCount       = "nvidia.com/gpu.count"
+	LabelGPUMemory      = "nvidia.com/gpu.memory" // MiB per GPU
+	LabelGPUProduct     = "nvidia.com/gpu.product"
+	LabelDriverVersion  = "gpufrac.io/driver-version"
+	LabelCUDAVersion    = "gpufrac.io/cuda-version"
+	LabelEnforcement    = "gpufrac.io/memory-enforcement"
+	LabelInventoryOwner = "gpufrac.io/gpu-labels" // "agent" when the agent wrote nvidia.com/gpu.*
+)
+
+// Reasons of the Ready condition.
+const (
+	ReasonReady         = "EnforcementAvailable"
+	ReasonFailOpen      = "FailOpen"
+	ReasonNVMLError     = "NVMLUnavailable"
+	ReasonNoGPUs        = "NoGPUs"
+	ReasonNRI           = "NRIPluginNotRegistered"
+	ReasonNoEnforcement = "NoMemoryEnforcement"
+	ReasonMixedGPUs     = "MixedGPUModels"
+)
+
+// State is what the agent knows about its node.
+type State struct {
+	Inventory    inventory.Inventory
+	InventoryErr error
+	// NRIRegistered: the runtime has accepted the NRI plugin.
+	NRIRegistered bool
+	// FailOpen: the operator lets unenforceable containers run without a GPU.
+	FailOpen bool
+	// PublishGPULabels: write nvidia.com/gpu.* where GFD has not.
+	PublishGPULabels bool
+}
+
+// Desired is what the node should carry.
+type Desired struct {
+	Condition corev1.NodeCondition
+	// Labels to set; a nil value removes the label.
+	Labels map[string]*string
+}
+
+// Compute decides the condition and labels for state, given the labels the
+// node has now (to leave GPU Feature Discovery's alone).
+func Compute(s State, current map[string]string) Desired {
+	status, reason, message := readiness(s)
+	d := Desired{
+		Condition: corev1.NodeCondition{Type: ConditionReady, Status: status, Reason: reason, Message: message},
+		Labels:    map[string]*string{},
+	}
+	enforcement := inventory.EnforcementNone
+	if s.InventoryErr == nil {
+		enforcement = s.Inventory.Capability()
+		d.Labels[LabelDriverVersion] = ptr(labelValue(s.Inventory.DriverVersion))
+		d.Labels[LabelCUDAVersion] = ptr(s.Inventory.CUDAVersion())
+	}
+	d.Labels[LabelEnforcement] = ptr(string(enforcement))
+
+	gfdOwned := current[LabelGPUProduct] != "" && current[LabelInventoryOwner] != "agent"
+	if s.PublishGPULabels && !gfdOwned && s.InventoryErr == nil && len(s.Inventory.GPUs) > 0 {
+		g := s.Inventory.GPUs[0]
+		d.Labels[LabelGPUCount] = ptr(strconv.Itoa(len(s.Inventory.GPUs)))
+		d.Labels[LabelGPUMemory] = ptr(strconv.FormatInt(g.MemoryMiB, 10))
+		d.Labels[LabelGPUProduct] = ptr(labelValue(g.Product))
+		d.Labels[LabelInventoryOwner] = ptr("agent")
+	}
+	return d
+}
+
+func readiness(s State) (corev1.ConditionStatus, string, string) {
+	switch {
+	case s.InventoryErr != nil:
+		return corev1.ConditionFalse, ReasonNVMLError, "cannot read the GPUs: " + s.InventoryErr.Error()
+	case len(s.Inventory.GPUs) == 0:
+		return corev1.ConditionFalse, ReasonNoGPUs, "NVML reports no GPUs on this node"
+	case mixedModels(s.Inventory.GPUs):
+		return corev1.ConditionFalse, ReasonMixedGPUs, "the GPUs differ in model or memory, which the per-node inventory labels cannot describe"
+	case !s.NRIRegistered:
+		return corev1.ConditionFalse, ReasonNRI, "the gpufrac NRI plugin is not registered with the container runtime, so limits cannot be injected"
+	}
+	capability := s.Inventory.Capability()
+	switch {
+	case capability == inventory.EnforcementNone && s.FailOpen:
+		return corev1.ConditionTrue, ReasonFailOpen, "no memory enforcement is possible; fail-open is configured, so fractional containers run without a GPU"
+	case capability == inventory.EnforcementNone:
+		return corev1.ConditionFalse, ReasonNoEnforcement, "no memory enforcement is possible on this driver"
+	case capability == inventory.EnforcementMPSPinned:
+		return corev1.ConditionTrue, ReasonReady, fmt.Sprintf("memory limits: MPS pinned-memory limits only (driver %s, CUDA %s; driver enforcement needs r615 and CUDA 13.4); a process can bypass them",
+			s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
+	}
+	return corev1.ConditionTrue, ReasonReady, fmt.Sprintf("memory limits: driver-enforced per container (driver %s, CUDA %s)",
+		s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
+}
+
+func mixedModels(gpus []inventory.GPU) bool {
+	for _, g := range gpus[1:] {
+		if g.Product != gpus[0].Product || g.MemoryMiB != gpus[0].MemoryMiB {
+			return true
+		}
+	}
+	return false
+}
+
+var (
+	labelUnsafe = regexp.MustCompile(`[^A-Za-z0-9._-]+`)
+	labelEnds   = regexp.MustCompile(`^[^A-Za-z0-9]+|[^A-Za-z0-9]+$`)
+)
+
+// labelValue turns a product name into a valid label value the way GPU
+// Feature Discovery does ("NVIDIA H100 80GB HBM3" → "NVIDIA-H100-80GB-HBM3").
+func labelValue(s string) string {
+	v := labelUnsafe.ReplaceAllString(s, "-")
+	if len(v) > 63 {
+		v = v[:63]
+	}
+	return labelEnds.ReplaceAllString(v, "")
+}
+
+func ptr(s string) *string { return &s }
+
+// Apply writes d onto node name: labels with a merge patch, the condition
+// through the status subresource. The condition's transition time moves
+// only when its status changes.
+func Apply(ctx context.Context, client kubernetes.Interface, name string, d Desired) error {
+	node, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("read node %s: %w", name, err)
+	}
+	labels := map[string]*string{}
+	for k, v := range d.Labels {
+		if cur, ok := node.Labels[k]; (v == nil && ok) || (v != nil && cur != *v) {
+			labels[k] = v
+		}
+	}
+	if len(labels) > 0 {
+		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"labels": labels}})
+		if err != nil {
+			return err
+		}
+		if _, err := client.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return fmt.Errorf("label node %s: %w", name, err)
+		}
+	}
+	now := metav1.Now()
+	cond := d.Condition
+	cond.LastHeartbeatTime, cond.LastTransitionTime = now, now
+	for _, c := range node.Status.Conditions {
+		if c.Type == cond.Type && c.Status == cond.Status {
+			cond.LastTransitionTime = c.LastTransitionTime
+		}
+	}
+	// A strategic merge patch on conditions merges by type, so other
+	// components' conditions stay as they are.
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{cond}}})
+	if err != nil {
+		return err
+	}
+	if _, err := client.CoreV1().Nodes().Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		return fmt.Errorf("set condition %s on node %s: %w", ConditionReady, name, err)
+	}
+	return nil
+}

@@ -1,0 +1,79 @@
+package publish
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+func gpus(n int, product string, mib int64) []inventory.GPU {
+	out := make([]inventory.GPU, n)
+	for i := range out {
+		out[i] = inventory.GPU{Index: i, UUID: "GPU-" + string(rune('a'+i)), Product: product, MemoryMiB: mib}
+	}
+	return out
+}
+
+func TestCompute(t *testing.T) {
+	h100 := inventory.Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: gpus(8, "NVIDIA H100 80GB HBM3", 81920)}
+	old := inventory.Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 12040, GPUs: gpus(2, "NVIDIA A100-SXM4-40GB", 40960)}
+	tests := []struct {
+		name       string
+		state      State
+		current    map[string]string
+		wantStatus corev1.ConditionStatus
+		wantReason string
+		wantLabels map[string]string // nil-valued entries are not expected
+	}{
+		{"driver enforcement, labels published", State{Inventory: h100, NRIRegistered: true, PublishGPULabels: true}, nil,
+			corev1.ConditionTrue, ReasonReady, map[string]string{
+				LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver",
+				LabelGPUCount: "8", LabelGPUMemory: "81920", LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", LabelInventoryOwner: "agent"}},
+		{"GFD's labels left alone", State{Inventory: h100, NRIRegistered: true, PublishGPULabels: true}, map[string]string{LabelGPUProduct: "NVIDIA-H100-80GB-HBM3"},
+			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
+		{"older driver: weak MPS limits", State{Inventory: old, NRIRegistered: true}, nil,
+			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "550.54.15", LabelCUDAVersion: "12.4", LabelEnforcement: "mps-pinned"}},
+		{"NRI plugin not registered", State{Inventory: h100}, nil,
+			corev1.ConditionFalse, ReasonNRI, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
+		{"NVML fails", State{InventoryErr: errors.New("nvmlInit: ERROR_LIBRARY_NOT_FOUND"), NRIRegistered: true, PublishGPULabels: true}, nil,
+			corev1.ConditionFalse, ReasonNVMLError, map[string]string{LabelEnforcement: "none"}},
+		{"no GPUs even with fail-open", State{Inventory: inventory.Inventory{DriverVersion: "615.1", CUDADriverVersion: 13040}, NRIRegistered: true, FailOpen: true}, nil,
+			corev1.ConditionFalse, ReasonNoGPUs, map[string]string{LabelDriverVersion: "615.1", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
+		{"mixed models", State{Inventory: inventory.Inventory{DriverVersion: "615.1", CUDADriverVersion: 13040,
+			GPUs: append(gpus(1, "A", 1), gpus(1, "B", 2)...)}, NRIRegistered: true}, nil,
+			corev1.ConditionFalse, ReasonMixedGPUs, map[string]string{LabelDriverVersion: "615.1", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := Compute(tt.state, tt.current)
+			if d.Condition.Type != ConditionReady || d.Condition.Status != tt.wantStatus || d.Condition.Reason != tt.wantReason || d.Condition.Message == "" {
+				t.Errorf("condition = %+v, want %s/%s", d.Condition, tt.wantStatus, tt.wantReason)
+			}
+			got := map[string]string{}
+			for k, v := range d.Labels {
+				if v != nil {
+					got[k] = *v
+				}
+			}
+			if diff := cmp.Diff(tt.wantLabels, got); diff != "" {
+				t.Errorf("labels (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestLabelValue(t *testing.T) {
+	for in, want := range map[string]string{
+		"NVIDIA H100 80GB HBM3":   "NVIDIA-H100-80GB-HBM3",
+		"Mock NVIDIA A100 (40GB)": "Mock-NVIDIA-A100-40GB",
+		"  weird__":               "weird",
+	} {
+		if got := labelValue(in); got != want {
+			t.Errorf("labelValue(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

@@ -1,0 +1,178 @@
+// Package reservation tells reservation pods which physical GPU they hold.
+// A reservation pod requests nvidia.com/gpu: 1 so the device plugin gives
+// it a whole GPU that fractions then share; which one only the kubelet
+// knows, through its PodResources API. The agent reads that and writes the
+// GPU's UUID onto the pod for the scheduler.
+package reservation
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// DefaultSocket is the kubelet's PodResources socket.
+const DefaultSocket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+// Source answers which GPU device IDs each pod holds.
+type Source interface {
+	// Devices maps namespace/name to the nvidia.com/gpu device IDs of the
+	// pod's containers.
+	Devices(ctx context.Context) (map[string][]string, error)
+}
+
+// Kubelet reads devices from the kubelet's PodResources API.
+type Kubelet struct {
+	client podresourcesv1.PodResourcesListerClient
+	conn   *grpc.ClientConn
+}
+
+// DialKubelet connects to the PodResources socket.
+func DialKubelet(socket string) (*Kubelet, error) {
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("kubelet PodResources socket %s: %w", socket, err)
+	}
+	return &Kubelet{client: podresourcesv1.NewPodResourcesListerClient(conn), conn: conn}, nil
+}
+
+// Close closes the connection.
+func (k *Kubelet) Close() error { return k.conn.Close() }
+
+// Devices lists every pod's nvidia.com/gpu devices.
+func (k *Kubelet) Devices(ctx context.Context) (map[string][]string, error) {
+	resp, err := k.client.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("kubelet PodResources List: %w", err)
+	}
+	out := map[string][]string{}
+	for _, pod := range resp.GetPodResources() {
+		for _, c := range pod.GetContainers() {
+			for _, d := range c.GetDevices() {
+				if d.GetResourceName() == api.ResourceGPU {
+					key := pod.GetNamespace() + "/" + pod.GetName()
+					out[key] = append(out[key], d.GetDeviceIds()...)
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// Simulated plays the device plugin where no kubelet runs (local clusters):
+// it hands each reservation pod a GPU of the simulated inventory that no
+// other reservation pod on the node holds.
+type Simulated struct {
+	GPUs []string // UUIDs, in index order
+}
+
+// Annotator writes GPU UUIDs onto the node's reservation pods.
+type Annotator struct {
+	Client    kubernetes.Interface
+	Node      string
+	Namespace string
+	Source    Source
+	// Simulated, when set, replaces Source.
+	Simulated *Simulated
+}
+
+// Sync annotates every reservation pod on the node that lacks its GPU's
+// UUID and has one assigned. It returns how many it annotated.
+func (a *Annotator) Sync(ctx context.Context) (int, error) {
+	logger := klog.FromContext(ctx)
+	pods, err := a.Client.CoreV1().Pods(a.Namespace).List(ctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.Node).String(),
+	})
+	if err != nil {
+		return 0, fmt.Errorf("list reservation pods on %s: %w", a.Node, err)
+	}
+	var devices map[string][]string
+	if a.Simulated == nil {
+		if devices, err = a.Source.Devices(ctx); err != nil {
+			return 0, err
+		}
+	} else {
+		devices = a.Simulated.assign(pods.Items)
+	}
+	annotated := 0
+	for i := range pods.Items {
+		pod := &pods.Items[i]
+		if pod.DeletionTimestamp != nil || pod.Annotations[api.ReservedGPUAnnotation] != "" {
+			continue
+		}
+		ids := devices[pod.Namespace+"/"+pod.Name]
+		switch len(ids) {
+		case 0:
+			continue // the kubelet has not admitted it yet
+		case 1:
+		default:
+			logger.Info("Reservation pod holds several GPUs; it should request exactly one", "pod", klog.KObj(pod), "devices", ids)
+			continue
+		}
+		if err := annotate(ctx, a.Client, pod, ids[0]); err != nil {
+			return annotated, err
+		}
+		if a.Simulated != nil {
+			logger.Info("Simulated device plugin: assigned a GPU to a reservation pod (no kubelet runs here)", "pod", klog.KObj(pod), "gpu", ids[0])
+		} else {
+			logger.V(2).Info("Annotated reservation pod with its GPU", "pod", klog.KObj(pod), "gpu", ids[0])
+		}
+		annotated++
+	}
+	return annotated, nil
+}
+
+func annotate(ctx context.Context, client kubernetes.Interface, pod *corev1.Pod, uuid string) error {
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"annotations":     map[string]string{api.ReservedGPUAnnotation: uuid},
+		"resourceVersion": pod.ResourceVersion, // never overwrite a concurrent writer
+	}})
+	if err != nil {
+		return err
+	}
+	if _, err := client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("annotate reservation pod %s/%s with GPU %s: %w", pod.Namespace, pod.Name, uuid, err)
+	}
+	return nil
+}
+
+// assign keeps the GPUs pods already hold and gives each new pod the
+// lowest free one.
+func (s *Simulated) assign(pods []corev1.Pod) map[string][]string {
+	out := map[string][]string{}
+	var held []string
+	for _, p := range pods {
+		if uuid := p.Annotations[api.ReservedGPUAnnotation]; uuid != "" && p.DeletionTimestamp == nil {
+			held = append(held, uuid)
+			out[p.Namespace+"/"+p.Name] = []string{uuid}
+		}
+	}
+	slices.SortFunc(pods, func(a, b corev1.Pod) int { return a.CreationTimestamp.Compare(b.CreationTimestamp.Time) })
+	for _, p := range pods {
+		key := p.Namespace + "/" + p.Name
+		if out[key] != nil || p.DeletionTimestamp != nil {
+			continue
+		}
+		for _, uuid := range s.GPUs {
+			if !slices.Contains(held, uuid) {
+				held = append(held, uuid)
+				out[key] = []string{uuid}
+				break
+			}
+		}
+	}
+	return out
+}

@@ -1,0 +1,237 @@
+package integration
+
+import (
+	"context"
+	"net"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/publish"
+	"github.com/gpufrac/gpufrac/pkg/node/reservation"
+)
+
+// kubelet serves the real PodResources v1 API on a unix socket: the one
+// stand-in, since no kubelet runs here.
+type kubelet struct {
+	podresourcesv1.UnimplementedPodResourcesListerServer
+	pods []*podresourcesv1.PodResources
+}
+
+func (k *kubelet) List(context.Context, *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
+	return &podresourcesv1.ListPodResourcesResponse{PodResources: k.pods}, nil
+}
+
+func serveKubelet(t *testing.T, k *kubelet) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "kubelet.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	podresourcesv1.RegisterPodResourcesListerServer(srv, k)
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(srv.Stop)
+	return sock
+}
+
+func gpuPod(ns, name string, devices ...string) *podresourcesv1.PodResources {
+	return &podresourcesv1.PodResources{Namespace: ns, Name: name, Containers: []*podresourcesv1.ContainerResources{{
+		Name: "reserve", Devices: []*podresourcesv1.ContainerDevices{
+			{ResourceName: api.ResourceGPU, DeviceIds: devices},
+			{ResourceName: "example.com/nic", DeviceIds: []string{"nic-0"}},
+		},
+	}}}
+}
+
+func createNamespace(t *testing.T, name string) {
+	t.Helper()
+	if _, err := shared.admin.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func reservationPod(t *testing.T, ns, name, node string) {
+	t.Helper()
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Spec: corev1.PodSpec{NodeName: node,
+		Containers: []corev1.Container{{Name: "reserve", Image: "pause"}}}}
+	if _, err := shared.admin.CoreV1().Pods(ns).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func reservedGPU(t *testing.T, ns, name string) string {
+	t.Helper()
+	p, err := shared.admin.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p.Annotations[api.ReservedGPUAnnotation]
+}
+
+func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
+	ctx := context.Background()
+	createNamespace(t, "gpufrac-reserve-a")
+	reservationPod(t, "gpufrac-reserve-a", "node-1-gpu-group-0", "node-1")
+	reservationPod(t, "gpufrac-reserve-a", "node-1-gpu-group-1", "node-1") // not admitted by the kubelet yet
+	reservationPod(t, "gpufrac-reserve-a", "node-2-gpu-group-0", "node-2") // another node's
+
+	k := &kubelet{pods: []*podresourcesv1.PodResources{
+		gpuPod("gpufrac-reserve-a", "node-1-gpu-group-0", "GPU-1111"),
+		gpuPod("default", "whole-gpu-job", "GPU-2222"),
+	}}
+	source, err := reservation.DialKubelet(serveKubelet(t, k))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = source.Close() }()
+	a := &reservation.Annotator{Client: shared.admin, Node: "node-1", Namespace: "gpufrac-reserve-a", Source: source}
+	n, err := a.Sync(ctx)
+	if err != nil || n != 1 {
+		t.Fatalf("Sync = %d, %v; want 1 annotated", n, err)
+	}
+	if got := reservedGPU(t, "gpufrac-reserve-a", "node-1-gpu-group-0"); got != "GPU-1111" {
+		t.Errorf("reserved GPU = %q, want GPU-1111", got)
+	}
+	for _, name := range []string{"node-1-gpu-group-1", "node-2-gpu-group-0"} {
+		if got := reservedGPU(t, "gpufrac-reserve-a", name); got != "" {
+			t.Errorf("%s annotated with %q before the kubelet assigned it a GPU on this node", name, got)
+		}
+	}
+
+	// The kubelet admits the second pod; a resync annotates it and leaves
+	// the first alone.
+	k.pods = append(k.pods, gpuPod("gpufrac-reserve-a", "node-1-gpu-group-1", "GPU-3333"))
+	if n, err := a.Sync(ctx); err != nil || n != 1 {
+		t.Fatalf("second Sync = %d, %v", n, err)
+	}
+	if got := reservedGPU(t, "gpufrac-reserve-a", "node-1-gpu-group-1"); got != "GPU-3333" {
+		t.Errorf("reserved GPU = %q, want GPU-3333", got)
+	}
+}
+
+func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
+	ctx := context.Background()
+	createNamespace(t, "gpufrac-reserve-b")
+	lib, err := inventory.Simulated("dgxh100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var uuids []string
+	for _, g := range inv.GPUs {
+		uuids = append(uuids, g.UUID)
+	}
+	a := &reservation.Annotator{Client: shared.admin, Node: "sim-1", Namespace: "gpufrac-reserve-b", Simulated: &reservation.Simulated{GPUs: uuids}}
+	for _, name := range []string{"r0", "r1", "r2"} {
+		reservationPod(t, "gpufrac-reserve-b", name, "sim-1")
+		time.Sleep(1100 * time.Millisecond) // distinct creation timestamps (second resolution)
+		if _, err := a.Sync(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := map[string]string{}
+	for i, name := range []string{"r0", "r1", "r2"} {
+		got := reservedGPU(t, "gpufrac-reserve-b", name)
+		if got != uuids[i] {
+			t.Errorf("%s holds %q, want the lowest free GPU %q", name, got, uuids[i])
+		}
+		if other, dup := seen[got]; dup {
+			t.Errorf("%s and %s hold the same GPU %s", name, other, got)
+		}
+		seen[got] = name
+	}
+}
+
+func TestNodeConditionAndLabels(t *testing.T) {
+	ctx := context.Background()
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-publish", Labels: map[string]string{"team": "ml"}}}
+	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	other := corev1.NodeCondition{Type: "example.com/Other", Status: corev1.ConditionTrue, Reason: "X", LastTransitionTime: metav1.Now()}
+	node.Status.Conditions = []corev1.NodeCondition{other}
+	if _, err := shared.admin.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	lib, _ := inventory.Simulated("dgxh100")
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	state := publish.State{Inventory: inv, PublishGPULabels: true}
+	read := func() *corev1.Node {
+		n, err := shared.admin.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	condition := func(n *corev1.Node) corev1.NodeCondition {
+		for _, c := range n.Status.Conditions {
+			if c.Type == publish.ConditionReady {
+				return c
+			}
+		}
+		t.Fatalf("no %s condition: %v", publish.ConditionReady, n.Status.Conditions)
+		return corev1.NodeCondition{}
+	}
+
+	// Not registered with the runtime yet: visible, not ready.
+	if err := publish.Apply(ctx, shared.admin, node.Name, publish.Compute(state, nil)); err != nil {
+		t.Fatal(err)
+	}
+	n := read()
+	if c := condition(n); c.Status != corev1.ConditionFalse || c.Reason != publish.ReasonNRI {
+		t.Errorf("condition = %+v", c)
+	}
+	want := map[string]string{"team": "ml", publish.LabelGPUCount: "8", publish.LabelGPUMemory: "81920",
+		publish.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", publish.LabelEnforcement: "mps-pinned",
+		publish.LabelDriverVersion: inv.DriverVersion, publish.LabelCUDAVersion: inv.CUDAVersion(), publish.LabelInventoryOwner: "agent"}
+	for k, v := range want {
+		if n.Labels[k] != v {
+			t.Errorf("label %s = %q, want %q", k, n.Labels[k], v)
+		}
+	}
+	firstTransition := condition(n).LastTransitionTime
+
+	// Registered: ready, and the other component's condition survives.
+	state.NRIRegistered = true
+	time.Sleep(1100 * time.Millisecond)
+	if err := publish.Apply(ctx, shared.admin, node.Name, publish.Compute(state, n.Labels)); err != nil {
+		t.Fatal(err)
+	}
+	n = read()
+	c := condition(n)
+	if c.Status != corev1.ConditionTrue || c.Reason != publish.ReasonReady || !c.LastTransitionTime.After(firstTransition.Time) {
+		t.Errorf("condition after registration = %+v (first transition %v)", c, firstTransition)
+	}
+	found := false
+	for _, c := range n.Status.Conditions {
+		found = found || c.Type == other.Type
+	}
+	if !found {
+		t.Errorf("another component's condition was dropped: %v", n.Status.Conditions)
+	}
+
+	// A heartbeat with the same status keeps the transition time.
+	secondTransition := c.LastTransitionTime
+	time.Sleep(1100 * time.Millisecond)
+	if err := publish.Apply(ctx, shared.admin, node.Name, publish.Compute(state, n.Labels)); err != nil {
+		t.Fatal(err)
+	}
+	if c := condition(read()); !c.LastTransitionTime.Equal(&secondTransition) || !c.LastHeartbeatTime.After(secondTransition.Time) {
+		t.Errorf("heartbeat moved the transition time or not the heartbeat: %+v", c)
+	}
+}
