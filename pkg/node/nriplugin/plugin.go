@@ -71,8 +71,9 @@ type Plugin struct {
 // New returns a plugin; Run connects it to the runtime.
 func New(opts Options) *Plugin { return &Plugin{opts: opts} }
 
-// Registered reports whether the runtime has accepted the plugin, for the
-// node's readiness.
+// Registered reports whether the runtime has accepted the plugin and
+// synchronized it (from then on it sees every container creation), for
+// the node's readiness.
 func (p *Plugin) Registered() bool { return p.registered.Load() }
 
 // Run registers with the runtime over its NRI socket and serves until ctx
@@ -90,7 +91,6 @@ func (p *Plugin) Run(ctx context.Context, socketPath string) error {
 // Configure is called when the runtime accepts the plugin.
 func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stub.EventMask, error) {
 	klog.FromContext(ctx).Info("Registered with the container runtime", "runtime", runtime, "version", version)
-	p.registered.Store(true)
 	return 0, nil // the stub subscribes to the events this type implements
 }
 
@@ -149,6 +149,7 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 			p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
 		}
 	}
+	p.registered.Store(true)
 	return nil, nil
 }
 

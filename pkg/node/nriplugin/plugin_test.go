@@ -95,6 +95,15 @@ func startPlugin(t *testing.T, rt *runtime, opts Options) *Plugin {
 	}); err != nil {
 		t.Fatalf("plugin did not register: %v", err)
 	}
+	// The runtime adds the plugin to its invocation list just after the
+	// plugin's Synchronize returns: wait until creations reach it.
+	probe := sandbox("probe", "probe", scheduled)
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: probe, Container: container("probe", "probe", "main")})
+		return err == nil && len(resp.GetAdjust().GetEnv()) > 0, nil
+	}); err != nil {
+		t.Fatalf("runtime never invoked the plugin: %v", err)
+	}
 	return p
 }
 
