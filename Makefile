@@ -82,6 +82,11 @@ bench-webhook: $(KUBE_STAMP) ## admission latency: handler ns/op, and p50/p99 of
 	$(GO) test -run '^$$' -bench 'Validator|Mutator' -benchmem -count 5 ./pkg/admission/
 	$(GO) test -run '^$$' -bench PodCreate -benchtime 1x ./test/integration/
 
+.PHONY: bench-node
+bench-node: build $(KUBE_STAMP) ## node agent: CreateContainer adjustment ns/op, and the agent's RSS with 8 simulated GPUs
+	$(GO) test -run '^$$' -bench Adjust -benchmem -count 5 ./pkg/node/injection/
+	GPUFRAC_BIN=$(BIN)/gpufrac $(GO) test -run '^$$' -bench NodeAgentRSS -benchtime 1x ./test/integration/
+
 .PHONY: tools
 tools: $(GOLANGCI_LINT) $(BENCHSTAT) ## build the pinned developer tools into bin/
 

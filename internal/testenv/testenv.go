@@ -71,13 +71,15 @@ func New() (*envtest.Environment, error) {
 
 // User adds an authenticated user with a client certificate (a real
 // identity the API server passes on to webhooks) and returns a clientset
-// acting as that user. groups may include system:masters for full access.
-func User(env *envtest.Environment, name string, groups ...string) (*kubernetes.Clientset, error) {
+// acting as that user, and its config. groups may include system:masters
+// for full access.
+func User(env *envtest.Environment, name string, groups ...string) (*kubernetes.Clientset, *rest.Config, error) {
 	u, err := env.AddUser(envtest.User{Name: name, Groups: groups}, nil)
 	if err != nil {
-		return nil, fmt.Errorf("add user %s: %w", name, err)
+		return nil, nil, fmt.Errorf("add user %s: %w", name, err)
 	}
 	cfg := rest.CopyConfig(u.Config())
 	cfg.QPS, cfg.Burst = 500, 1000
-	return kubernetes.NewForConfig(cfg)
+	client, err := kubernetes.NewForConfig(cfg)
+	return client, cfg, err
 }

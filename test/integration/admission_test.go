@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
@@ -34,6 +35,7 @@ const (
 // deploy/webhook installed and our webhook server answering them over TLS.
 type webhookEnv struct {
 	admin, alice, scheduler *kubernetes.Clientset
+	adminConfig             *rest.Config
 	stopWebhook             context.CancelFunc
 	webhookDone             chan error
 }
@@ -66,13 +68,13 @@ func runWithEnv(m *testing.M) (int, error) {
 	defer func() { _ = env.Stop() }()
 
 	w := &webhookEnv{webhookDone: make(chan error, 1)}
-	if w.admin, err = testenv.User(env, "admin", "system:masters"); err != nil {
+	if w.admin, w.adminConfig, err = testenv.User(env, "admin", "system:masters"); err != nil {
 		return 0, err
 	}
-	if w.alice, err = testenv.User(env, "alice", "system:masters"); err != nil {
+	if w.alice, _, err = testenv.User(env, "alice", "system:masters"); err != nil {
 		return 0, err
 	}
-	if w.scheduler, err = testenv.User(env, schedulerUser, "system:serviceaccounts", "system:masters"); err != nil {
+	if w.scheduler, _, err = testenv.User(env, schedulerUser, "system:serviceaccounts", "system:masters"); err != nil {
 		return 0, err
 	}
 	o := env.WebhookInstallOptions

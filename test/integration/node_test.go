@@ -10,9 +10,12 @@ import (
 	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/agent"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
@@ -233,5 +236,60 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	}
 	if c := condition(read()); !c.LastTransitionTime.Equal(&secondTransition) || !c.LastHeartbeatTime.After(secondTransition.Time) {
 		t.Errorf("heartbeat moved the transition time or not the heartbeat: %+v", c)
+	}
+}
+
+// The whole agent in simulate mode against the real API server: it
+// publishes the node ready once its NRI plugin has registered, annotates
+// reservation pods, and marks the node not ready when it stops.
+func TestNodeAgentSimulated(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const nodeName = "sim-agent-node"
+	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	createNamespace(t, "gpufrac-reserve-c")
+	reservationPod(t, "gpufrac-reserve-c", "sim-agent-node-gpu-group-0", nodeName)
+
+	a := agent.New(agent.Options{
+		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: "gpufrac-reserve-c",
+		StateDir: t.TempDir(), PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
+		Injection: injection.Config{MPSPipeDir: "/run/gpufrac/mps"},
+	}, shared.admin)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+
+	readyCondition := func() corev1.NodeCondition {
+		n, err := shared.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range n.Status.Conditions {
+			if c.Type == publish.ConditionReady {
+				return c
+			}
+		}
+		return corev1.NodeCondition{}
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return readyCondition().Status == corev1.ConditionTrue && reservedGPU(t, "gpufrac-reserve-c", "sim-agent-node-gpu-group-0") != "", nil
+	}); err != nil {
+		t.Fatalf("node never became ready with its reservation annotated: condition %+v", readyCondition())
+	}
+	if err := a.Ready(); err != nil {
+		t.Errorf("agent not ready: %v", err)
+	}
+	n, _ := shared.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if n.Labels[publish.LabelGPUCount] != "8" || n.Labels[publish.LabelGPUProduct] != "NVIDIA-H200-141GB-HBM3e" {
+		t.Errorf("inventory labels = %v", n.Labels)
+	}
+
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("agent stopped with error: %v", err)
+	}
+	if c := readyCondition(); c.Status != corev1.ConditionFalse || c.Reason != "AgentStopped" {
+		t.Errorf("condition after the agent stopped = %+v", c)
 	}
 }

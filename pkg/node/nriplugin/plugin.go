@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/containerd/nri/pkg/stub"
@@ -86,6 +87,32 @@ func (p *Plugin) Run(ctx context.Context, socketPath string) error {
 	}
 	defer p.registered.Store(false)
 	return s.Run(ctx)
+}
+
+// Serve keeps the plugin connected until ctx ends, reconnecting with
+// exponential backoff (from minBackoff to maxBackoff) whenever the runtime
+// goes away, as it does when containerd restarts. Each reconnection
+// synchronizes, and so audits what runs.
+func (p *Plugin) Serve(ctx context.Context, socketPath string, minBackoff, maxBackoff time.Duration) {
+	logger := klog.FromContext(ctx)
+	backoff := minBackoff
+	for ctx.Err() == nil {
+		start := time.Now()
+		err := p.Run(ctx, socketPath)
+		if ctx.Err() != nil {
+			return
+		}
+		if time.Since(start) > time.Minute {
+			backoff = minBackoff // it was connected for a while: a fresh failure
+		}
+		logger.Info("NRI plugin disconnected from the runtime; reconnecting", "socket", socketPath, "err", err, "after", backoff)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, maxBackoff)
+	}
 }
 
 // Configure is called when the runtime accepts the plugin.

@@ -2,7 +2,9 @@ package nriplugin
 
 import (
 	"context"
+	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -26,13 +28,17 @@ type runtime struct {
 
 func startRuntime(t *testing.T, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) *runtime {
 	t.Helper()
+	return startRuntimeAt(t, filepath.Join(t.TempDir(), "nri.sock"), pods, ctrs)
+}
+
+func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) *runtime {
+	t.Helper()
 	dir := t.TempDir()
 	for _, d := range []string{"plugins", "conf.d"} {
 		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
-	sock := filepath.Join(dir, "nri.sock")
 	sync := func(ctx context.Context, cb adaptation.SyncCB) error {
 		_, err := cb(ctx, pods, ctrs)
 		return err
@@ -247,4 +253,103 @@ func TestSynchronizeWithNothingRunningEvictsNothing(t *testing.T) {
 	if got := rec.get(&rec.evict); len(got) != 0 {
 		t.Errorf("evictions on an empty resync: %v", got)
 	}
+}
+
+// When the runtime restarts, the plugin reconnects by itself and audits
+// again what runs under the new runtime. The runtime runs in a child
+// process that is killed, as a crashed containerd would be: only then do
+// its connections really drop.
+func TestServeReconnectsAfterRuntimeRestart(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "nri.sock")
+	first := startRuntimeProcess(t, sock, nil)
+	rec := &recorder{}
+	p := New(Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); p.Serve(ctx, sock, 10*time.Millisecond, 100*time.Millisecond) }()
+	defer func() { cancel(); <-done }()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 20*time.Second, true, func(context.Context) (bool, error) { return cond(), nil }); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	waitFor("first registration", p.Registered)
+
+	_ = first.Process.Kill()
+	_ = first.Wait()
+	waitFor("disconnect noticed", func() bool { return !p.Registered() })
+
+	// The restarted runtime runs a container that started while no plugin
+	// was connected.
+	startRuntimeProcess(t, sock, &helperState{
+		Pods: []*nriapi.PodSandbox{sandbox("p9", "started-while-away", scheduled)},
+		Ctrs: []*nriapi.Container{container("c9", "p9", "main")},
+	})
+	waitFor("re-registration", p.Registered)
+	waitFor("audit after reconnecting", func() bool { return len(rec.get(&rec.evict)) == 1 })
+	if got := rec.get(&rec.evict)[0]; !strings.HasPrefix(got, "started-while-away: ") {
+		t.Errorf("eviction = %q", got)
+	}
+}
+
+// helperState is what a child-process runtime reports on synchronization.
+type helperState struct {
+	Pods []*nriapi.PodSandbox
+	Ctrs []*nriapi.Container
+}
+
+const helperSocketEnv, helperStateEnv = "GPUFRAC_TEST_NRI_RUNTIME_SOCKET", "GPUFRAC_TEST_NRI_RUNTIME_STATE"
+
+func startRuntimeProcess(t *testing.T, sock string, state *helperState) *exec.Cmd {
+	t.Helper()
+	if state == nil {
+		state = &helperState{}
+	}
+	js, err := json.Marshal(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), helperSocketEnv+"="+sock, helperStateEnv+"="+string(js))
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	return cmd
+}
+
+func TestMain(m *testing.M) {
+	if sock := os.Getenv(helperSocketEnv); sock != "" {
+		runHelperRuntime(sock, os.Getenv(helperStateEnv))
+		return
+	}
+	os.Exit(m.Run())
+}
+
+// runHelperRuntime is the child process: an NRI runtime until killed.
+func runHelperRuntime(sock, stateJSON string) {
+	var state helperState
+	if err := json.Unmarshal([]byte(stateJSON), &state); err != nil {
+		panic(err)
+	}
+	_ = os.Remove(sock) // left behind by the killed runtime
+	dir, err := os.MkdirTemp("", "nri-helper")
+	if err != nil {
+		panic(err)
+	}
+	sync := func(ctx context.Context, cb adaptation.SyncCB) error {
+		_, err := cb(ctx, state.Pods, state.Ctrs)
+		return err
+	}
+	update := func(context.Context, []*nriapi.ContainerUpdate) ([]*nriapi.ContainerUpdate, error) { return nil, nil }
+	r, err := adaptation.New("helper-runtime", "1.0", sync, update, adaptation.WithSocketPath(sock),
+		adaptation.WithPluginPath(filepath.Join(dir, "plugins")), adaptation.WithPluginConfigPath(filepath.Join(dir, "conf.d")))
+	if err != nil {
+		panic(err)
+	}
+	if err := r.Start(); err != nil {
+		panic(err)
+	}
+	select {}
 }

@@ -1,0 +1,82 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/pkg/node/agent"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/reservation"
+)
+
+// DefaultReservationNamespace holds the reservation pods.
+const DefaultReservationNamespace = "gpufrac-reservations"
+
+func newNodeAgentCommand() *cobra.Command {
+	opts := agent.Options{}
+	var kubeconfig string
+	cmd := &cobra.Command{
+		Use:   "node-agent --node-name NODE",
+		Short: "Run the node agent: GPU inventory, readiness, reservation GPU identity, NRI injection of limits",
+		Long: `node-agent runs on every GPU node (a DaemonSet). It
+
+  - reads the node's GPUs through NVML and publishes the node condition
+    gpu-fractioning.nvidia.com/Ready, the enforcement the node can do
+    (gpufrac.io/memory-enforcement: driver, mps-pinned or none) and, with
+    --publish-gpu-labels, nvidia.com/gpu.count/.memory/.product where GPU
+    Feature Discovery has not;
+  - annotates reservation pods with the UUID of the GPU the kubelet gave
+    them (PodResources API);
+  - registers an NRI plugin with the container runtime that injects each
+    fractional container's devices and limits, refuses the ones it cannot
+    enforce (or, with --fail-open, starts them with no GPU) and evicts
+    fractional containers found running without enforcement.
+
+With --simulate-gpus=MACHINE (` + strings.Join(inventory.Machines, ", ") + `) the GPUs come from
+go-nvml's mock machines, the agent assigns reservation pods their GPUs
+itself, and it hosts an in-process NRI runtime endpoint: for local clusters
+with no GPU, kubelet or container runtime.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if opts.NodeName == "" {
+				return errors.New("--node-name is required (in a DaemonSet: the downward API's spec.nodeName)")
+			}
+			if opts.ResyncPeriod < time.Second {
+				return fmt.Errorf("--resync-period %s must be at least 1s", opts.ResyncPeriod)
+			}
+			cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
+				&clientcmd.ClientConfigLoadingRules{ExplicitPath: kubeconfig}, &clientcmd.ConfigOverrides{}).ClientConfig()
+			if err != nil {
+				return fmt.Errorf("kubeconfig: %w", err)
+			}
+			client, err := kubernetes.NewForConfig(cfg)
+			if err != nil {
+				return err
+			}
+			return agent.New(opts, client).Run(klog.NewContext(cmd.Context(), klog.Background()))
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&opts.NodeName, "node-name", "", "the node this agent runs on (required)")
+	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+	f.StringVar(&opts.SimulateGPUs, "simulate-gpus", "", "use a go-nvml mock machine instead of the GPUs: "+strings.Join(inventory.Machines, ", "))
+	f.StringVar(&opts.NRISocket, "nri-socket", "/var/run/nri/nri.sock", "the container runtime's NRI socket")
+	f.StringVar(&opts.PodResourcesSocket, "pod-resources-socket", reservation.DefaultSocket, "the kubelet's PodResources socket")
+	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringVar(&opts.StateDir, "state-dir", "/var/lib/gpufrac", "directory for the agent's state and sockets")
+	f.BoolVar(&opts.FailOpen, "fail-open", false, "start fractional containers that cannot be enforced WITHOUT a GPU instead of refusing them")
+	f.BoolVar(&opts.PublishGPULabels, "publish-gpu-labels", false, "set nvidia.com/gpu.count/.memory/.product where GPU Feature Discovery has not")
+	f.StringVar(&opts.Injection.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "gpufrac binary on the host, run as the createRuntime hook that applies memory limits; empty: no hook")
+	f.StringVar(&opts.Injection.MPSPipeDir, "mps-pipe-dir", "/run/gpufrac/mps", "host directory of the MPS control daemon's pipes")
+	f.StringVar(&opts.Injection.ShimDir, "nvidia-smi-shim-dir", "", "host directory of the nvidia-smi view library; empty: not mounted")
+	f.StringVar(&opts.HealthAddr, "health-addr", ":8082", "address of /healthz and /readyz; empty disables")
+	f.DurationVar(&opts.ResyncPeriod, "resync-period", 30*time.Second, "how often to re-read the GPUs, republish and annotate reservation pods")
+	return cmd
+}

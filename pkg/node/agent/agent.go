@@ -1,0 +1,286 @@
+// Package agent runs the node agent: it reads the node's GPUs, keeps the
+// node's GPU-fraction readiness and labels current, tells reservation pods
+// which GPU they hold, and serves the NRI plugin that injects each
+// fractional container's limits.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/containerd/nri/pkg/adaptation"
+	nriapi "github.com/containerd/nri/pkg/api"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
+	"github.com/gpufrac/gpufrac/pkg/node/publish"
+	"github.com/gpufrac/gpufrac/pkg/node/reservation"
+)
+
+// Options configure the agent.
+type Options struct {
+	NodeName string
+	// SimulateGPUs names a go-nvml mock machine to use instead of the real
+	// NVML library; the agent then also plays the kubelet's device plugin
+	// for reservation pods and hosts an in-process NRI runtime endpoint,
+	// since no kubelet or container runtime runs on a simulated node.
+	SimulateGPUs string
+	// NRISocket is the container runtime's NRI socket.
+	NRISocket string
+	// PodResourcesSocket is the kubelet's PodResources socket.
+	PodResourcesSocket string
+	// ReservationNamespace holds the reservation pods.
+	ReservationNamespace string
+	// StateDir holds the agent's sockets and state.
+	StateDir         string
+	FailOpen         bool
+	PublishGPULabels bool
+	Injection        injection.Config
+	HealthAddr       string
+	ResyncPeriod     time.Duration
+}
+
+// Agent is one node's agent.
+type Agent struct {
+	opts     Options
+	client   kubernetes.Interface
+	plugin   *nriplugin.Plugin
+	recorder record.EventRecorder
+
+	mu        sync.Mutex
+	published bool // the last publish reached the API server
+}
+
+// New builds an agent for opts over client.
+func New(opts Options, client kubernetes.Interface) *Agent {
+	a := &Agent{opts: opts, client: client}
+	a.plugin = nriplugin.New(nriplugin.Options{Injection: opts.Injection, FailOpen: opts.FailOpen, Reporter: a, Evictor: a})
+	return a
+}
+
+// Run works until ctx ends, then marks the node not ready for fractions
+// (nothing injects limits while the agent is away) and returns.
+func (a *Agent) Run(ctx context.Context) error {
+	logger := klog.FromContext(ctx).WithValues("node", a.opts.NodeName)
+	ctx = klog.NewContext(ctx, logger)
+	if err := os.MkdirAll(a.opts.StateDir, 0o750); err != nil {
+		return fmt.Errorf("state directory %s: %w", a.opts.StateDir, err)
+	}
+
+	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: a.client.CoreV1().Events("")})
+	defer broadcaster.Shutdown()
+	a.recorder = broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "gpufrac-node-agent", Host: a.opts.NodeName})
+
+	lib, annotator, nriSocket, stopRuntime, err := a.backends(ctx)
+	if err != nil {
+		return err
+	}
+	defer stopRuntime()
+
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); a.plugin.Serve(ctx, nriSocket, time.Second, 30*time.Second) }()
+	if a.opts.HealthAddr != "" {
+		wg.Add(1)
+		go func() { defer wg.Done(); a.serveHealth(ctx) }()
+	}
+
+	ticker := time.NewTicker(a.opts.ResyncPeriod)
+	defer ticker.Stop()
+	for {
+		a.resync(ctx, lib, annotator)
+		select {
+		case <-ctx.Done():
+			a.markStopped(logger)
+			wg.Wait()
+			return nil
+		case <-ticker.C:
+		}
+	}
+}
+
+// backends picks the GPU library, the reservation device source and the
+// NRI endpoint: real ones, or simulated ones for a node without a GPU.
+func (a *Agent) backends(ctx context.Context) (nvml.Interface, *reservation.Annotator, string, func(), error) {
+	logger := klog.FromContext(ctx)
+	annotator := &reservation.Annotator{Client: a.client, Node: a.opts.NodeName, Namespace: a.opts.ReservationNamespace}
+	if a.opts.SimulateGPUs == "" {
+		source, err := reservation.DialKubelet(a.opts.PodResourcesSocket)
+		if err != nil {
+			return nil, nil, "", nil, err
+		}
+		annotator.Source = source
+		return nvml.New(), annotator, a.opts.NRISocket, func() { _ = source.Close() }, nil
+	}
+	lib, err := inventory.Simulated(a.opts.SimulateGPUs)
+	if err != nil {
+		return nil, nil, "", nil, err
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		return nil, nil, "", nil, err
+	}
+	sim := &reservation.Simulated{}
+	for _, g := range inv.GPUs {
+		sim.GPUs = append(sim.GPUs, g.UUID)
+	}
+	annotator.Simulated = sim
+	socket := filepath.Join(a.opts.StateDir, "nri.sock")
+	runtime, err := startSimulatedRuntime(socket, a.opts.StateDir)
+	if err != nil {
+		return nil, nil, "", nil, err
+	}
+	logger.Info("Simulating: GPUs from a go-nvml mock machine, reservation pods get GPUs from the agent itself, and the NRI plugin registers with an in-process NRI runtime endpoint (no containers run here)",
+		"machine", a.opts.SimulateGPUs, "gpus", len(inv.GPUs), "nriSocket", socket)
+	return lib, annotator, socket, runtime.Stop, nil
+}
+
+// startSimulatedRuntime serves the runtime side of NRI (containerd's own
+// adaptation library) where no container runtime exists.
+func startSimulatedRuntime(socket, dir string) (*adaptation.Adaptation, error) {
+	_ = os.Remove(socket)
+	noSync := func(ctx context.Context, cb adaptation.SyncCB) error { _, err := cb(ctx, nil, nil); return err }
+	noUpdate := func(context.Context, []*nriapi.ContainerUpdate) ([]*nriapi.ContainerUpdate, error) { return nil, nil }
+	r, err := adaptation.New("gpufrac-simulated-runtime", "0", noSync, noUpdate, adaptation.WithSocketPath(socket),
+		adaptation.WithPluginPath(filepath.Join(dir, "nri-plugins")), adaptation.WithPluginConfigPath(filepath.Join(dir, "nri-conf.d")))
+	if err != nil {
+		return nil, fmt.Errorf("simulated NRI runtime: %w", err)
+	}
+	if err := r.Start(); err != nil {
+		return nil, fmt.Errorf("simulated NRI runtime: %w", err)
+	}
+	return r, nil
+}
+
+// resync reads the GPUs, publishes the node's state and annotates
+// reservation pods.
+func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reservation.Annotator) {
+	logger := klog.FromContext(ctx)
+	inv, invErr := inventory.Read(lib)
+	if invErr != nil {
+		logger.Error(invErr, "Cannot read the GPUs; the node is not ready for GPU fractions")
+	}
+	node, err := a.client.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	if err != nil {
+		logger.Error(err, "Cannot read the node")
+		a.setPublished(false)
+		return
+	}
+	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
+		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
+	if err := publish.Apply(ctx, a.client, a.opts.NodeName, publish.Compute(state, node.Labels)); err != nil {
+		logger.Error(err, "Cannot publish the node's GPU-fraction state")
+		a.setPublished(false)
+		return
+	}
+	a.setPublished(true)
+	if invErr == nil {
+		if _, err := annotator.Sync(ctx); err != nil {
+			logger.Error(err, "Cannot annotate reservation pods")
+		}
+	}
+}
+
+// markStopped tells schedulers to stop sending fractions here: with the
+// agent gone, nothing injects their limits.
+func (a *Agent) markStopped(logger klog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	d := publish.Desired{Condition: corev1.NodeCondition{Type: publish.ConditionReady, Status: corev1.ConditionFalse,
+		Reason: "AgentStopped", Message: "the gpufrac node agent is not running, so GPU-fraction limits cannot be injected"}}
+	if err := publish.Apply(ctx, a.client, a.opts.NodeName, d); err != nil {
+		logger.Error(err, "Cannot mark the node not ready on shutdown")
+	}
+}
+
+func (a *Agent) setPublished(ok bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.published = ok
+}
+
+// Ready reports nil once the plugin is registered and the node's state
+// reached the API server, and otherwise why not.
+func (a *Agent) Ready() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch {
+	case !a.plugin.Registered():
+		return errors.New("NRI plugin not registered with the container runtime")
+	case !a.published:
+		return errors.New("node state not published to the API server")
+	}
+	return nil
+}
+
+func (a *Agent) serveHealth(ctx context.Context) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := a.Ready(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ok"))
+	})
+	srv := &http.Server{Addr: a.opts.HealthAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		<-ctx.Done()
+		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(shutdown)
+	}()
+	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		klog.FromContext(ctx).Error(err, "Health endpoint failed", "address", a.opts.HealthAddr)
+	}
+}
+
+func podRef(p nriplugin.PodRef) *corev1.ObjectReference {
+	return &corev1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: p.Namespace, Name: p.Name, UID: types.UID(p.UID)}
+}
+
+// Refused records an Event on the pod.
+func (a *Agent) Refused(pod nriplugin.PodRef, container string, err error) {
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionRefused",
+		"container %s not started: its GPU fraction cannot be enforced: %v", container, err)
+}
+
+// FailedOpen records an Event on the pod.
+func (a *Agent) FailedOpen(pod nriplugin.PodRef, container string, err error) {
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionFailedOpen",
+		"container %s started WITHOUT a GPU (node fails open): its GPU fraction cannot be enforced: %v", container, err)
+}
+
+// Evicted records an Event on the pod.
+func (a *Agent) Evicted(pod nriplugin.PodRef, container, reason string) {
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
+		"evicted: container %s runs without its GPU-fraction enforcement (%s)", container, reason)
+}
+
+// Evict evicts a pod through the Eviction API.
+func (a *Agent) Evict(ctx context.Context, pod nriplugin.PodRef, _ string) error {
+	uid := types.UID(pod.UID)
+	return a.client.PolicyV1().Evictions(pod.Namespace).Evict(ctx, &policyv1.Eviction{
+		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: pod.Namespace},
+		// Never evict a new pod that took the old one's name.
+		DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}},
+	})
+}
