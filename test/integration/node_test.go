@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"net"
 	"path/filepath"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
@@ -291,5 +293,62 @@ func TestNodeAgentSimulated(t *testing.T) {
 	}
 	if c := readyCondition(); c.Status != corev1.ConditionFalse || c.Reason != "AgentStopped" {
 		t.Errorf("condition after the agent stopped = %+v", c)
+	}
+}
+
+// The agent's Events and evictions reach the API server.
+func TestNodeAgentEventsAndEvictions(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const nodeName = "sim-events-node"
+	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	createNamespace(t, "agent-events")
+	victim := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "unenforced", Namespace: "agent-events"},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "cuda"}}}}
+	victim, err := shared.admin.CoreV1().Pods("agent-events").Create(ctx, victim, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := agent.New(agent.Options{NodeName: nodeName, SimulateGPUs: "dgxa100", ReservationNamespace: "agent-events",
+		StateDir: t.TempDir(), ResyncPeriod: time.Second}, shared.admin)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return a.Ready() == nil, nil
+	}); err != nil {
+		t.Fatalf("agent not ready: %v", a.Ready())
+	}
+
+	ref := nriplugin.PodRef{Namespace: victim.Namespace, Name: victim.Name, UID: string(victim.UID)}
+	a.Refused(ref, "main", errors.New("no scheduler decision"))
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		events, err := shared.admin.CoreV1().Events("agent-events").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, e := range events.Items {
+			if e.Reason == "GPUFractionRefused" && e.InvolvedObject.Name == victim.Name && e.Type == corev1.EventTypeWarning {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatalf("no GPUFractionRefused event: %v", err)
+	}
+
+	// An eviction names the pod by UID: a stale reference evicts nothing.
+	stale := ref
+	stale.UID = "00000000-0000-0000-0000-000000000000"
+	if err := a.Evict(ctx, stale, "test"); err == nil {
+		t.Error("eviction with a stale UID succeeded")
+	}
+	if err := a.Evict(ctx, ref, "test"); err != nil {
+		t.Fatalf("evict: %v", err)
+	}
+	if _, err := shared.admin.CoreV1().Pods("agent-events").Get(ctx, victim.Name, metav1.GetOptions{}); err == nil {
+		t.Error("evicted pod still exists")
 	}
 }
