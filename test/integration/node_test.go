@@ -315,7 +315,12 @@ func TestNodeAgentEventsAndEvictions(t *testing.T) {
 		StateDir: t.TempDir(), ResyncPeriod: time.Second}, shared.admin)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()
-	defer func() { cancel(); <-done }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("agent stopped with error: %v", err)
+		}
+	}()
 	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
 		return a.Ready() == nil, nil
 	}); err != nil {
