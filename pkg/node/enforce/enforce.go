@@ -1,0 +1,169 @@
+// Package enforce applies a container's GPU memory limits in the driver:
+// CUDA 13.4 (driver r615) keeps, per cgroup, a soft (guaranteed) and a hard
+// device-memory limit, set through NVML's SetMemoryLimits_v1 and backed by
+// the kernel's dmem cgroup controller. The runtime runs `gpufrac hook
+// apply-memory-limits` as a createRuntime hook, after the container's
+// cgroup exists and before its process runs; a failure there fails the
+// container's creation.
+package enforce
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	rspec "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+)
+
+const mebibyte = uint64(1) << 20
+
+// Limits is what to enforce for one container on each of its GPUs.
+type Limits struct {
+	Container  string
+	Devices    []string // GPU UUIDs
+	RequestMiB uint64
+	LimitMiB   uint64
+}
+
+// LimitsFromEnv reads the limits the NRI plugin put in the hook's
+// environment (see package injection).
+func LimitsFromEnv(getenv func(string) string) (Limits, error) {
+	l := Limits{Container: getenv(injection.EnvHookContainer)}
+	devices := getenv(injection.EnvHookDevices)
+	if devices == "" {
+		return Limits{}, fmt.Errorf("%s is empty: the hook was not configured by the gpufrac NRI plugin", injection.EnvHookDevices)
+	}
+	l.Devices = strings.Split(devices, ",")
+	var err error
+	if l.RequestMiB, err = positive(getenv, injection.EnvHookRequestMiB); err != nil {
+		return Limits{}, err
+	}
+	if l.LimitMiB, err = positive(getenv, injection.EnvHookLimitMiB); err != nil {
+		return Limits{}, err
+	}
+	if l.LimitMiB < l.RequestMiB {
+		return Limits{}, fmt.Errorf("%s %d is below %s %d", injection.EnvHookLimitMiB, l.LimitMiB, injection.EnvHookRequestMiB, l.RequestMiB)
+	}
+	return l, nil
+}
+
+func positive(getenv func(string) string, key string) (uint64, error) {
+	v := getenv(key)
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err != nil || n == 0 {
+		return 0, fmt.Errorf("%s %q must be a positive number of MiB", key, v)
+	}
+	return n, nil
+}
+
+// ReadState reads the OCI state the runtime passes a hook on stdin.
+func ReadState(r io.Reader) (rspec.State, error) {
+	var s rspec.State
+	if err := json.NewDecoder(r).Decode(&s); err != nil {
+		return s, fmt.Errorf("read the OCI state from stdin: %w", err)
+	}
+	if s.Pid <= 0 {
+		return s, fmt.Errorf("OCI state of container %q has no pid", s.ID)
+	}
+	return s, nil
+}
+
+// CgroupOf resolves the cgroup v2 path of pid from procRoot (normally
+// /proc). Only the unified hierarchy carries the dmem controller.
+func CgroupOf(procRoot string, pid int) (string, error) {
+	f, err := os.Open(filepath.Join(procRoot, strconv.Itoa(pid), "cgroup"))
+	if err != nil {
+		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
+	}
+	defer func() { _ = f.Close() }()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if path, ok := strings.CutPrefix(sc.Text(), "0::"); ok && path != "" {
+			return path, nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
+	}
+	return "", fmt.Errorf("pid %d is in no cgroup v2 hierarchy: driver memory limits need cgroup v2 with the dmem controller (kernel 6.14 or later)", pid)
+}
+
+// Apply sets soft = request and hard = limit for cgroup on every device,
+// then reads them back. Any failure is an error naming the GPU, the cgroup
+// and the NVML error; the limits already set are released first so a
+// failed container leaves nothing reserved.
+func Apply(lib nvml.Interface, cgroup string, l Limits) error {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		return fmt.Errorf("apply GPU memory limits to cgroup %s: nvmlInit: %w", cgroup, ret)
+	}
+	defer func() { _ = lib.Shutdown() }()
+	soft, hard := l.RequestMiB*mebibyte, l.LimitMiB*mebibyte
+	var done []nvml.Device
+	for _, uuid := range l.Devices {
+		dev, ret := lib.DeviceGetHandleByUUID(uuid)
+		if ret != nvml.SUCCESS {
+			return errors.Join(fmt.Errorf("GPU %s for cgroup %s: nvmlDeviceGetHandleByUUID: %w", uuid, cgroup, ret), release(done, cgroup))
+		}
+		if ret := dev.SetMemoryLimits_v1(cgroup, soft, hard); ret != nvml.SUCCESS {
+			return errors.Join(fmt.Errorf("GPU %s: set memory limits (soft %dMi, hard %dMi) for cgroup %s: nvmlDeviceSetMemoryLimits_v1: %w",
+				uuid, l.RequestMiB, l.LimitMiB, cgroup, ret), release(done, cgroup))
+		}
+		done = append(done, dev)
+		got, ret := dev.GetMemoryLimits_v1(cgroup)
+		if ret != nvml.SUCCESS {
+			return errors.Join(fmt.Errorf("GPU %s: read back memory limits of cgroup %s: nvmlDeviceGetMemoryLimits_v1: %w", uuid, cgroup, ret), release(done, cgroup))
+		}
+		if got.SoftLimit != soft || got.HardLimit != hard {
+			return errors.Join(fmt.Errorf("GPU %s: cgroup %s has soft %d and hard %d bytes after setting %d and %d",
+				uuid, cgroup, got.SoftLimit, got.HardLimit, soft, hard), release(done, cgroup))
+		}
+	}
+	return nil
+}
+
+// release zeroes the soft limit, which otherwise stays reserved up the
+// cgroup tree after the container's cgroup goes away; the hard limit stays
+// as it is until the cgroup is gone.
+func release(devs []nvml.Device, cgroup string) error {
+	var errs []error
+	for _, dev := range devs {
+		uuid, _ := dev.GetUUID()
+		current, ret := dev.GetMemoryLimits_v1(cgroup)
+		if ret != nvml.SUCCESS {
+			errs = append(errs, fmt.Errorf("GPU %s: read memory limits of cgroup %s to release them: %w", uuid, cgroup, ret))
+			continue
+		}
+		if ret := dev.SetMemoryLimits_v1(cgroup, 0, current.HardLimit); ret != nvml.SUCCESS {
+			errs = append(errs, fmt.Errorf("GPU %s: release the soft memory limit of cgroup %s: %w", uuid, cgroup, ret))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Release zeroes cgroup's limits on every device, at container stop.
+func Release(lib nvml.Interface, cgroup string, devices []string) error {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		return fmt.Errorf("release GPU memory limits of cgroup %s: nvmlInit: %w", cgroup, ret)
+	}
+	defer func() { _ = lib.Shutdown() }()
+	var devs []nvml.Device
+	var errs []error
+	for _, uuid := range devices {
+		dev, ret := lib.DeviceGetHandleByUUID(uuid)
+		if ret != nvml.SUCCESS {
+			errs = append(errs, fmt.Errorf("GPU %s: nvmlDeviceGetHandleByUUID: %w", uuid, ret))
+			continue
+		}
+		devs = append(devs, dev)
+	}
+	return errors.Join(append(errs, release(devs, cgroup))...)
+}
