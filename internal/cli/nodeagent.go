@@ -12,6 +12,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
@@ -48,6 +49,9 @@ with no GPU, kubelet or container runtime.`,
 			if opts.NodeName == "" {
 				return errors.New("--node-name is required (in a DaemonSet: the downward API's spec.nodeName)")
 			}
+			if err := injection.CheckBackendFlag(opts.MemoryLimits); err != nil {
+				return err
+			}
 			if opts.ResyncPeriod < time.Second {
 				return fmt.Errorf("--resync-period %s must be at least 1s", opts.ResyncPeriod)
 			}
@@ -72,6 +76,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringVar(&opts.StateDir, "state-dir", "/var/lib/gpufrac", "directory for the agent's state and sockets")
 	f.BoolVar(&opts.FailOpen, "fail-open", false, "start fractional containers that cannot be enforced WITHOUT a GPU instead of refusing them")
+	f.StringVar(&opts.MemoryLimits, "memory-limits", "auto", "how to enforce GPU memory limits: auto (the strongest the driver allows), driver (gpufrac's hook; r615/CUDA 13.4), toolkit (NVIDIA Container Toolkit's CDI hook), mps-pinned (MPS client limit only; weak) or off (node not ready for fractions unless --fail-open)")
 	f.BoolVar(&opts.PublishGPULabels, "publish-gpu-labels", false, "set nvidia.com/gpu.count/.memory/.product where GPU Feature Discovery has not")
 	f.StringVar(&opts.Injection.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "gpufrac binary on the host, run as the createRuntime hook that applies memory limits; empty: no hook")
 	f.StringVar(&opts.Injection.MPSPipeDir, "mps-pipe-dir", "/run/gpufrac/mps", "host directory of the MPS control daemon's pipes")

@@ -175,7 +175,7 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	state := publish.State{Inventory: inv, PublishGPULabels: true}
+	state := publish.State{Inventory: inv, Backend: injection.BackendMPSPinned, PublishGPULabels: true}
 	read := func() *corev1.Node {
 		n, err := shared.admin.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
 		if err != nil {
@@ -283,7 +283,10 @@ func TestNodeAgentSimulated(t *testing.T) {
 		t.Errorf("agent not ready: %v", err)
 	}
 	n, _ := shared.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
-	if n.Labels[publish.LabelGPUCount] != "8" || n.Labels[publish.LabelGPUProduct] != "NVIDIA-H200-141GB-HBM3e" {
+	// The mock machine's driver (550) predates driver limits: auto picks
+	// the weak MPS limits and says so.
+	if n.Labels[publish.LabelGPUCount] != "8" || n.Labels[publish.LabelGPUProduct] != "NVIDIA-H200-141GB-HBM3e" ||
+		n.Labels[publish.LabelEnforcement] != "mps-pinned" {
 		t.Errorf("inventory labels = %v", n.Labels)
 	}
 

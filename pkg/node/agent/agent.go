@@ -52,9 +52,13 @@ type Options struct {
 	StateDir         string
 	FailOpen         bool
 	PublishGPULabels bool
-	Injection        injection.Config
-	HealthAddr       string
-	ResyncPeriod     time.Duration
+	// MemoryLimits is --memory-limits: auto or one of injection.Backends.
+	MemoryLimits string
+	// Injection is the node's injection configuration; its Backend is
+	// chosen by the agent from MemoryLimits and the driver.
+	Injection    injection.Config
+	HealthAddr   string
+	ResyncPeriod time.Duration
 }
 
 // Agent is one node's agent.
@@ -70,7 +74,12 @@ type Agent struct {
 
 // New builds an agent for opts over client.
 func New(opts Options, client kubernetes.Interface) *Agent {
+	if opts.MemoryLimits == "" {
+		opts.MemoryLimits = "auto"
+	}
 	a := &Agent{opts: opts, client: client}
+	// Until the first inventory says which backend the driver allows, the
+	// backend is unset and fractional containers are refused.
 	a.plugin = nriplugin.New(nriplugin.Options{Injection: opts.Injection, FailOpen: opts.FailOpen, Reporter: a, Evictor: a})
 	return a
 }
@@ -184,8 +193,19 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 		a.setPublished(false)
 		return
 	}
+	capability := inventory.EnforcementNone
+	if invErr == nil {
+		capability = inv.Capability()
+	}
+	backend, backendErr := injection.ChooseBackend(a.opts.MemoryLimits, capability)
+	cfg := a.opts.Injection
+	cfg.Backend = backend
+	a.plugin.SetInjection(cfg)
+	if backendErr != nil {
+		logger.Error(backendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")
+	}
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
-		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
+		Backend: backend, BackendErr: backendErr, FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
 	if err := publish.Apply(ctx, a.client, a.opts.NodeName, publish.Compute(state, node.Labels)); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)

@@ -6,6 +6,7 @@ package injection
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -13,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
 // Environment variables the node sets. Pod-provided values of all of them
@@ -46,11 +48,72 @@ const (
 // createRuntime hook to apply driver memory limits.
 var HookCommand = []string{"hook", "apply-memory-limits"}
 
+// Backend is how a node enforces fractional containers' memory limits.
+type Backend string
+
+// The backends, strongest first.
+const (
+	// BackendDriver: the createRuntime hook sets per-cgroup soft and hard
+	// limits in the driver (CUDA 13.4, driver r615, kernel dmem controller).
+	BackendDriver Backend = "driver"
+	// BackendToolkit: NVIDIA Container Toolkit's CDI hook sets the same
+	// driver limits from NVIDIA_GPU_MEMORY_REQUEST/_LIMIT.
+	BackendToolkit Backend = "toolkit"
+	// BackendMPSPinned: only MPS's client-side pinned limit
+	// (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), which a process can bypass. Weak.
+	BackendMPSPinned Backend = "mps-pinned"
+	// BackendOff: no enforcement; fractional containers are refused (or,
+	// failing open, get no GPU).
+	BackendOff Backend = "off"
+)
+
+// Backends are the values --memory-limits accepts besides "auto".
+var Backends = []Backend{BackendDriver, BackendToolkit, BackendMPSPinned, BackendOff}
+
+// CheckBackendFlag validates --memory-limits before the node is known.
+func CheckBackendFlag(flag string) error {
+	if flag == "auto" || slices.Contains(Backends, Backend(flag)) {
+		return nil
+	}
+	return fmt.Errorf("--memory-limits %q: must be auto, driver, toolkit, mps-pinned or off", flag)
+}
+
+// ChooseBackend resolves --memory-limits against what the node can do:
+// "auto" takes the strongest available; an explicit choice the node cannot
+// honour is an error (the node then reports not ready), never a silent
+// downgrade.
+func ChooseBackend(flag string, capability inventory.Enforcement) (Backend, error) {
+	switch Backend(flag) {
+	case "auto":
+		switch capability {
+		case inventory.EnforcementDriver:
+			return BackendDriver, nil
+		case inventory.EnforcementMPSPinned:
+			return BackendMPSPinned, nil
+		}
+		return BackendOff, nil
+	case BackendDriver, BackendToolkit:
+		if capability != inventory.EnforcementDriver {
+			return BackendOff, fmt.Errorf("--memory-limits=%s needs driver memory limits (driver r615 and CUDA 13.4), and this node can do %q", flag, capability)
+		}
+		return Backend(flag), nil
+	case BackendMPSPinned:
+		if capability == inventory.EnforcementNone {
+			return BackendOff, fmt.Errorf("--memory-limits=mps-pinned needs a working GPU driver, and this node can do %q", capability)
+		}
+		return BackendMPSPinned, nil
+	case BackendOff:
+		return BackendOff, nil
+	}
+	return BackendOff, CheckBackendFlag(flag)
+}
+
 // Config is what the node contributes to every injection.
 type Config struct {
+	// Backend enforces the memory limits; see ChooseBackend.
+	Backend Backend
 	// HookPath is the gpufrac binary on the host the runtime runs as the
-	// createRuntime hook; "" adds no hook (enforcement left to another
-	// backend, such as the Container Toolkit's CDI hook).
+	// createRuntime hook of the driver backend.
 	HookPath string
 	// MPSPipeDir is the host directory of the MPS control daemon's pipes,
 	// mounted into sm-sharing containers.
@@ -85,6 +148,17 @@ func Adjust(annotations map[string]string, container string, env []string, cfg C
 		}
 		if a.Mode == api.SMSharing && cfg.MPSPipeDir == "" {
 			return nil, fmt.Errorf("container %q: sm-sharing needs MPS, and this node has no MPS pipe directory configured", container)
+		}
+		switch cfg.Backend {
+		case BackendDriver:
+			if cfg.HookPath == "" {
+				return nil, fmt.Errorf("container %q: the driver memory-limit backend needs the hook binary (--hook-path)", container)
+			}
+		case BackendToolkit, BackendMPSPinned:
+		case BackendOff:
+			return nil, fmt.Errorf("container %q: this node enforces no GPU memory limits (memory-limit backend off)", container)
+		default:
+			return nil, fmt.Errorf("container %q: no memory-limit backend is in effect on this node yet", container)
 		}
 		inject(adj, a, env, cfg)
 		return adj, nil
@@ -137,7 +211,7 @@ func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, env []string, cfg
 		setEnv(adj, EnvLibraryPath, mergePath(ContainerShimDir, lookup(env, EnvLibraryPath)))
 	}
 
-	if cfg.HookPath != "" {
+	if cfg.Backend == BackendDriver {
 		adj.AddHooks(&nriapi.Hooks{CreateRuntime: []*nriapi.Hook{{
 			Path: cfg.HookPath,
 			Args: append([]string{cfg.HookPath}, HookCommand...),

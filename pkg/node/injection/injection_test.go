@@ -6,9 +6,11 @@ import (
 
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
-var cfg = Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib"}
+var cfg = Config{Backend: BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib"}
 
 // finalEnv applies an adjustment's env edits to env, as the runtime does.
 func finalEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
@@ -186,6 +188,57 @@ func BenchmarkAdjust(b *testing.B) {
 	for b.Loop() {
 		if _, err := Adjust(ann, "main", env, cfg); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+func TestChooseBackend(t *testing.T) {
+	tests := []struct {
+		flag       string
+		capability inventory.Enforcement
+		want       Backend
+		wantErr    bool
+	}{
+		{"auto", inventory.EnforcementDriver, BackendDriver, false},
+		{"auto", inventory.EnforcementMPSPinned, BackendMPSPinned, false},
+		{"auto", inventory.EnforcementNone, BackendOff, false},
+		{"driver", inventory.EnforcementDriver, BackendDriver, false},
+		{"driver", inventory.EnforcementMPSPinned, BackendOff, true},
+		{"toolkit", inventory.EnforcementDriver, BackendToolkit, false},
+		{"toolkit", inventory.EnforcementNone, BackendOff, true},
+		{"mps-pinned", inventory.EnforcementDriver, BackendMPSPinned, false},
+		{"mps-pinned", inventory.EnforcementNone, BackendOff, true},
+		{"off", inventory.EnforcementDriver, BackendOff, false},
+		{"strict", inventory.EnforcementDriver, BackendOff, true},
+	}
+	for _, tt := range tests {
+		got, err := ChooseBackend(tt.flag, tt.capability)
+		if got != tt.want || (err != nil) != tt.wantErr {
+			t.Errorf("ChooseBackend(%q, %q) = %q, %v; want %q, error %v", tt.flag, tt.capability, got, err, tt.want, tt.wantErr)
+		}
+	}
+}
+
+func TestBackendsShapeTheInjection(t *testing.T) {
+	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
+	for _, b := range []Backend{BackendToolkit, BackendMPSPinned} {
+		c := cfg
+		c.Backend = b
+		adj, err := Adjust(ann, "main", nil, c)
+		if err != nil {
+			t.Fatalf("%s: %v", b, err)
+		}
+		if len(adj.GetHooks().GetCreateRuntime()) != 0 {
+			t.Errorf("%s backend added the driver hook", b)
+		}
+		env := finalEnv(nil, adj)
+		if env["NVIDIA_GPU_MEMORY_LIMIT"] != "1024" || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] != "0=1024M" {
+			t.Errorf("%s backend env = %v", b, env)
+		}
+	}
+	for _, c := range []Config{{Backend: BackendOff}, {}, {Backend: BackendDriver}} {
+		if _, err := Adjust(ann, "main", nil, c); err == nil {
+			t.Errorf("config %+v injected a fraction it cannot enforce", c)
 		}
 	}
 }

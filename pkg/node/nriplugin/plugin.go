@@ -66,11 +66,21 @@ type Options struct {
 // Plugin implements the NRI hooks the node agent needs.
 type Plugin struct {
 	opts       Options
+	injection  atomic.Pointer[injection.Config]
 	registered atomic.Bool
 }
 
 // New returns a plugin; Run connects it to the runtime.
-func New(opts Options) *Plugin { return &Plugin{opts: opts} }
+func New(opts Options) *Plugin {
+	p := &Plugin{opts: opts}
+	p.SetInjection(opts.Injection)
+	return p
+}
+
+// SetInjection replaces the node configuration used from the next
+// container on, e.g. once the agent knows which memory-limit backend the
+// driver allows.
+func (p *Plugin) SetInjection(cfg injection.Config) { p.injection.Store(&cfg) }
 
 // Registered reports whether the runtime has accepted the plugin and
 // synchronized it (from then on it sees every container creation), for
@@ -123,7 +133,7 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 
 // CreateContainer injects the container's GPU share, or refuses it.
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
-	adj, err := injection.Adjust(pod.GetAnnotations(), ctr.GetName(), ctr.GetEnv(), p.opts.Injection)
+	adj, err := injection.Adjust(pod.GetAnnotations(), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
 	if err == nil {
 		return adj, nil, nil
 	}
@@ -184,7 +194,7 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 // CreateContainer would have injected; "" means it is enforced (or needs
 // nothing).
 func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
-	adj, err := injection.Adjust(pod.GetAnnotations(), ctr.GetName(), ctr.GetEnv(), p.opts.Injection)
+	adj, err := injection.Adjust(pod.GetAnnotations(), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
 	if err != nil {
 		if p.opts.FailOpen && envValue(ctr.GetEnv(), injection.EnvVisibleDevices) == "void" {
 			return ""

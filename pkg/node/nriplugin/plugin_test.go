@@ -113,7 +113,7 @@ func startPlugin(t *testing.T, rt *runtime, opts Options) *Plugin {
 	return p
 }
 
-var cfg = injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
+var cfg = injection.Config{Backend: injection.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
 
 func sandbox(id, name string, annotations map[string]string) *nriapi.PodSandbox {
 	return &nriapi.PodSandbox{Id: id, Name: name, Namespace: "ml", Uid: "uid-" + id, Annotations: annotations}

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
@@ -30,8 +31,8 @@ const (
 	LabelGPUProduct     = "nvidia.com/gpu.product"
 	LabelDriverVersion  = "gpufrac.io/driver-version"
 	LabelCUDAVersion    = "gpufrac.io/cuda-version"
-	LabelEnforcement    = "gpufrac.io/memory-enforcement"
-	LabelInventoryOwner = "gpufrac.io/gpu-labels" // "agent" when the agent wrote nvidia.com/gpu.*
+	LabelEnforcement    = "gpufrac.io/memory-enforcement" // the backend in effect: driver, toolkit, mps-pinned or none
+	LabelInventoryOwner = "gpufrac.io/gpu-labels"         // "agent" when the agent wrote nvidia.com/gpu.*
 )
 
 // Reasons of the Ready condition.
@@ -42,6 +43,7 @@ const (
 	ReasonNoGPUs        = "NoGPUs"
 	ReasonNRI           = "NRIPluginNotRegistered"
 	ReasonNoEnforcement = "NoMemoryEnforcement"
+	ReasonBackend       = "MemoryLimitsUnavailable"
 	ReasonMixedGPUs     = "MixedGPUModels"
 )
 
@@ -51,6 +53,10 @@ type State struct {
 	InventoryErr error
 	// NRIRegistered: the runtime has accepted the NRI plugin.
 	NRIRegistered bool
+	// Backend is the memory-limit backend in effect; BackendErr says why
+	// the one the operator asked for cannot be used.
+	Backend    injection.Backend
+	BackendErr error
 	// FailOpen: the operator lets unenforceable containers run without a GPU.
 	FailOpen bool
 	// PublishGPULabels: write nvidia.com/gpu.* where GFD has not.
@@ -72,13 +78,15 @@ func Compute(s State, current map[string]string) Desired {
 		Condition: corev1.NodeCondition{Type: ConditionReady, Status: status, Reason: reason, Message: message},
 		Labels:    map[string]*string{},
 	}
-	enforcement := inventory.EnforcementNone
+	enforcement := "none"
 	if s.InventoryErr == nil {
-		enforcement = s.Inventory.Capability()
 		d.Labels[LabelDriverVersion] = ptr(labelValue(s.Inventory.DriverVersion))
 		d.Labels[LabelCUDAVersion] = ptr(s.Inventory.CUDAVersion())
+		if s.Backend != "" && s.Backend != injection.BackendOff {
+			enforcement = string(s.Backend)
+		}
 	}
-	d.Labels[LabelEnforcement] = ptr(string(enforcement))
+	d.Labels[LabelEnforcement] = ptr(enforcement)
 
 	gfdOwned := current[LabelGPUProduct] != "" && current[LabelInventoryOwner] != "agent"
 	if s.PublishGPULabels && !gfdOwned && s.InventoryErr == nil && len(s.Inventory.GPUs) > 0 {
@@ -102,18 +110,21 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 	case !s.NRIRegistered:
 		return corev1.ConditionFalse, ReasonNRI, "the gpufrac NRI plugin is not registered with the container runtime, so limits cannot be injected"
 	}
-	capability := s.Inventory.Capability()
+	versions := fmt.Sprintf("driver %s, CUDA %s", s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
 	switch {
-	case capability == inventory.EnforcementNone && s.FailOpen:
-		return corev1.ConditionTrue, ReasonFailOpen, "no memory enforcement is possible; fail-open is configured, so fractional containers run without a GPU"
-	case capability == inventory.EnforcementNone:
-		return corev1.ConditionFalse, ReasonNoEnforcement, "no memory enforcement is possible on this driver"
-	case capability == inventory.EnforcementMPSPinned:
-		return corev1.ConditionTrue, ReasonReady, fmt.Sprintf("memory limits: MPS pinned-memory limits only (driver %s, CUDA %s; driver enforcement needs r615 and CUDA 13.4); a process can bypass them",
-			s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
+	case (s.Backend == injection.BackendOff || s.Backend == "") && s.FailOpen:
+		return corev1.ConditionTrue, ReasonFailOpen, "no memory enforcement in effect; fail-open is configured, so fractional containers run without a GPU"
+	case s.BackendErr != nil:
+		return corev1.ConditionFalse, ReasonBackend, s.BackendErr.Error()
+	case s.Backend == injection.BackendOff || s.Backend == "":
+		return corev1.ConditionFalse, ReasonNoEnforcement, "no GPU memory enforcement is in effect on this node (" + versions + ")"
+	case s.Backend == injection.BackendMPSPinned:
+		return corev1.ConditionTrue, ReasonReady, "memory limits: MPS pinned-memory limits only (" + versions +
+			"; driver enforcement needs r615 and CUDA 13.4); a process can bypass them"
+	case s.Backend == injection.BackendToolkit:
+		return corev1.ConditionTrue, ReasonReady, "memory limits: driver-enforced per container by NVIDIA Container Toolkit's CDI hook (" + versions + ")"
 	}
-	return corev1.ConditionTrue, ReasonReady, fmt.Sprintf("memory limits: driver-enforced per container (driver %s, CUDA %s)",
-		s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
+	return corev1.ConditionTrue, ReasonReady, "memory limits: driver-enforced per container by the gpufrac hook (" + versions + ")"
 }
 
 func mixedModels(gpus []inventory.GPU) bool {
