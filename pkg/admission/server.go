@@ -2,15 +2,14 @@ package admission
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
-	"net/http"
-	"time"
 
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/webhook"
+
+	"github.com/gpufrac/gpufrac/internal/health"
 )
 
 // ServerOptions configure the admission webhook server.
@@ -51,7 +50,9 @@ func (s *Server) Start(ctx context.Context) error {
 	errs := make(chan error, 2)
 	go func() { errs <- s.webhook.Start(ctx) }()
 	if s.opts.HealthAddr != "" {
-		go func() { errs <- s.serveHealth(ctx) }()
+		go func() {
+			errs <- health.Serve(ctx, s.opts.HealthAddr, func() error { return s.StartedChecker()(nil) })
+		}()
 	}
 	logger.Info("Serving admission webhooks", "address", net.JoinHostPort(s.opts.Host, fmt.Sprint(s.opts.Port)),
 		"certDir", s.opts.CertDir, "health", s.opts.HealthAddr, "schedulerUsers", s.opts.Identity.Users)
@@ -62,20 +63,3 @@ func (s *Server) Start(ctx context.Context) error {
 
 // StartedChecker reports ready once the TLS endpoint accepts connections.
 func (s *Server) StartedChecker() healthz.Checker { return s.webhook.StartedChecker() }
-
-func (s *Server) serveHealth(ctx context.Context) error {
-	mux := http.NewServeMux()
-	mux.Handle("/healthz", http.StripPrefix("/healthz", &healthz.Handler{Checks: map[string]healthz.Checker{"ping": healthz.Ping}}))
-	mux.Handle("/readyz", http.StripPrefix("/readyz", &healthz.Handler{Checks: map[string]healthz.Checker{"webhook": s.StartedChecker()}}))
-	srv := &http.Server{Addr: s.opts.HealthAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		<-ctx.Done()
-		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(shutdown)
-	}()
-	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return fmt.Errorf("health endpoint %s: %w", s.opts.HealthAddr, err)
-	}
-	return nil
-}

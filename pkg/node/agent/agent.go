@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
 	"path/filepath"
 	"sync"
@@ -27,6 +26,7 @@ import (
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/internal/health"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
@@ -109,7 +109,12 @@ func (a *Agent) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); a.plugin.Serve(ctx, nriSocket, time.Second, 30*time.Second) }()
 	if a.opts.HealthAddr != "" {
 		wg.Add(1)
-		go func() { defer wg.Done(); a.serveHealth(ctx) }()
+		go func() {
+			defer wg.Done()
+			if err := health.Serve(ctx, a.opts.HealthAddr, a.Ready); err != nil {
+				logger.Error(err, "Health endpoint failed")
+			}
+		}()
 	}
 
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
@@ -249,28 +254,6 @@ func (a *Agent) Ready() error {
 		return errors.New("node state not published to the API server")
 	}
 	return nil
-}
-
-func (a *Agent) serveHealth(ctx context.Context) {
-	mux := http.NewServeMux()
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) })
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if err := a.Ready(); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
-		}
-		_, _ = w.Write([]byte("ok"))
-	})
-	srv := &http.Server{Addr: a.opts.HealthAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		<-ctx.Done()
-		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(shutdown)
-	}()
-	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		klog.FromContext(ctx).Error(err, "Health endpoint failed", "address", a.opts.HealthAddr)
-	}
 }
 
 func podRef(p nriplugin.PodRef) *corev1.ObjectReference {

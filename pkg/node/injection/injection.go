@@ -225,6 +225,25 @@ func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, env []string, cfg
 	}
 }
 
+// ApplyEnv returns the environment env (KEY=VALUE entries) becomes once
+// adj's removals and additions are applied, as the runtime applies them.
+// The plugin's audit compares running containers with it.
+func ApplyEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
+	out := make(map[string]string, len(env))
+	for _, kv := range env {
+		k, v, _ := strings.Cut(kv, "=")
+		out[k] = v
+	}
+	for _, kv := range adj.GetEnv() {
+		if k, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
+			delete(out, k)
+		} else {
+			out[kv.Key] = kv.Value
+		}
+	}
+	return out
+}
+
 // setEnv replaces whatever the pod (or another plugin) set for key.
 func setEnv(adj *nriapi.ContainerAdjustment, key, value string) {
 	adj.RemoveEnv(key)

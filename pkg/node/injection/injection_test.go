@@ -4,30 +4,12 @@ import (
 	"strings"
 	"testing"
 
-	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
 var cfg = Config{Backend: BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib"}
-
-// finalEnv applies an adjustment's env edits to env, as the runtime does.
-func finalEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
-	out := map[string]string{}
-	for _, kv := range env {
-		k, v, _ := strings.Cut(kv, "=")
-		out[k] = v
-	}
-	for _, kv := range adj.GetEnv() {
-		if k, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
-			delete(out, k)
-			continue
-		}
-		out[kv.Key] = kv.Value
-	}
-	return out
-}
 
 func TestAdjust(t *testing.T) {
 	hostile := []string{
@@ -131,7 +113,7 @@ func TestAdjust(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if diff := cmp.Diff(tt.wantEnv, finalEnv(tt.env, adj)); diff != "" {
+			if diff := cmp.Diff(tt.wantEnv, ApplyEnv(tt.env, adj)); diff != "" {
 				t.Errorf("environment (-want +got):\n%s", diff)
 			}
 			var hookEnv []string
@@ -172,7 +154,7 @@ func TestSMSharingNeedsMPS(t *testing.T) {
 }
 
 func TestFailOpenInjectsNoGPU(t *testing.T) {
-	env := finalEnv([]string{"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=1"}, FailOpen())
+	env := ApplyEnv([]string{"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=1"}, FailOpen())
 	if diff := cmp.Diff(map[string]string{"NVIDIA_VISIBLE_DEVICES": "void"}, env); diff != "" {
 		t.Errorf("(-want +got):\n%s", diff)
 	}
@@ -231,7 +213,7 @@ func TestBackendsShapeTheInjection(t *testing.T) {
 		if len(adj.GetHooks().GetCreateRuntime()) != 0 {
 			t.Errorf("%s backend added the driver hook", b)
 		}
-		env := finalEnv(nil, adj)
+		env := ApplyEnv(nil, adj)
 		if env["NVIDIA_GPU_MEMORY_LIMIT"] != "1024" || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] != "0=1024M" {
 			t.Errorf("%s backend env = %v", b, env)
 		}

@@ -204,15 +204,12 @@ func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Containe
 	if adj == nil {
 		return ""
 	}
-	for _, kv := range adj.GetEnv() {
-		if _, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
-			continue
-		}
-		switch kv.Key {
-		case injection.EnvVisibleDevices, injection.EnvMemoryRequest, injection.EnvMemoryLimit, injection.EnvMPSThreads:
-			if got := envValue(ctr.GetEnv(), kv.Key); got != kv.Value {
-				return fmt.Sprintf("%s is %q, want %q", kv.Key, got, kv.Value)
-			}
+	// The container's environment must already be what the injection
+	// would make it, for the variables that carry the limits.
+	want := injection.ApplyEnv(ctr.GetEnv(), adj)
+	for _, key := range []string{injection.EnvVisibleDevices, injection.EnvMemoryRequest, injection.EnvMemoryLimit, injection.EnvMPSThreads} {
+		if got := envValue(ctr.GetEnv(), key); got != want[key] {
+			return fmt.Sprintf("%s is %q, want %q", key, got, want[key])
 		}
 	}
 	return ""

@@ -123,22 +123,6 @@ func container(id, pod, name string, env ...string) *nriapi.Container {
 	return &nriapi.Container{Id: id, PodSandboxId: pod, Name: name, Env: env, State: nriapi.ContainerState_CONTAINER_RUNNING}
 }
 
-func applyEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
-	out := map[string]string{}
-	for _, kv := range env {
-		k, v, _ := strings.Cut(kv, "=")
-		out[k] = v
-	}
-	for _, kv := range adj.GetEnv() {
-		if k, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
-			delete(out, k)
-		} else {
-			out[kv.Key] = kv.Value
-		}
-	}
-	return out
-}
-
 var scheduled = map[string]string{
 	"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-a",
 	"nvidia.com/container.main.gpu-memory.request": "40448Mi", "nvidia.com/container.main.gpu-memory.limit": "60672Mi",
@@ -163,7 +147,7 @@ func TestCreateContainerOverNRI(t *testing.T) {
 		"NVIDIA_VISIBLE_DEVICES": "GPU-a", "NVIDIA_GPU_MEMORY_REQUEST": "40448", "NVIDIA_GPU_MEMORY_LIMIT": "60672",
 		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=60672M", "PATH": "/bin",
 	}
-	if diff := cmp.Diff(want, applyEnv(ctr.Env, resp.GetAdjust())); diff != "" {
+	if diff := cmp.Diff(want, injection.ApplyEnv(ctr.Env, resp.GetAdjust())); diff != "" {
 		t.Errorf("container environment (-want +got):\n%s", diff)
 	}
 	hooks := resp.GetAdjust().GetHooks().GetCreateRuntime()
@@ -210,7 +194,7 @@ func TestFailOpenStartsWithoutGPU(t *testing.T) {
 	if err != nil {
 		t.Fatalf("fail-open refused: %v", err)
 	}
-	if env := applyEnv(ctr.Env, resp.GetAdjust()); env["NVIDIA_VISIBLE_DEVICES"] != "void" {
+	if env := injection.ApplyEnv(ctr.Env, resp.GetAdjust()); env["NVIDIA_VISIBLE_DEVICES"] != "void" {
 		t.Errorf("fail-open container sees GPUs: %v", env)
 	}
 	if got := rec.get(&rec.failedOpen); !cmp.Equal(got, []string{"sneaky/main"}) {
