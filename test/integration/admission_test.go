@@ -36,8 +36,25 @@ const (
 type webhookEnv struct {
 	admin, alice, scheduler *kubernetes.Clientset
 	adminConfig             *rest.Config
+	serving                 admission.ServerOptions
 	stopWebhook             context.CancelFunc
 	webhookDone             chan error
+}
+
+// startWebhook serves the webhooks on the address and certificates envtest
+// registered, and waits until they answer.
+func (w *webhookEnv) startWebhook() error {
+	srv := admission.NewServer(w.serving)
+	ctx, cancel := context.WithCancel(context.Background())
+	w.stopWebhook, w.webhookDone = cancel, make(chan error, 1)
+	go func() { w.webhookDone <- srv.Start(ctx) }()
+	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return srv.StartedChecker()(nil) == nil, nil
+	}); err != nil {
+		cancel()
+		return fmt.Errorf("webhook server did not start: %w", err)
+	}
+	return nil
 }
 
 var shared *webhookEnv
@@ -67,7 +84,7 @@ func runWithEnv(m *testing.M) (int, error) {
 	}
 	defer func() { _ = env.Stop() }()
 
-	w := &webhookEnv{webhookDone: make(chan error, 1)}
+	w := &webhookEnv{}
 	if w.admin, w.adminConfig, err = testenv.User(env, "admin", "system:masters"); err != nil {
 		return 0, err
 	}
@@ -78,19 +95,14 @@ func runWithEnv(m *testing.M) (int, error) {
 		return 0, err
 	}
 	o := env.WebhookInstallOptions
-	srv := admission.NewServer(admission.ServerOptions{
+	w.serving = admission.ServerOptions{
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
 		Identity: admission.Identity{Users: []string{schedulerUser}}, SchedulerName: schedulerName,
-	})
-	ctx, cancel := context.WithCancel(context.Background())
-	w.stopWebhook = cancel
-	go func() { w.webhookDone <- srv.Start(ctx) }()
-	defer cancel()
-	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-		return srv.StartedChecker()(nil) == nil, nil
-	}); err != nil {
-		return 0, fmt.Errorf("webhook server did not start: %w", err)
 	}
+	if err := w.startWebhook(); err != nil {
+		return 0, err
+	}
+	defer func() { w.stopWebhook() }()
 	shared = w
 	return m.Run(), nil
 }
@@ -222,6 +234,7 @@ func TestValidPodAdmittedAndNormalised(t *testing.T) {
 
 func TestWorkloadTemplatesRejectedAtCreate(t *testing.T) {
 	ctx := context.Background()
+	ns := createNamespace(t, "workloads")
 	template := func(annotations map[string]string) corev1.PodTemplateSpec {
 		return corev1.PodTemplateSpec{
 			ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "x"}, Annotations: annotations},
@@ -234,7 +247,7 @@ func TestWorkloadTemplatesRejectedAtCreate(t *testing.T) {
 		d.Spec.Template.Spec.RestartPolicy = corev1.RestartPolicyAlways
 		return d
 	}
-	deps := shared.alice.AppsV1().Deployments("default")
+	deps := shared.alice.AppsV1().Deployments(ns)
 	_, err := deps.Create(ctx, deployment("bad", map[string]string{"gpu-fraction": "1.5"}), metav1.CreateOptions{})
 	deniedWith(t, err, "workloads.validate.gpufrac.io", `container "main": gpu-fraction "1.5" must be greater than 0 and less than 1`)
 
@@ -254,14 +267,14 @@ func TestWorkloadTemplatesRejectedAtCreate(t *testing.T) {
 
 	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "train"}, Spec: batchv1.JobSpec{Template: template(map[string]string{"gpu-memory": "4Gi"})}}
 	job.Spec.Template.Labels = nil
-	_, err = shared.alice.BatchV1().Jobs("default").Create(ctx, job, metav1.CreateOptions{})
+	_, err = shared.alice.BatchV1().Jobs(ns).Create(ctx, job, metav1.CreateOptions{})
 	deniedWith(t, err, "workloads.validate.gpufrac.io",
 		`container "main": gpu-memory "4Gi" must be a positive whole number of MiB without a unit, such as 4096`)
 
 	cron := &batchv1.CronJob{ObjectMeta: metav1.ObjectMeta{Name: "nightly"}, Spec: batchv1.CronJobSpec{Schedule: "0 3 * * *",
 		JobTemplate: batchv1.JobTemplateSpec{Spec: batchv1.JobSpec{Template: template(map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-1"})}}}}
 	cron.Spec.JobTemplate.Spec.Template.Labels = nil
-	_, err = shared.alice.BatchV1().CronJobs("default").Create(ctx, cron, metav1.CreateOptions{})
+	_, err = shared.alice.BatchV1().CronJobs(ns).Create(ctx, cron, metav1.CreateOptions{})
 	deniedWith(t, err, "cronjobs.validate.gpufrac.io",
 		`container "main": nvidia.com/container.main.gpus.devices "GPU-1" is written by the scheduler and cannot be set in a manifest: remove it`)
 
@@ -269,7 +282,7 @@ func TestWorkloadTemplatesRejectedAtCreate(t *testing.T) {
 	// conditions (an error there would fail closed on every such Job).
 	bare := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "bare"}, Spec: batchv1.JobSpec{Template: template(nil)}}
 	bare.Spec.Template.ObjectMeta = metav1.ObjectMeta{}
-	if _, err := shared.alice.BatchV1().Jobs("default").Create(ctx, bare, metav1.CreateOptions{}); err != nil {
+	if _, err := shared.alice.BatchV1().Jobs(ns).Create(ctx, bare, metav1.CreateOptions{}); err != nil {
 		t.Errorf("plain job denied: %v", err)
 	}
 }

@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"path/filepath"
 	"testing"
@@ -57,12 +58,20 @@ func gpuPod(ns, name string, devices ...string) *podresourcesv1.PodResources {
 	}}}
 }
 
-func createNamespace(t *testing.T, name string) {
+// createNamespace makes a fresh namespace named after prefix, so the
+// tests also pass when run again against the same API server (-count).
+func createNamespace(t *testing.T, prefix string) string {
 	t.Helper()
-	if _, err := shared.admin.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+	ns, err := shared.admin.CoreV1().Namespaces().Create(context.Background(),
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: prefix + "-"}}, metav1.CreateOptions{})
+	if err != nil {
 		t.Fatal(err)
 	}
+	return ns.Name
 }
+
+// uniqueName suffixes a cluster-scoped name (nodes) per run.
+func uniqueName(name string) string { return fmt.Sprintf("%s-%d", name, time.Now().UnixNano()) }
 
 func reservationPod(t *testing.T, ns, name, node string) {
 	t.Helper()
@@ -84,13 +93,13 @@ func reservedGPU(t *testing.T, ns, name string) string {
 
 func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
 	ctx := context.Background()
-	createNamespace(t, "gpufrac-reserve-a")
-	reservationPod(t, "gpufrac-reserve-a", "node-1-gpu-group-0", "node-1")
-	reservationPod(t, "gpufrac-reserve-a", "node-1-gpu-group-1", "node-1") // not admitted by the kubelet yet
-	reservationPod(t, "gpufrac-reserve-a", "node-2-gpu-group-0", "node-2") // another node's
+	ns := createNamespace(t, "gpufrac-reserve-a")
+	reservationPod(t, ns, "node-1-gpu-group-0", "node-1")
+	reservationPod(t, ns, "node-1-gpu-group-1", "node-1") // not admitted by the kubelet yet
+	reservationPod(t, ns, "node-2-gpu-group-0", "node-2") // another node's
 
 	k := &kubelet{pods: []*podresourcesv1.PodResources{
-		gpuPod("gpufrac-reserve-a", "node-1-gpu-group-0", "GPU-1111"),
+		gpuPod(ns, "node-1-gpu-group-0", "GPU-1111"),
 		gpuPod("default", "whole-gpu-job", "GPU-2222"),
 	}}
 	source, err := reservation.DialKubelet(serveKubelet(t, k))
@@ -98,34 +107,34 @@ func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = source.Close() }()
-	a := &reservation.Annotator{Client: shared.admin, Node: "node-1", Namespace: "gpufrac-reserve-a", Source: source}
+	a := &reservation.Annotator{Client: shared.admin, Node: "node-1", Namespace: ns, Source: source}
 	n, err := a.Sync(ctx)
 	if err != nil || n != 1 {
 		t.Fatalf("Sync = %d, %v; want 1 annotated", n, err)
 	}
-	if got := reservedGPU(t, "gpufrac-reserve-a", "node-1-gpu-group-0"); got != "GPU-1111" {
+	if got := reservedGPU(t, ns, "node-1-gpu-group-0"); got != "GPU-1111" {
 		t.Errorf("reserved GPU = %q, want GPU-1111", got)
 	}
 	for _, name := range []string{"node-1-gpu-group-1", "node-2-gpu-group-0"} {
-		if got := reservedGPU(t, "gpufrac-reserve-a", name); got != "" {
+		if got := reservedGPU(t, ns, name); got != "" {
 			t.Errorf("%s annotated with %q before the kubelet assigned it a GPU on this node", name, got)
 		}
 	}
 
 	// The kubelet admits the second pod; a resync annotates it and leaves
 	// the first alone.
-	k.pods = append(k.pods, gpuPod("gpufrac-reserve-a", "node-1-gpu-group-1", "GPU-3333"))
+	k.pods = append(k.pods, gpuPod(ns, "node-1-gpu-group-1", "GPU-3333"))
 	if n, err := a.Sync(ctx); err != nil || n != 1 {
 		t.Fatalf("second Sync = %d, %v", n, err)
 	}
-	if got := reservedGPU(t, "gpufrac-reserve-a", "node-1-gpu-group-1"); got != "GPU-3333" {
+	if got := reservedGPU(t, ns, "node-1-gpu-group-1"); got != "GPU-3333" {
 		t.Errorf("reserved GPU = %q, want GPU-3333", got)
 	}
 }
 
 func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
 	ctx := context.Background()
-	createNamespace(t, "gpufrac-reserve-b")
+	ns := createNamespace(t, "gpufrac-reserve-b")
 	lib, err := inventory.Simulated("dgxh100")
 	if err != nil {
 		t.Fatal(err)
@@ -138,9 +147,9 @@ func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
 	for _, g := range inv.GPUs {
 		uuids = append(uuids, g.UUID)
 	}
-	a := &reservation.Annotator{Client: shared.admin, Node: "sim-1", Namespace: "gpufrac-reserve-b", Simulated: &reservation.Simulated{GPUs: uuids}}
+	a := &reservation.Annotator{Client: shared.admin, Node: "sim-1", Namespace: ns, Simulated: &reservation.Simulated{GPUs: uuids}}
 	for _, name := range []string{"r0", "r1", "r2"} {
-		reservationPod(t, "gpufrac-reserve-b", name, "sim-1")
+		reservationPod(t, ns, name, "sim-1")
 		time.Sleep(1100 * time.Millisecond) // distinct creation timestamps (second resolution)
 		if _, err := a.Sync(ctx); err != nil {
 			t.Fatal(err)
@@ -148,7 +157,7 @@ func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
 	}
 	seen := map[string]string{}
 	for i, name := range []string{"r0", "r1", "r2"} {
-		got := reservedGPU(t, "gpufrac-reserve-b", name)
+		got := reservedGPU(t, ns, name)
 		if got != uuids[i] {
 			t.Errorf("%s holds %q, want the lowest free GPU %q", name, got, uuids[i])
 		}
@@ -161,7 +170,7 @@ func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
 
 func TestNodeConditionAndLabels(t *testing.T) {
 	ctx := context.Background()
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-node-publish", Labels: map[string]string{"team": "ml"}}}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: uniqueName("gpu-node-publish"), Labels: map[string]string{"team": "ml"}}}
 	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -247,15 +256,15 @@ func TestNodeConditionAndLabels(t *testing.T) {
 func TestNodeAgentSimulated(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	const nodeName = "sim-agent-node"
+	nodeName := uniqueName("sim-agent-node")
 	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	createNamespace(t, "gpufrac-reserve-c")
-	reservationPod(t, "gpufrac-reserve-c", "sim-agent-node-gpu-group-0", nodeName)
+	ns := createNamespace(t, "gpufrac-reserve-c")
+	reservationPod(t, ns, "gpu-group-0", nodeName)
 
 	a := agent.New(agent.Options{
-		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: "gpufrac-reserve-c",
+		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: ns,
 		StateDir: t.TempDir(), PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
 		Injection: injection.Config{MPSPipeDir: "/run/gpufrac/mps"},
 	}, shared.admin)
@@ -275,7 +284,7 @@ func TestNodeAgentSimulated(t *testing.T) {
 		return corev1.NodeCondition{}
 	}
 	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-		return readyCondition().Status == corev1.ConditionTrue && reservedGPU(t, "gpufrac-reserve-c", "sim-agent-node-gpu-group-0") != "", nil
+		return readyCondition().Status == corev1.ConditionTrue && reservedGPU(t, ns, "gpu-group-0") != "", nil
 	}); err != nil {
 		t.Fatalf("node never became ready with its reservation annotated: condition %+v", readyCondition())
 	}
@@ -303,18 +312,18 @@ func TestNodeAgentSimulated(t *testing.T) {
 func TestNodeAgentEventsAndEvictions(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	const nodeName = "sim-events-node"
+	nodeName := uniqueName("sim-events-node")
 	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	createNamespace(t, "agent-events")
-	victim := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "unenforced", Namespace: "agent-events"},
+	ns := createNamespace(t, "agent-events")
+	victim := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "unenforced", Namespace: ns},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "cuda"}}}}
-	victim, err := shared.admin.CoreV1().Pods("agent-events").Create(ctx, victim, metav1.CreateOptions{})
+	victim, err := shared.admin.CoreV1().Pods(ns).Create(ctx, victim, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := agent.New(agent.Options{NodeName: nodeName, SimulateGPUs: "dgxa100", ReservationNamespace: "agent-events",
+	a := agent.New(agent.Options{NodeName: nodeName, SimulateGPUs: "dgxa100", ReservationNamespace: ns,
 		StateDir: t.TempDir(), ResyncPeriod: time.Second}, shared.admin)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()
@@ -333,7 +342,7 @@ func TestNodeAgentEventsAndEvictions(t *testing.T) {
 	ref := nriplugin.PodRef{Namespace: victim.Namespace, Name: victim.Name, UID: string(victim.UID)}
 	a.Refused(ref, "main", errors.New("no scheduler decision"))
 	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		events, err := shared.admin.CoreV1().Events("agent-events").List(ctx, metav1.ListOptions{})
+		events, err := shared.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -356,7 +365,7 @@ func TestNodeAgentEventsAndEvictions(t *testing.T) {
 	if err := a.Evict(ctx, ref, "test"); err != nil {
 		t.Fatalf("evict: %v", err)
 	}
-	if _, err := shared.admin.CoreV1().Pods("agent-events").Get(ctx, victim.Name, metav1.GetOptions{}); err == nil {
+	if _, err := shared.admin.CoreV1().Pods(ns).Get(ctx, victim.Name, metav1.GetOptions{}); err == nil {
 		t.Error("evicted pod still exists")
 	}
 }

@@ -14,7 +14,7 @@ import (
 )
 
 // This file is named to sort last: go test runs files in name order, and
-// this test stops the shared webhook server.
+// this test stops the shared webhook server (it starts it again when done).
 
 // Runs last (it stops the webhook server): the scope of the configurations
 // keeps ordinary pods flowing through an outage, while fractional pods
@@ -22,6 +22,11 @@ import (
 func TestZZWebhookOutage(t *testing.T) {
 	ctx := context.Background()
 	shared.stopWebhook()
+	t.Cleanup(func() {
+		if err := shared.startWebhook(); err != nil {
+			t.Errorf("restart the webhook server: %v", err)
+		}
+	})
 	select {
 	case err := <-shared.webhookDone:
 		if err != nil {
