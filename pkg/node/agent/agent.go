@@ -27,6 +27,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
@@ -48,8 +49,10 @@ type Options struct {
 	PodResourcesSocket string
 	// ReservationNamespace holds the reservation pods.
 	ReservationNamespace string
-	// StateDir holds the agent's sockets and state.
-	StateDir         string
+	// StateDir holds the agent's sockets and state (the GPU memory leases).
+	StateDir string
+	// ProcRoot is where the host's /proc is, to find containers' cgroups.
+	ProcRoot         string
 	FailOpen         bool
 	PublishGPULabels bool
 	// MemoryLimits is --memory-limits: auto or one of injection.Backends.
@@ -77,6 +80,9 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	if opts.MemoryLimits == "" {
 		opts.MemoryLimits = "auto"
 	}
+	if opts.ProcRoot == "" {
+		opts.ProcRoot = "/proc"
+	}
 	a := &Agent{opts: opts, client: client}
 	// Until the first inventory says which backend the driver allows, the
 	// backend is unset and fractional containers are refused.
@@ -103,6 +109,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopRuntime()
+	leases, err := enforce.OpenLeases(filepath.Join(a.opts.StateDir, "leases.json"))
+	if err != nil {
+		return err
+	}
+	a.plugin.EnableLimitLifecycle(lib, a.opts.ProcRoot, leases)
 
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -276,6 +287,15 @@ func (a *Agent) FailedOpen(pod nriplugin.PodRef, container string, err error) {
 func (a *Agent) Evicted(pod nriplugin.PodRef, container, reason string) {
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
 		"evicted: container %s runs without its GPU-fraction enforcement (%s)", container, reason)
+}
+
+// ReleaseFailed records an Event on the pod.
+func (a *Agent) ReleaseFailed(pod nriplugin.PodRef, container string, err error) {
+	if pod.Name == "" {
+		return // a lease of a pod already gone: the agent's log has it
+	}
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUMemoryReleaseFailed",
+		"container %s stopped but its GPU soft limit could not be released: %v", container, err)
 }
 
 // Evict evicts a pod through the Eviction API.

@@ -118,16 +118,43 @@ func Apply(lib nvml.Interface, cgroup string, l Limits) error {
 				uuid, l.RequestMiB, l.LimitMiB, cgroup, ret), release(done, cgroup))
 		}
 		done = append(done, dev)
-		got, ret := dev.GetMemoryLimits_v1(cgroup)
-		if ret != nvml.SUCCESS {
-			return errors.Join(fmt.Errorf("GPU %s: read back memory limits of cgroup %s: nvmlDeviceGetMemoryLimits_v1: %w", uuid, cgroup, ret), release(done, cgroup))
-		}
-		if got.SoftLimit != soft || got.HardLimit != hard {
-			return errors.Join(fmt.Errorf("GPU %s: cgroup %s has soft %d and hard %d bytes after setting %d and %d",
-				uuid, cgroup, got.SoftLimit, got.HardLimit, soft, hard), release(done, cgroup))
+		if err := check(dev, uuid, cgroup, soft, hard); err != nil {
+			return errors.Join(err, release(done, cgroup))
 		}
 	}
 	return nil
+}
+
+// check reads a cgroup's limits on one device back and compares them.
+func check(dev nvml.Device, uuid, cgroup string, soft, hard uint64) error {
+	got, ret := dev.GetMemoryLimits_v1(cgroup)
+	if ret != nvml.SUCCESS {
+		return fmt.Errorf("GPU %s: read back memory limits of cgroup %s: nvmlDeviceGetMemoryLimits_v1: %w", uuid, cgroup, ret)
+	}
+	if got.SoftLimit != soft || got.HardLimit != hard {
+		return fmt.Errorf("GPU %s: cgroup %s has soft %dMi and hard %dMi, want %dMi and %dMi",
+			uuid, cgroup, got.SoftLimit/mebibyte, got.HardLimit/mebibyte, soft/mebibyte, hard/mebibyte)
+	}
+	return nil
+}
+
+// Verify checks, after the container started, that the driver still holds
+// its limits on every device (nothing reset or bypassed them).
+func Verify(lib nvml.Interface, cgroup string, l Limits) error {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		return fmt.Errorf("verify GPU memory limits of cgroup %s: nvmlInit: %w", cgroup, ret)
+	}
+	defer func() { _ = lib.Shutdown() }()
+	var errs []error
+	for _, uuid := range l.Devices {
+		dev, ret := lib.DeviceGetHandleByUUID(uuid)
+		if ret != nvml.SUCCESS {
+			errs = append(errs, fmt.Errorf("GPU %s: nvmlDeviceGetHandleByUUID: %w", uuid, ret))
+			continue
+		}
+		errs = append(errs, check(dev, uuid, cgroup, l.RequestMiB*mebibyte, l.LimitMiB*mebibyte))
+	}
+	return errors.Join(errs...)
 }
 
 // release zeroes the soft limit, which otherwise stays reserved up the

@@ -4,55 +4,17 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
-	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/gpus"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+
+	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 )
 
-// driver is the per-cgroup limit table the r615 driver keeps, behind
-// go-nvml's mock devices (the real one needs a GPU and the dmem
-// controller). failSet makes SetMemoryLimits_v1 fail on one GPU.
-type driver struct {
-	mu      sync.Mutex
-	limits  map[string]nvml.MemoryLimits_v1 // uuid/cgroup →
-	failSet string
-}
-
-func newMachine(t *testing.T, n int) (*server.Server, *driver, []string) {
+func newMachine(t *testing.T, n int) (*server.Server, *enforcetest.Driver, []string) {
 	t.Helper()
-	s := dgxh100.NewWithGPUs(gpus.Multiple(n, gpus.H100_SXM5_80GB)...)
-	d := &driver{limits: map[string]nvml.MemoryLimits_v1{}}
-	var uuids []string
-	for _, dev := range s.Devices {
-		dev := dev.(*server.Device)
-		uuid := dev.UUID
-		uuids = append(uuids, uuid)
-		dev.SetMemoryLimits_v1Func = func(cgroup string, soft, hard uint64) nvml.Return {
-			d.mu.Lock()
-			defer d.mu.Unlock()
-			if uuid == d.failSet {
-				return nvml.ERROR_NOT_SUPPORTED
-			}
-			d.limits[uuid+cgroup] = nvml.MemoryLimits_v1{NameSpace: cgroup, SoftLimit: soft, HardLimit: hard}
-			return nvml.SUCCESS
-		}
-		dev.GetMemoryLimits_v1Func = func(cgroup string) (nvml.MemoryLimits_v1, nvml.Return) {
-			d.mu.Lock()
-			defer d.mu.Unlock()
-			return d.limits[uuid+cgroup], nvml.SUCCESS
-		}
-	}
-	return s, d, uuids
-}
-
-func (d *driver) get(uuid, cgroup string) nvml.MemoryLimits_v1 {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.limits[uuid+cgroup]
+	return enforcetest.NewMachine(n)
 }
 
 const cg = "/kubepods.slice/kubepods-burstable.slice/cri-containerd-abc.scope"
@@ -64,26 +26,26 @@ func TestApplySetsSoftAndHardOnEveryDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, u := range uuids[1:3] {
-		if got := d.get(u, cg); got.SoftLimit != 40448<<20 || got.HardLimit != 60672<<20 {
+		if got := d.Get(u, cg); got.SoftLimit != 40448<<20 || got.HardLimit != 60672<<20 {
 			t.Errorf("GPU %s: %+v", u, got)
 		}
 	}
 	for _, u := range []string{uuids[0], uuids[3]} {
-		if got := d.get(u, cg); got != (nvml.MemoryLimits_v1{}) {
+		if got := d.Get(u, cg); got != (nvml.MemoryLimits_v1{}) {
 			t.Errorf("GPU %s not assigned but limited: %+v", u, got)
 		}
 	}
 	if err := Release(lib, cg, uuids[1:3]); err != nil {
 		t.Fatal(err)
 	}
-	if got := d.get(uuids[1], cg); got.SoftLimit != 0 || got.HardLimit != 60672<<20 {
+	if got := d.Get(uuids[1], cg); got.SoftLimit != 0 || got.HardLimit != 60672<<20 {
 		t.Errorf("after release: %+v, want soft 0 and the hard limit kept", got)
 	}
 }
 
 func TestApplyFailsClosedAndReleasesWhatItSet(t *testing.T) {
 	lib, d, uuids := newMachine(t, 2)
-	d.failSet = uuids[1]
+	d.FailSet = uuids[1]
 	err := Apply(lib, cg, Limits{Devices: uuids, RequestMiB: 1024, LimitMiB: 2048})
 	if err == nil {
 		t.Fatal("Apply succeeded although the driver refused")
@@ -93,7 +55,7 @@ func TestApplyFailsClosedAndReleasesWhatItSet(t *testing.T) {
 			t.Errorf("error %q does not name %q", err, want)
 		}
 	}
-	if got := d.get(uuids[0], cg); got.SoftLimit != 0 {
+	if got := d.Get(uuids[0], cg); got.SoftLimit != 0 {
 		t.Errorf("first GPU keeps a soft limit after the failure: %+v", got)
 	}
 
@@ -165,5 +127,23 @@ func TestReadState(t *testing.T) {
 	}
 	if _, err := ReadState(strings.NewReader(`not json`)); err == nil {
 		t.Error("garbage accepted")
+	}
+}
+
+func TestVerifyDetectsMissingOrChangedLimits(t *testing.T) {
+	lib, d, uuids := newMachine(t, 2)
+	l := Limits{Devices: uuids, RequestMiB: 1024, LimitMiB: 2048}
+	if err := Verify(lib, cg, l); err == nil || !strings.Contains(err.Error(), "has soft 0Mi and hard 0Mi, want 1024Mi and 2048Mi") {
+		t.Errorf("limits never set: %v", err)
+	}
+	if err := Apply(lib, cg, l); err != nil {
+		t.Fatal(err)
+	}
+	if err := Verify(lib, cg, l); err != nil {
+		t.Errorf("limits as set: %v", err)
+	}
+	d.Set(uuids[1], cg, nvml.MemoryLimits_v1{SoftLimit: 1024 << 20, HardLimit: 80 << 30})
+	if err := Verify(lib, cg, l); err == nil || !strings.Contains(err.Error(), "GPU "+uuids[1]) {
+		t.Errorf("raised hard limit not detected: %v", err)
 	}
 }

@@ -11,10 +11,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/containerd/nri/pkg/stub"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 )
 
@@ -45,6 +49,9 @@ type Reporter interface {
 	// Evicted: a running container lacked its enforcement and its pod was
 	// evicted.
 	Evicted(pod PodRef, container, reason string)
+	// ReleaseFailed: a stopped container's soft limit could not be
+	// released, so its reservation stays charged up the cgroup tree.
+	ReleaseFailed(pod PodRef, container string, err error)
 }
 
 // Evictor evicts a pod (through the Eviction API, so disruption budgets
@@ -61,6 +68,14 @@ type Options struct {
 	FailOpen bool
 	Reporter Reporter
 	Evictor  Evictor
+	// NVML, ProcRoot and Leases serve the driver backend's lifecycle:
+	// after start the limits are read back from the container's cgroup
+	// (found through ProcRoot/<pid>/cgroup), and at stop its soft limit is
+	// released. Leases remember which cgroup holds which GPUs across
+	// restarts of the agent. Nil NVML or Leases disables both.
+	NVML     nvml.Interface
+	ProcRoot string
+	Leases   *enforce.Leases
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -75,6 +90,12 @@ func New(opts Options) *Plugin {
 	p := &Plugin{opts: opts}
 	p.SetInjection(opts.Injection)
 	return p
+}
+
+// EnableLimitLifecycle turns on post-start verification and release at
+// stop for the driver backend. Call it before Run or Serve.
+func (p *Plugin) EnableLimitLifecycle(lib nvml.Interface, procRoot string, leases *enforce.Leases) {
+	p.opts.NVML, p.opts.ProcRoot, p.opts.Leases = lib, procRoot, leases
 }
 
 // SetInjection replaces the node configuration used from the next
@@ -152,6 +173,105 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), err)
 }
 
+// PostStartContainer verifies, for the driver backend, that the limits the
+// hook set are in force on the started container's cgroup, and records
+// the lease to release at stop. A container whose limits are not in force
+// is evicted: it must not keep running unlimited.
+func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	cfg := p.injection.Load()
+	if cfg.Backend != injection.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
+		return nil
+	}
+	a, ok := assignmentOf(pod, ctr)
+	if !ok {
+		return nil
+	}
+	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+	limits := enforce.Limits{Container: a.Container, Devices: a.Devices, RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)}
+	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
+	if err == nil {
+		if perr := p.opts.Leases.Put(ctr.GetId(), enforce.Lease{Pod: pod.GetNamespace() + "/" + pod.GetName(), Cgroup: cgroup, Devices: a.Devices}); perr != nil {
+			logger.Error(perr, "Cannot record the GPU memory lease; its soft limit may not be released at stop")
+		}
+		err = enforce.Verify(p.opts.NVML, cgroup, limits)
+	}
+	if err == nil {
+		return nil
+	}
+	reason := "GPU memory limits not in force after start: " + err.Error()
+	logger.Info("Evicting a pod whose GPU memory limits are not in force", "reason", reason)
+	if p.opts.Evictor != nil {
+		if eerr := p.opts.Evictor.Evict(ctx, refOf(pod), reason); eerr != nil {
+			logger.Error(eerr, "Eviction failed; the container keeps running without verified limits")
+			return nil
+		}
+	}
+	if p.opts.Reporter != nil {
+		p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
+	}
+	return nil
+}
+
+// StopContainer releases the stopping container's soft limit before its
+// cgroup goes away. It never fails the stop.
+func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
+	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
+	return nil, nil
+}
+
+func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
+	if p.opts.NVML == nil || p.opts.Leases == nil {
+		return
+	}
+	logger := klog.FromContext(ctx)
+	lease, ok, err := p.opts.Leases.Take(id)
+	if err != nil {
+		logger.Error(err, "Cannot update the GPU memory leases")
+	}
+	if !ok {
+		return
+	}
+	if err := enforce.Release(p.opts.NVML, lease.Cgroup, lease.Devices); err != nil {
+		logger.Error(err, "Cannot release a stopped container's GPU soft limit", "pod", lease.Pod, "container", name)
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.ReleaseFailed(pod, name, err)
+		}
+	}
+}
+
+// releaseVanished releases the leases of containers the runtime no longer
+// runs (they stopped while the agent was away). An empty list from the
+// runtime is not taken as "nothing runs": leases are then kept.
+func (p *Plugin) releaseVanished(ctx context.Context, ctrs []*nriapi.Container) {
+	if p.opts.Leases == nil || len(ctrs) == 0 {
+		return
+	}
+	running := map[string]bool{}
+	for _, c := range ctrs {
+		if c.GetState() != nriapi.ContainerState_CONTAINER_STOPPED {
+			running[c.GetId()] = true
+		}
+	}
+	for _, id := range p.opts.Leases.IDs() {
+		if !running[id] {
+			p.release(ctx, PodRef{}, id, id)
+		}
+	}
+}
+
+func assignmentOf(pod *nriapi.PodSandbox, ctr *nriapi.Container) (api.Assignment, bool) {
+	assignments, err := api.ParseAssignments(pod.GetAnnotations(), &corev1.PodSpec{})
+	if err != nil {
+		return api.Assignment{}, false
+	}
+	for _, a := range assignments {
+		if a.Container == ctr.GetName() {
+			return a, true
+		}
+	}
+	return api.Assignment{}, false
+}
+
 // Synchronize audits the containers that run already when the plugin
 // (re)connects: any fractional container created without its injection
 // (the agent was down, or the plugin was not registered yet) is evicted so
@@ -186,6 +306,7 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 			p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
 		}
 	}
+	p.releaseVanished(ctx, ctrs)
 	p.registered.Store(true)
 	return nil, nil
 }

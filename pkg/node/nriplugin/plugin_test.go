@@ -6,16 +6,20 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/containerd/nri/pkg/adaptation"
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 )
 
@@ -58,8 +62,8 @@ func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs [
 
 // recorder is the Reporter and Evictor of the tests.
 type recorder struct {
-	mu                         sync.Mutex
-	refused, failedOpen, evict []string
+	mu                                        sync.Mutex
+	refused, failedOpen, evict, releaseFailed []string
 }
 
 func (r *recorder) Refused(pod PodRef, c string, err error) {
@@ -69,6 +73,9 @@ func (r *recorder) FailedOpen(pod PodRef, c string, err error) {
 	r.add(&r.failedOpen, pod.Name+"/"+c)
 }
 func (r *recorder) Evicted(PodRef, string, string) {}
+func (r *recorder) ReleaseFailed(pod PodRef, c string, err error) {
+	r.add(&r.releaseFailed, pod.Name+"/"+c+": "+err.Error())
+}
 func (r *recorder) Evict(_ context.Context, pod PodRef, reason string) error {
 	r.add(&r.evict, pod.Name+": "+reason)
 	return nil
@@ -87,6 +94,14 @@ func (r *recorder) get(list *[]string) []string {
 func startPlugin(t *testing.T, rt *runtime, opts Options) *Plugin {
 	t.Helper()
 	p := New(opts)
+	connect(t, p, rt)
+	return p
+}
+
+// connect runs p against rt until the test ends, and waits until the
+// runtime invokes it.
+func connect(t *testing.T, p *Plugin, rt *runtime) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- p.Run(ctx, rt.socket) }()
@@ -110,7 +125,6 @@ func startPlugin(t *testing.T, rt *runtime, opts Options) *Plugin {
 	}); err != nil {
 		t.Fatalf("runtime never invoked the plugin: %v", err)
 	}
-	return p
 }
 
 var cfg = injection.Config{Backend: injection.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
@@ -336,4 +350,128 @@ func runHelperRuntime(sock, stateJSON string) {
 		panic(err)
 	}
 	select {}
+}
+
+// The driver backend's lifecycle: after start the limits the hook set are
+// read back from the container's cgroup; a container without them is
+// evicted; at stop the soft limit is released; leases survive a restart
+// of the agent and are released for containers that vanished meanwhile.
+func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
+	lib, drv, uuids := enforcetest.NewMachine(2)
+	proc := t.TempDir()
+	cgroups := map[int]string{101: "/kubepods/pod-a/ctr-1", 102: "/kubepods/pod-b/ctr-2"}
+	for pid, cg := range cgroups {
+		dir := filepath.Join(proc, strconv.Itoa(pid))
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "cgroup"), []byte("0::"+cg+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	leasePath := filepath.Join(t.TempDir(), "leases.json")
+	leases, err := enforce.OpenLeases(leasePath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	p := New(Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	p.EnableLimitLifecycle(lib, proc, leases)
+	connect(t, p, rt)
+	ctx := context.Background()
+
+	annotations := func(uuid string) map[string]string {
+		return map[string]string{"nvidia.com/container.main.gpus.devices": uuid,
+			"nvidia.com/container.main.gpu-memory.request": "1Gi", "nvidia.com/container.main.gpu-memory.limit": "2Gi"}
+	}
+	// Container 1: the hook ran (the runtime would run it between create
+	// and start), so its limits are in force.
+	podA, ctr1 := sandbox("pa", "enforced", annotations(uuids[0])), container("c1", "pa", "main")
+	ctr1.Pid = 101
+	if err := enforce.Apply(lib, cgroups[101], enforce.Limits{Devices: []string{uuids[0]}, RequestMiB: 1024, LimitMiB: 2048}); err != nil {
+		t.Fatal(err)
+	}
+	// Container 2: its limits are not in force.
+	podB, ctr2 := sandbox("pb", "unenforced", annotations(uuids[1])), container("c2", "pb", "main")
+	ctr2.Pid = 102
+	for _, pc := range []struct {
+		pod *nriapi.PodSandbox
+		ctr *nriapi.Container
+	}{{podA, ctr1}, {podB, ctr2}} {
+		if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pc.pod}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pc.pod, Container: pc.ctr}); err != nil {
+			t.Fatal(err)
+		}
+		if err := rt.PostStartContainer(ctx, &nriapi.PostStartContainerRequest{Pod: pc.pod, Container: pc.ctr}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	evictions := rec.get(&rec.evict)
+	if len(evictions) != 1 || !strings.HasPrefix(evictions[0], "unenforced: GPU memory limits not in force after start: GPU "+uuids[1]) {
+		t.Fatalf("evictions = %v", evictions)
+	}
+	if ids := leases.IDs(); !cmp.Equal(ids, []string{"c1", "c2"}) {
+		t.Errorf("leases = %v", ids)
+	}
+
+	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: podA, Container: ctr1}); err != nil {
+		t.Fatal(err)
+	}
+	if got := drv.Get(uuids[0], cgroups[101]); got.SoftLimit != 0 || got.HardLimit != 2048<<20 {
+		t.Errorf("after stop: %+v, want the soft limit released", got)
+	}
+
+	// The agent restarts: the lease of container 2 is still on disk. The
+	// runtime now runs only some other container, so container 2 is gone
+	// and its lease is released on synchronization.
+	drv.Set(uuids[1], cgroups[102], nvml.MemoryLimits_v1{SoftLimit: 1 << 30, HardLimit: 2 << 30})
+	reloaded, err := enforce.OpenLeases(leasePath)
+	if err != nil || !cmp.Equal(reloaded.IDs(), []string{"c2"}) {
+		t.Fatalf("reloaded leases = %v, %v", reloaded.IDs(), err)
+	}
+	rt2 := startRuntime(t, []*nriapi.PodSandbox{sandbox("px", "other", nil)}, []*nriapi.Container{container("cx", "px", "web")})
+	p2 := New(Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	p2.EnableLimitLifecycle(lib, proc, reloaded)
+	connect(t, p2, rt2)
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return len(reloaded.IDs()) == 0, nil
+	}); err != nil {
+		t.Fatalf("vanished container's lease not released: %v", reloaded.IDs())
+	}
+	if got := drv.Get(uuids[1], cgroups[102]); got.SoftLimit != 0 {
+		t.Errorf("vanished container keeps its soft limit: %+v", got)
+	}
+}
+
+// An empty resync keeps the leases: it may be a runtime that has not
+// caught up, and dropping them would leak every soft limit.
+func TestEmptyResyncKeepsLeases(t *testing.T) {
+	lib, _, uuids := enforcetest.NewMachine(1)
+	leases, err := enforce.OpenLeases(filepath.Join(t.TempDir(), "leases.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := leases.Put("c1", enforce.Lease{Pod: "ml/x", Cgroup: "/kubepods/x", Devices: uuids}); err != nil {
+		t.Fatal(err)
+	}
+	rt := startRuntime(t, nil, nil)
+	p := New(Options{Injection: cfg})
+	p.EnableLimitLifecycle(lib, t.TempDir(), leases)
+	connect(t, p, rt)
+	if ids := leases.IDs(); !cmp.Equal(ids, []string{"c1"}) {
+		t.Errorf("leases after an empty resync = %v", ids)
+	}
+}
+
+func TestCorruptLeasesAreNotDiscarded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "leases.json")
+	if err := os.WriteFile(path, []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := enforce.OpenLeases(path); err == nil || !strings.Contains(err.Error(), "corrupt") {
+		t.Errorf("corrupt leases: %v", err)
+	}
 }

@@ -1,0 +1,96 @@
+package enforce
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+)
+
+// Lease records that a container's cgroup holds memory limits on some
+// GPUs, so the agent can release them when the container stops, also
+// after the agent itself restarted.
+type Lease struct {
+	Pod     string   `json:"pod"` // namespace/name, for logs and events
+	Cgroup  string   `json:"cgroup"`
+	Devices []string `json:"devices"`
+}
+
+// Leases is the agent's persistent table of leases by container ID.
+type Leases struct {
+	path string
+	mu   sync.Mutex
+	m    map[string]Lease
+}
+
+// OpenLeases loads the table from path, or starts an empty one when the
+// file does not exist. A file that cannot be read is an error: dropping it
+// would leak every soft limit it records.
+func OpenLeases(path string) (*Leases, error) {
+	l := &Leases{path: path, m: map[string]Lease{}}
+	data, err := os.ReadFile(path)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return l, nil
+	case err != nil:
+		return nil, fmt.Errorf("read GPU memory leases %s: %w", path, err)
+	}
+	if err := json.Unmarshal(data, &l.m); err != nil {
+		return nil, fmt.Errorf("GPU memory leases %s are corrupt (%w): fix or move the file; it is not discarded because it records limits still to release", path, err)
+	}
+	return l, nil
+}
+
+// Put records a lease and persists the table.
+func (l *Leases) Put(id string, lease Lease) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.m[id] = lease
+	return l.save()
+}
+
+// Take removes and returns a lease, persisting the table.
+func (l *Leases) Take(id string) (Lease, bool, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	lease, ok := l.m[id]
+	if !ok {
+		return Lease{}, false, nil
+	}
+	delete(l.m, id)
+	return lease, true, l.save()
+}
+
+// IDs lists the containers holding leases, sorted.
+func (l *Leases) IDs() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ids := make([]string, 0, len(l.m))
+	for id := range l.m {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	return ids
+}
+
+// save writes the table atomically (a crash leaves the old or the new one).
+func (l *Leases) save() error {
+	data, err := json.MarshalIndent(l.m, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(l.path), 0o750); err != nil {
+		return err
+	}
+	tmp := l.path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return fmt.Errorf("write GPU memory leases: %w", err)
+	}
+	if err := os.Rename(tmp, l.path); err != nil {
+		return fmt.Errorf("write GPU memory leases: %w", err)
+	}
+	return nil
+}
