@@ -11,9 +11,13 @@ import (
 )
 
 // Serve answers /healthz while the process runs and /readyz while ready
-// returns nil (with its error otherwise), on addr, until ctx ends.
-func Serve(ctx context.Context, addr string, ready func() error) error {
+// returns nil (with its error otherwise), plus any extra handlers (such as
+// /metrics), on addr, until ctx ends.
+func Serve(ctx context.Context, addr string, ready func() error, extra map[string]http.Handler) error {
 	mux := http.NewServeMux()
+	for path, h := range extra {
+		mux.Handle(path, h)
+	}
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) })
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if err := ready(); err != nil {

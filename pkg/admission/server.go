@@ -51,7 +51,7 @@ func (s *Server) Start(ctx context.Context) error {
 	go func() { errs <- s.webhook.Start(ctx) }()
 	if s.opts.HealthAddr != "" {
 		go func() {
-			errs <- health.Serve(ctx, s.opts.HealthAddr, func() error { return s.StartedChecker()(nil) })
+			errs <- health.Serve(ctx, s.opts.HealthAddr, func() error { return s.StartedChecker()(nil) }, nil)
 		}()
 	}
 	logger.Info("Serving admission webhooks", "address", net.JoinHostPort(s.opts.Host, fmt.Sprint(s.opts.Port)),

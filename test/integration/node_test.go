@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -263,8 +266,9 @@ func TestNodeAgentSimulated(t *testing.T) {
 	ns := createNamespace(t, "gpufrac-reserve-c")
 	reservationPod(t, ns, "gpu-group-0", nodeName)
 
+	healthAddr := freeAddr(t)
 	a := agent.New(agent.Options{
-		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: ns,
+		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: ns, HealthAddr: healthAddr,
 		StateDir: t.TempDir(), PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
 		Injection: injection.Config{MPSPipeDir: "/run/gpufrac/mps"},
 	}, shared.admin)
@@ -297,6 +301,20 @@ func TestNodeAgentSimulated(t *testing.T) {
 	if n.Labels[publish.LabelGPUCount] != "8" || n.Labels[publish.LabelGPUProduct] != "NVIDIA-H200-141GB-HBM3e" ||
 		n.Labels[publish.LabelEnforcement] != "mps-pinned" {
 		t.Errorf("inventory labels = %v", n.Labels)
+	}
+
+	for path, want := range map[string]string{
+		"/readyz":  "ok",
+		"/healthz": "ok",
+		"/metrics": `gpufrac_memory_enforcement{backend="mps-pinned"} 1`,
+	} {
+		body := httpGet(t, "http://"+healthAddr+path)
+		if !strings.Contains(body, want) {
+			t.Errorf("GET %s: %q lacks %q", path, body, want)
+		}
+	}
+	if body := httpGet(t, "http://"+healthAddr+"/metrics"); strings.Count(body, "gpufrac_gpu_memory_total_bytes{") != 8 || !strings.Contains(body, "gpufrac_node_ready 1") {
+		t.Errorf("metrics lack the 8 GPUs or readiness:\n%s", body)
 	}
 
 	cancel()
@@ -368,4 +386,28 @@ func TestNodeAgentEventsAndEvictions(t *testing.T) {
 	if _, err := shared.admin.CoreV1().Pods(ns).Get(ctx, victim.Name, metav1.GetOptions{}); err == nil {
 		t.Error("evicted pod still exists")
 	}
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = l.Close() }()
+	return l.Addr().String()
+}
+
+func httpGet(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url) //nolint:gosec,noctx // a test against a local server
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(body)
 }

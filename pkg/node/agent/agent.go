@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/containerd/nri/pkg/adaptation"
 	nriapi "github.com/containerd/nri/pkg/api"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -30,6 +32,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/metrics"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
@@ -70,6 +73,8 @@ type Agent struct {
 	client   kubernetes.Interface
 	plugin   *nriplugin.Plugin
 	recorder record.EventRecorder
+	metrics  *metrics.Metrics
+	leases   *enforce.Leases
 
 	mu        sync.Mutex
 	published bool // the last publish reached the API server
@@ -83,7 +88,7 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	if opts.ProcRoot == "" {
 		opts.ProcRoot = "/proc"
 	}
-	a := &Agent{opts: opts, client: client}
+	a := &Agent{opts: opts, client: client, metrics: metrics.New()}
 	// Until the first inventory says which backend the driver allows, the
 	// backend is unset and fractional containers are refused.
 	a.plugin = nriplugin.New(nriplugin.Options{Injection: opts.Injection, FailOpen: opts.FailOpen, Reporter: a, Evictor: a})
@@ -114,6 +119,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	a.plugin.EnableLimitLifecycle(lib, a.opts.ProcRoot, leases)
+	a.leases = leases
 
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -122,7 +128,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := health.Serve(ctx, a.opts.HealthAddr, a.Ready); err != nil {
+			metricsHandler := promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{})
+			if err := health.Serve(ctx, a.opts.HealthAddr, a.Ready, map[string]http.Handler{"/metrics": metricsHandler}); err != nil {
 				logger.Error(err, "Health endpoint failed")
 			}
 		}()
@@ -222,7 +229,10 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	}
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
 		Backend: backend, BackendErr: backendErr, FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
-	if err := publish.Apply(ctx, a.client, a.opts.NodeName, publish.Compute(state, node.Labels)); err != nil {
+	desired := publish.Compute(state, node.Labels)
+	a.metrics.Node(inv, backend, desired.Condition.Status == corev1.ConditionTrue)
+	a.metrics.Containers(lib, a.leases.All())
+	if err := publish.Apply(ctx, a.client, a.opts.NodeName, desired); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)
 		return
@@ -273,24 +283,28 @@ func podRef(p nriplugin.PodRef) *corev1.ObjectReference {
 
 // Refused records an Event on the pod.
 func (a *Agent) Refused(pod nriplugin.PodRef, container string, err error) {
+	a.metrics.Count(metrics.EventRefused)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionRefused",
 		"container %s not started: its GPU fraction cannot be enforced: %v", container, err)
 }
 
 // FailedOpen records an Event on the pod.
 func (a *Agent) FailedOpen(pod nriplugin.PodRef, container string, err error) {
+	a.metrics.Count(metrics.EventFailedOpen)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionFailedOpen",
 		"container %s started WITHOUT a GPU (node fails open): its GPU fraction cannot be enforced: %v", container, err)
 }
 
 // Evicted records an Event on the pod.
 func (a *Agent) Evicted(pod nriplugin.PodRef, container, reason string) {
+	a.metrics.Count(metrics.EventEvicted)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
 		"evicted: container %s runs without its GPU-fraction enforcement (%s)", container, reason)
 }
 
 // ReleaseFailed records an Event on the pod.
 func (a *Agent) ReleaseFailed(pod nriplugin.PodRef, container string, err error) {
+	a.metrics.Count(metrics.EventReleaseFailed)
 	if pod.Name == "" {
 		return // a lease of a pod already gone: the agent's log has it
 	}

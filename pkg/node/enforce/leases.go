@@ -14,9 +14,12 @@ import (
 // GPUs, so the agent can release them when the container stops, also
 // after the agent itself restarted.
 type Lease struct {
-	Pod     string   `json:"pod"` // namespace/name, for logs and events
-	Cgroup  string   `json:"cgroup"`
-	Devices []string `json:"devices"`
+	Pod        string   `json:"pod"` // namespace/name, for logs, events and metrics
+	Container  string   `json:"container"`
+	Cgroup     string   `json:"cgroup"`
+	Devices    []string `json:"devices"`
+	RequestMiB uint64   `json:"requestMiB"`
+	LimitMiB   uint64   `json:"limitMiB"`
 }
 
 // Leases is the agent's persistent table of leases by container ID.
@@ -62,6 +65,17 @@ func (l *Leases) Take(id string) (Lease, bool, error) {
 	}
 	delete(l.m, id)
 	return lease, true, l.save()
+}
+
+// All returns a copy of the table.
+func (l *Leases) All() map[string]Lease {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make(map[string]Lease, len(l.m))
+	for id, lease := range l.m {
+		out[id] = lease
+	}
+	return out
 }
 
 // IDs lists the containers holding leases, sorted.

@@ -190,7 +190,9 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	limits := enforce.Limits{Container: a.Container, Devices: a.Devices, RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)}
 	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
 	if err == nil {
-		if perr := p.opts.Leases.Put(ctr.GetId(), enforce.Lease{Pod: pod.GetNamespace() + "/" + pod.GetName(), Cgroup: cgroup, Devices: a.Devices}); perr != nil {
+		lease := enforce.Lease{Pod: pod.GetNamespace() + "/" + pod.GetName(), Container: a.Container, Cgroup: cgroup,
+			Devices: a.Devices, RequestMiB: limits.RequestMiB, LimitMiB: limits.LimitMiB}
+		if perr := p.opts.Leases.Put(ctr.GetId(), lease); perr != nil {
 			logger.Error(perr, "Cannot record the GPU memory lease; its soft limit may not be released at stop")
 		}
 		err = enforce.Verify(p.opts.NVML, cgroup, limits)

@@ -1,0 +1,61 @@
+package metrics
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+func TestNodeAndContainerMetrics(t *testing.T) {
+	lib, drv, uuids := enforcetest.NewMachine(2)
+	const cg = "/kubepods/pod-a/ctr-1"
+	// The container uses all of its 2Gi hard limit on the first GPU.
+	drv.Set(uuids[0], cg, nvml.MemoryLimits_v1{SoftLimit: 1 << 30, HardLimit: 2 << 30, CurrentUsed: 2 << 30})
+	drv.Set(uuids[1], cg, nvml.MemoryLimits_v1{SoftLimit: 1 << 30, HardLimit: 2 << 30, CurrentUsed: 512 << 20})
+
+	m := New()
+	m.Node(inventory.Inventory{GPUs: []inventory.GPU{{Index: 0, UUID: uuids[0], Product: "H100", MemoryMiB: 81920}}}, injection.BackendDriver, true)
+	m.Containers(lib, map[string]enforce.Lease{"c1": {Pod: "ml/llm", Container: "main", Cgroup: cg, Devices: uuids, RequestMiB: 1024, LimitMiB: 2048}})
+	m.Count(EventRefused)
+	m.Count(EventRefused)
+
+	want := `
+# HELP gpufrac_container_gpu_memory_used_bytes GPU memory a fractional container's cgroup uses, per GPU, as the driver accounts it.
+# TYPE gpufrac_container_gpu_memory_used_bytes gauge
+gpufrac_container_gpu_memory_used_bytes{container="main",gpu_uuid="` + uuids[0] + `",namespace="ml",pod="llm"} 2.147483648e+09
+gpufrac_container_gpu_memory_used_bytes{container="main",gpu_uuid="` + uuids[1] + `",namespace="ml",pod="llm"} 5.36870912e+08
+# HELP gpufrac_container_gpu_memory_limit_hits_total Resyncs at which a container's GPU memory use had reached its hard limit.
+# TYPE gpufrac_container_gpu_memory_limit_hits_total counter
+gpufrac_container_gpu_memory_limit_hits_total{container="main",gpu_uuid="` + uuids[0] + `",namespace="ml",pod="llm"} 1
+# HELP gpufrac_memory_enforcement 1 for the memory-limit backend in effect (driver, toolkit, mps-pinned, off).
+# TYPE gpufrac_memory_enforcement gauge
+gpufrac_memory_enforcement{backend="driver"} 1
+# HELP gpufrac_enforcement_events_total Containers refused, started without a GPU (fail-open), evicted for missing enforcement, or whose soft limit could not be released.
+# TYPE gpufrac_enforcement_events_total counter
+gpufrac_enforcement_events_total{event="refused"} 2
+`
+	if err := testutil.GatherAndCompare(m.Registry, strings.NewReader(want),
+		"gpufrac_container_gpu_memory_used_bytes", "gpufrac_container_gpu_memory_limit_hits_total",
+		"gpufrac_memory_enforcement", "gpufrac_enforcement_events_total"); err != nil {
+		t.Error(err)
+	}
+	if got := testutil.ToFloat64(m.request.WithLabelValues("ml", "llm", "main", uuids[1])); got != 1<<30 {
+		t.Errorf("request = %v", got)
+	}
+	if got := testutil.ToFloat64(m.ready); got != 1 {
+		t.Errorf("ready = %v", got)
+	}
+
+	// The container stopped: its lease is gone and so are its gauges.
+	m.Containers(lib, nil)
+	if n := testutil.CollectAndCount(m.used); n != 0 {
+		t.Errorf("%d used-bytes series left after the container went away", n)
+	}
+}
