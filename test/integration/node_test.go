@@ -270,7 +270,7 @@ func TestNodeAgentSimulated(t *testing.T) {
 	a := agent.New(agent.Options{
 		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: ns, HealthAddr: healthAddr,
 		StateDir: t.TempDir(), PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
-		Injection: injection.Config{MPSPipeDir: "/run/gpufrac/mps"},
+		Injection: injection.Config{MPSPipeDir: filepath.Join(t.TempDir(), "mps")},
 	}, shared.admin)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()

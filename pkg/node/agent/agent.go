@@ -33,6 +33,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/metrics"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
@@ -55,7 +56,9 @@ type Options struct {
 	// StateDir holds the agent's sockets and state (the GPU memory leases).
 	StateDir string
 	// ProcRoot is where the host's /proc is, to find containers' cgroups.
-	ProcRoot         string
+	ProcRoot string
+	// MPSControl is the MPS control program run per sm-sharing container.
+	MPSControl       string
 	FailOpen         bool
 	PublishGPULabels bool
 	// MemoryLimits is --memory-limits: auto or one of injection.Backends.
@@ -75,6 +78,7 @@ type Agent struct {
 	recorder record.EventRecorder
 	metrics  *metrics.Metrics
 	leases   *enforce.Leases
+	mps      *mps.Supervisor
 
 	mu        sync.Mutex
 	published bool // the last publish reached the API server
@@ -87,6 +91,9 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	}
 	if opts.ProcRoot == "" {
 		opts.ProcRoot = "/proc"
+	}
+	if opts.MPSControl == "" {
+		opts.MPSControl = mps.DefaultBinary
 	}
 	a := &Agent{opts: opts, client: client, metrics: metrics.New()}
 	// Until the first inventory says which backend the driver allows, the
@@ -120,6 +127,17 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	a.plugin.EnableLimitLifecycle(lib, a.opts.ProcRoot, leases)
 	a.leases = leases
+	// MPS namespaces a previous agent left are adopted when they answer
+	// (their tenants keep running) or restarted; those of containers that
+	// are gone are drained at the plugin's first synchronization.
+	if a.opts.Injection.MPSPipeDir != "" {
+		a.mps = mps.New(a.opts.MPSControl, a.opts.Injection.MPSPipeDir)
+		if err := a.mps.Recover(ctx, func(string) bool { return true }); err != nil {
+			logger.Error(err, "Cannot recover the MPS namespaces of the previous agent")
+		}
+		defer a.mps.Close()
+		a.plugin.EnableMPS(a.mps)
+	}
 
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -229,6 +247,11 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	}
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
 		Backend: backend, BackendErr: backendErr, FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
+	if a.mps != nil {
+		if recovered := a.mps.Check(ctx); len(recovered) > 0 {
+			logger.Info("Recovered wedged MPS control daemons", "namespaces", recovered)
+		}
+	}
 	desired := publish.Compute(state, node.Labels)
 	a.metrics.Node(inv, backend, desired.Condition.Status == corev1.ConditionTrue)
 	a.metrics.Containers(lib, a.leases.All())

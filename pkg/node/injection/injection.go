@@ -15,6 +15,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 )
 
 // Environment variables the node sets. Pod-provided values of all of them
@@ -115,25 +116,32 @@ type Config struct {
 	// HookPath is the gpufrac binary on the host the runtime runs as the
 	// createRuntime hook of the driver backend.
 	HookPath string
-	// MPSPipeDir is the host directory of the MPS control daemon's pipes,
-	// mounted into sm-sharing containers.
+	// MPSPipeDir is the host directory under which each sm-sharing
+	// container's MPS namespace has its pipe directory (see package mps).
 	MPSPipeDir string
 	// ShimDir is the host directory holding the nvidia-smi view library;
 	// "" mounts nothing.
 	ShimDir string
 }
 
+// Pod is what the injection needs of a pod: its UID (which names the MPS
+// namespaces of its containers) and its annotations.
+type Pod struct {
+	UID         string
+	Annotations map[string]string
+}
+
 // Adjust computes the adjustment for container (its name and current
-// environment, KEY=VALUE) of a pod with the given annotations. It returns
+// environment, KEY=VALUE) of pod. It returns
 // nil for a pod that asks for no fraction. A pod that asks for one without
 // a complete scheduler decision is an error: the container must not run.
 // Containers of a fractional pod that get no GPU are shown none, so an
 // image's NVIDIA_VISIBLE_DEVICES=all cannot reach the pod's neighbours.
-func Adjust(annotations map[string]string, container string, env []string, cfg Config) (*nriapi.ContainerAdjustment, error) {
-	if !hasFractionKeys(annotations) {
+func Adjust(pod Pod, container string, env []string, cfg Config) (*nriapi.ContainerAdjustment, error) {
+	if !hasFractionKeys(pod.Annotations) {
 		return nil, nil
 	}
-	assignments, err := api.ParseAssignments(annotations, &corev1.PodSpec{})
+	assignments, err := api.ParseAssignments(pod.Annotations, &corev1.PodSpec{})
 	if err != nil {
 		return nil, err
 	}
@@ -160,7 +168,7 @@ func Adjust(annotations map[string]string, container string, env []string, cfg C
 		default:
 			return nil, fmt.Errorf("container %q: no memory-limit backend is in effect on this node yet", container)
 		}
-		inject(adj, a, env, cfg)
+		inject(adj, a, mps.PipeDir(cfg.MPSPipeDir, mps.Key(pod.UID, container)), env, cfg)
 		return adj, nil
 	}
 	hideGPUs(adj)
@@ -183,7 +191,7 @@ func hideGPUs(adj *nriapi.ContainerAdjustment) {
 	}
 }
 
-func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, env []string, cfg Config) {
+func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, mpsPipeDir string, env []string, cfg Config) {
 	request, limit := strconv.FormatInt(a.RequestMiB, 10), strconv.FormatInt(a.LimitMiB, 10)
 	setEnv(adj, EnvVisibleDevices, strings.Join(a.Devices, ","))
 	setEnv(adj, EnvMemoryRequest, request)
@@ -198,7 +206,9 @@ func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, env []string, cfg
 	if a.Mode == api.SMSharing {
 		setEnv(adj, EnvMPSPipeDirectory, ContainerMPSPipeDir)
 		setEnv(adj, EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
-		adj.AddMount(&nriapi.Mount{Source: cfg.MPSPipeDir, Destination: ContainerMPSPipeDir, Type: "bind",
+		// The container's own MPS namespace: a daemon of its own, with its
+		// ceiling, on a pipe directory no other tenant sees.
+		adj.AddMount(&nriapi.Mount{Source: mpsPipeDir, Destination: ContainerMPSPipeDir, Type: "bind",
 			Options: []string{"rbind", "rw"}})
 	} else {
 		adj.RemoveEnv(EnvMPSPipeDirectory)

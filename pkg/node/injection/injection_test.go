@@ -103,7 +103,7 @@ func TestAdjust(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			adj, err := Adjust(tt.ann, tt.container, tt.env, cfg)
+			adj, err := Adjust(Pod{UID: "uid-1", Annotations: tt.ann}, tt.container, tt.env, cfg)
 			if tt.wantErr != "" {
 				if err == nil || err.Error() != tt.wantErr {
 					t.Fatalf("error %v, want %s", err, tt.wantErr)
@@ -129,6 +129,9 @@ func TestAdjust(t *testing.T) {
 			var mounts []string
 			for _, m := range adj.GetMounts() {
 				mounts = append(mounts, m.Destination)
+				if m.Destination == ContainerMPSPipeDir && m.Source != "/run/gpufrac/mps/uid-1_"+tt.container+"/pipe" {
+					t.Errorf("MPS pipe directory %s is not the container's own namespace", m.Source)
+				}
 			}
 			if diff := cmp.Diff(tt.wantMount, mounts); diff != "" {
 				t.Errorf("mounts (-want +got):\n%s", diff)
@@ -138,7 +141,7 @@ func TestAdjust(t *testing.T) {
 }
 
 func TestAdjustIgnoresOrdinaryPods(t *testing.T) {
-	adj, err := Adjust(map[string]string{"app": "web"}, "main", []string{"NVIDIA_VISIBLE_DEVICES=all"}, cfg)
+	adj, err := Adjust(Pod{Annotations: map[string]string{"app": "web"}}, "main", []string{"NVIDIA_VISIBLE_DEVICES=all"}, cfg)
 	if adj != nil || err != nil {
 		t.Errorf("ordinary pod adjusted: %v, %v", adj, err)
 	}
@@ -147,7 +150,7 @@ func TestAdjustIgnoresOrdinaryPods(t *testing.T) {
 func TestSMSharingNeedsMPS(t *testing.T) {
 	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-c", "nvidia.com/container.main.gpu-memory.request": "1Gi",
 		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.5"}
-	_, err := Adjust(ann, "main", nil, Config{})
+	_, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, Config{})
 	if err == nil || !strings.Contains(err.Error(), "no MPS pipe directory") {
 		t.Errorf("error = %v", err)
 	}
@@ -168,7 +171,7 @@ func BenchmarkAdjust(b *testing.B) {
 	env := []string{"PATH=/usr/bin", "LD_LIBRARY_PATH=/usr/lib", "HOME=/root"}
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := Adjust(ann, "main", env, cfg); err != nil {
+		if _, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", env, cfg); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -206,7 +209,7 @@ func TestBackendsShapeTheInjection(t *testing.T) {
 	for _, b := range []Backend{BackendToolkit, BackendMPSPinned} {
 		c := cfg
 		c.Backend = b
-		adj, err := Adjust(ann, "main", nil, c)
+		adj, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c)
 		if err != nil {
 			t.Fatalf("%s: %v", b, err)
 		}
@@ -219,7 +222,7 @@ func TestBackendsShapeTheInjection(t *testing.T) {
 		}
 	}
 	for _, c := range []Config{{Backend: BackendOff}, {}, {Backend: BackendDriver}} {
-		if _, err := Adjust(ann, "main", nil, c); err == nil {
+		if _, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c); err == nil {
 			t.Errorf("config %+v injected a fraction it cannot enforce", c)
 		}
 	}

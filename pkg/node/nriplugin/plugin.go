@@ -20,6 +20,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 )
 
 // Name and index the plugin registers with; the index orders it after
@@ -76,6 +77,9 @@ type Options struct {
 	NVML     nvml.Interface
 	ProcRoot string
 	Leases   *enforce.Leases
+	// MPS runs the sm-sharing containers' MPS namespaces; nil refuses
+	// sm-sharing containers.
+	MPS *mps.Supervisor
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -97,6 +101,10 @@ func New(opts Options) *Plugin {
 func (p *Plugin) EnableLimitLifecycle(lib nvml.Interface, procRoot string, leases *enforce.Leases) {
 	p.opts.NVML, p.opts.ProcRoot, p.opts.Leases = lib, procRoot, leases
 }
+
+// EnableMPS runs sm-sharing containers' MPS namespaces with s. Call it
+// before Run or Serve.
+func (p *Plugin) EnableMPS(s *mps.Supervisor) { p.opts.MPS = s }
 
 // SetInjection replaces the node configuration used from the next
 // container on, e.g. once the agent knows which memory-limit backend the
@@ -154,7 +162,10 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 
 // CreateContainer injects the container's GPU share, or refuses it.
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
-	adj, err := injection.Adjust(pod.GetAnnotations(), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
+	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
+	if err == nil {
+		err = p.ensureMPS(ctx, pod, ctr)
+	}
 	if err == nil {
 		return adj, nil, nil
 	}
@@ -218,8 +229,19 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 // cgroup goes away. It never fails the stop.
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
+	if p.opts.MPS != nil {
+		// Drain its MPS clients, bounded well inside the runtime's own
+		// stop deadline.
+		if err := p.opts.MPS.Stop(ctx, mps.Key(pod.GetUid(), ctr.GetName()), mpsDrainDeadline); err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot drain the container's MPS namespace", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+		}
+	}
 	return nil, nil
 }
+
+// mpsDrainDeadline bounds how long a container's stop waits for its MPS
+// clients to go.
+const mpsDrainDeadline = 5 * time.Second
 
 func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
 	if p.opts.NVML == nil || p.opts.Leases == nil {
@@ -241,11 +263,30 @@ func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
 	}
 }
 
-// releaseVanished releases the leases of containers the runtime no longer
-// runs (they stopped while the agent was away). An empty list from the
-// runtime is not taken as "nothing runs": leases are then kept.
-func (p *Plugin) releaseVanished(ctx context.Context, ctrs []*nriapi.Container) {
-	if p.opts.Leases == nil || len(ctrs) == 0 {
+// releaseVanished releases the leases and MPS namespaces of containers
+// the runtime no longer runs (they stopped while the agent was away). An
+// empty list from the runtime is not taken as "nothing runs": state is
+// then kept.
+func (p *Plugin) releaseVanished(ctx context.Context, pods map[string]*nriapi.PodSandbox, ctrs []*nriapi.Container) {
+	if len(ctrs) == 0 {
+		return
+	}
+	if p.opts.MPS != nil {
+		live := map[string]bool{}
+		for _, c := range ctrs {
+			if pod := pods[c.GetPodSandboxId()]; pod != nil && c.GetState() != nriapi.ContainerState_CONTAINER_STOPPED {
+				live[mps.Key(pod.GetUid(), c.GetName())] = true
+			}
+		}
+		for _, key := range p.opts.MPS.Keys() {
+			if !live[key] {
+				if err := p.opts.MPS.Stop(ctx, key, mpsDrainDeadline); err != nil {
+					klog.FromContext(ctx).Error(err, "Cannot drain a vanished container's MPS namespace", "namespace", key)
+				}
+			}
+		}
+	}
+	if p.opts.Leases == nil {
 		return
 	}
 	running := map[string]bool{}
@@ -259,6 +300,26 @@ func (p *Plugin) releaseVanished(ctx context.Context, ctrs []*nriapi.Container) 
 			p.release(ctx, PodRef{}, id, id)
 		}
 	}
+}
+
+func podOf(pod *nriapi.PodSandbox) injection.Pod {
+	return injection.Pod{UID: pod.GetUid(), Annotations: pod.GetAnnotations()}
+}
+
+// ensureMPS starts an sm-sharing container's MPS namespace, with its
+// thread ceiling, before the container's first client can connect.
+func (p *Plugin) ensureMPS(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	a, ok := assignmentOf(pod, ctr)
+	if !ok || a.Mode != api.SMSharing {
+		return nil
+	}
+	if p.opts.MPS == nil {
+		return fmt.Errorf("container %q: sm-sharing needs MPS, and this node runs no MPS supervisor", ctr.GetName())
+	}
+	if err := p.opts.MPS.Ensure(ctx, mps.Key(pod.GetUid(), ctr.GetName()), a.ActiveThreadPercentage()); err != nil {
+		return fmt.Errorf("container %q: %w", ctr.GetName(), err)
+	}
+	return nil
 }
 
 func assignmentOf(pod *nriapi.PodSandbox, ctr *nriapi.Container) (api.Assignment, bool) {
@@ -308,7 +369,7 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 			p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
 		}
 	}
-	p.releaseVanished(ctx, ctrs)
+	p.releaseVanished(ctx, byID, ctrs)
 	p.registered.Store(true)
 	return nil, nil
 }
@@ -317,7 +378,7 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 // CreateContainer would have injected; "" means it is enforced (or needs
 // nothing).
 func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
-	adj, err := injection.Adjust(pod.GetAnnotations(), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
+	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
 	if err != nil {
 		if p.opts.FailOpen && envValue(ctr.GetEnv(), injection.EnvVisibleDevices) == "void" {
 			return ""

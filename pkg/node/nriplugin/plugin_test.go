@@ -21,6 +21,8 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 )
 
 // runtime is the runtime side of NRI as containerd embeds it
@@ -318,6 +320,9 @@ func startRuntimeProcess(t *testing.T, sock string, state *helperState) *exec.Cm
 }
 
 func TestMain(m *testing.M) {
+	if os.Getenv(mpstest.Env) == "1" {
+		os.Exit(mpstest.Fake(os.Args[1:]))
+	}
 	if sock := os.Getenv(helperSocketEnv); sock != "" {
 		runHelperRuntime(sock, os.Getenv(helperStateEnv))
 		return
@@ -473,5 +478,69 @@ func TestCorruptLeasesAreNotDiscarded(t *testing.T) {
 	}
 	if _, err := enforce.OpenLeases(path); err == nil || !strings.Contains(err.Error(), "corrupt") {
 		t.Errorf("corrupt leases: %v", err)
+	}
+}
+
+// sm-sharing containers get an MPS namespace of their own, with their
+// thread ceiling, before they start, and it is drained when they stop.
+func TestSMSharingGetsItsOwnMPSNamespace(t *testing.T) {
+	mpstest.Use(t)
+	root := t.TempDir()
+	sup := mps.New(os.Args[0], root)
+	rt := startRuntime(t, nil, nil)
+	c := cfg
+	c.MPSPipeDir = root
+	p := New(Options{Injection: c})
+	p.EnableMPS(sup)
+	connect(t, p, rt)
+	ctx := context.Background()
+
+	pod := sandbox("ps", "mps-tenant", map[string]string{
+		"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
+	})
+	ctr := container("cs", "ps", "main")
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+	if err != nil {
+		t.Fatalf("CreateContainer: %v", err)
+	}
+	key := mps.Key(pod.GetUid(), "main")
+	var source string
+	for _, m := range resp.GetAdjust().GetMounts() {
+		if m.Destination == injection.ContainerMPSPipeDir {
+			source = m.Source
+		}
+	}
+	if source != mps.PipeDir(root, key) {
+		t.Errorf("MPS pipe directory mounted from %q, want the namespace's %q", source, mps.PipeDir(root, key))
+	}
+	if got, _ := os.ReadFile(filepath.Join(mps.PipeDir(root, key), "threads")); string(got) != "25" {
+		t.Errorf("namespace ceiling = %q, want 25", got)
+	}
+	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: pod, Container: ctr}); err != nil {
+		t.Fatal(err)
+	}
+	if keys := sup.Keys(); len(keys) != 0 {
+		t.Errorf("namespaces after stop: %v", keys)
+	}
+}
+
+func TestSMSharingWithoutMPSIsRefused(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	startPlugin(t, rt, Options{Injection: cfg})
+	ctx := context.Background()
+	pod := sandbox("ps", "mps-tenant", map[string]string{
+		"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
+	})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: container("cs", "ps", "main")})
+	if err == nil || !strings.Contains(err.Error(), "runs no MPS supervisor") {
+		t.Errorf("sm-sharing without MPS: %v", err)
 	}
 }
