@@ -30,20 +30,8 @@ exits non-zero with the GPU, cgroup and NVML error, which fails the
 container's creation: a container never runs without its limits.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			state, err := enforce.ReadState(cmd.InOrStdin())
-			if err != nil {
+			if err := enforce.RunHook(cmd.InOrStdin(), os.Getenv, procRoot, nvml.New()); err != nil {
 				return &ExitError{Code: 1, Err: fmt.Errorf("gpufrac hook: %w", err)}
-			}
-			limits, err := enforce.LimitsFromEnv(os.Getenv)
-			if err != nil {
-				return &ExitError{Code: 1, Err: fmt.Errorf("gpufrac hook: container %s: %w", state.ID, err)}
-			}
-			cgroup, err := enforce.CgroupOf(procRoot, state.Pid)
-			if err != nil {
-				return &ExitError{Code: 1, Err: fmt.Errorf("gpufrac hook: container %s: %w", state.ID, err)}
-			}
-			if err := enforce.Apply(nvml.New(), cgroup, limits); err != nil {
-				return &ExitError{Code: 1, Err: fmt.Errorf("gpufrac hook: container %s (%s): %w", state.ID, limits.Container, err)}
 			}
 			return nil
 		},

@@ -97,6 +97,29 @@ func CgroupOf(procRoot string, pid int) (string, error) {
 	return "", fmt.Errorf("pid %d is in no cgroup v2 hierarchy: driver memory limits need cgroup v2 with the dmem controller (kernel 6.14 or later)", pid)
 }
 
+// RunHook is the createRuntime hook: the OCI state on stdin, the limits in
+// the environment the NRI plugin gave the hook, the container's cgroup
+// from procRoot, the limits set through lib. Any error must fail the
+// container's creation.
+func RunHook(stdin io.Reader, getenv func(string) string, procRoot string, lib nvml.Interface) error {
+	state, err := ReadState(stdin)
+	if err != nil {
+		return err
+	}
+	limits, err := LimitsFromEnv(getenv)
+	if err != nil {
+		return fmt.Errorf("container %s: %w", state.ID, err)
+	}
+	cgroup, err := CgroupOf(procRoot, state.Pid)
+	if err != nil {
+		return fmt.Errorf("container %s: %w", state.ID, err)
+	}
+	if err := Apply(lib, cgroup, limits); err != nil {
+		return fmt.Errorf("container %s (%s): %w", state.ID, limits.Container, err)
+	}
+	return nil
+}
+
 // Apply sets soft = request and hard = limit for cgroup on every device,
 // then reads them back. Any failure is an error naming the GPU, the cgroup
 // and the NVML error; the limits already set are released first so a

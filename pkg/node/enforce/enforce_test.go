@@ -1,6 +1,7 @@
 package enforce
 
 import (
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+	"github.com/google/go-cmp/cmp"
 
 	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 )
@@ -145,5 +147,71 @@ func TestVerifyDetectsMissingOrChangedLimits(t *testing.T) {
 	d.Set(uuids[1], cg, nvml.MemoryLimits_v1{SoftLimit: 1024 << 20, HardLimit: 80 << 30})
 	if err := Verify(lib, cg, l); err == nil || !strings.Contains(err.Error(), "GPU "+uuids[1]) {
 		t.Errorf("raised hard limit not detected: %v", err)
+	}
+}
+
+// The hook end to end: a real OCI state document, a cgroup v2 tree under a
+// fake /proc, and a driver that records every SetMemoryLimits_v1 call.
+func TestRunHookEndToEnd(t *testing.T) {
+	proc := t.TempDir()
+	const pid, cgroup = 4242, "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope"
+	if err := os.MkdirAll(filepath.Join(proc, "4242"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(proc, "4242", "cgroup"), []byte("0::"+cgroup+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	state := `{"ociVersion":"1.2.0","id":"abc","status":"creating","pid":4242,"bundle":"/run/containerd/io.containerd.runtime.v2.task/k8s.io/abc",` +
+		`"annotations":{"io.kubernetes.cri.container-name":"main"}}`
+	env := func(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+	base := map[string]string{"GPUFRAC_CONTAINER": "main", "GPUFRAC_MEMORY_REQUEST_MIB": "40448", "GPUFRAC_MEMORY_LIMIT_MIB": "60672"}
+
+	lib, drv, uuids := newMachine(t, 3)
+	vars := maps.Clone(base)
+	vars["GPUFRAC_DEVICES"] = uuids[0] + "," + uuids[2]
+	if err := RunHook(strings.NewReader(state), env(vars), proc, lib); err != nil {
+		t.Fatal(err)
+	}
+	want := []enforcetest.Call{
+		{GPU: uuids[0], Cgroup: cgroup, Soft: 40448 << 20, Hard: 60672 << 20},
+		{GPU: uuids[2], Cgroup: cgroup, Soft: 40448 << 20, Hard: 60672 << 20},
+	}
+	if diff := cmp.Diff(want, drv.Calls()); diff != "" {
+		t.Errorf("SetMemoryLimits_v1 calls (-want +got):\n%s", diff)
+	}
+
+	failures := []struct {
+		name    string
+		state   string
+		vars    map[string]string // GPUFRAC_DEVICES is filled with the machine's first and third GPU
+		failGPU int               // index of the GPU whose driver refuses; -1 for none
+		want    string
+	}{
+		{"missing cgroup", strings.Replace(state, "4242", "4343", 1), base, -1, "cgroup of pid 4343"},
+		{"NVML error", state, base, 2, "nvmlDeviceSetMemoryLimits_v1: ERROR_NOT_SUPPORTED"},
+		{"request above limit", state, map[string]string{"GPUFRAC_MEMORY_REQUEST_MIB": "2048", "GPUFRAC_MEMORY_LIMIT_MIB": "1024"}, -1,
+			"GPUFRAC_MEMORY_LIMIT_MIB 1024 is below GPUFRAC_MEMORY_REQUEST_MIB 2048"},
+		{"not an OCI state", "{", base, -1, "read the OCI state"},
+	}
+	for _, f := range failures {
+		t.Run(f.name, func(t *testing.T) {
+			lib, drv, uuids := newMachine(t, 3)
+			vars := maps.Clone(f.vars)
+			vars["GPUFRAC_DEVICES"] = uuids[0] + "," + uuids[2]
+			if f.failGPU >= 0 {
+				drv.FailSet = uuids[f.failGPU]
+			}
+			err := RunHook(strings.NewReader(f.state), env(vars), proc, lib)
+			if err == nil || !strings.Contains(err.Error(), f.want) {
+				t.Fatalf("error %v, want it to contain %q", err, f.want)
+			}
+			if f.failGPU < 0 && len(drv.Calls()) != 0 {
+				t.Errorf("limits set although the hook failed before NVML: %+v", drv.Calls())
+			}
+			// Whatever was set before the failure is released again.
+			if got := drv.Get(uuids[0], cgroup); got.SoftLimit != 0 {
+				t.Errorf("GPU %s keeps soft limit %d after the hook failed", uuids[0], got.SoftLimit)
+			}
+		})
 	}
 }

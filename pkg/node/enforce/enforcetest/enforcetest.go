@@ -17,6 +17,7 @@ import (
 type Driver struct {
 	mu     sync.Mutex
 	limits map[string]nvml.MemoryLimits_v1 // uuid + cgroup →
+	calls  []Call
 	// FailSet makes SetMemoryLimits_v1 fail on this GPU.
 	FailSet string
 }
@@ -33,6 +34,7 @@ func NewMachine(n int) (*server.Server, *Driver, []string) {
 		dev.SetMemoryLimits_v1Func = func(cgroup string, soft, hard uint64) nvml.Return {
 			d.mu.Lock()
 			defer d.mu.Unlock()
+			d.calls = append(d.calls, Call{GPU: uuid, Cgroup: cgroup, Soft: soft, Hard: hard})
 			if uuid == d.FailSet {
 				return nvml.ERROR_NOT_SUPPORTED
 			}
@@ -46,6 +48,19 @@ func NewMachine(n int) (*server.Server, *Driver, []string) {
 		}
 	}
 	return s, d, uuids
+}
+
+// Call is one SetMemoryLimits_v1 call, as the driver received it.
+type Call struct {
+	GPU, Cgroup string
+	Soft, Hard  uint64
+}
+
+// Calls returns every SetMemoryLimits_v1 call so far, in order.
+func (d *Driver) Calls() []Call {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]Call(nil), d.calls...)
 }
 
 // Get returns the limits of cgroup on a GPU.
