@@ -28,6 +28,10 @@ help: ## list the targets
 build: ## build bin/gpufrac
 	$(GO) build -o $(BIN)/gpufrac ./cmd/gpufrac
 
+.PHONY: shim
+shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for fractional containers
+	$(GO) run ./shim/cmd/build-shim $(BIN)/shim
+
 .PHONY: demo
 demo: build ## the main job: validate the shipped examples and print their normalised requests
 	$(BIN)/gpufrac validate examples/

@@ -1,0 +1,126 @@
+package shim
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func cc(t *testing.T, args ...string) {
+	t.Helper()
+	if out, err := exec.Command("cc", args...).CombinedOutput(); err != nil {
+		t.Fatalf("cc %v: %v\n%s", args, err, out)
+	}
+}
+
+// memquery runs the test program with the shim first on its library path
+// and returns its output lines.
+func memquery(t *testing.T, program, shimDir string, env ...string) []string {
+	t.Helper()
+	cmd := exec.Command(program)
+	cmd.Env = append([]string{"LD_LIBRARY_PATH=" + shimDir}, env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("memquery: %v\n%s", err, out)
+	}
+	return strings.Split(strings.TrimSpace(string(out)), "\n")
+}
+
+func TestShimReportsTheContainerLimitAsTotal(t *testing.T) {
+	dir := t.TempDir()
+	shimDir, realDir := filepath.Join(dir, "shim"), filepath.Join(dir, "real")
+	if _, err := Build("cc", shimDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(realDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fake := filepath.Join(realDir, LibraryName)
+	cc(t, "-shared", "-fPIC", "-o", fake, "testdata/fake_nvml.c")
+	program := filepath.Join(dir, "memquery")
+	cc(t, "-o", program, "testdata/memquery.c", "-ldl")
+
+	// A 20 GiB limit: total 20480 MiB, the 10 GiB in use, 10 GiB free; the
+	// driver's reserve is not the container's. Functions the fake lacks
+	// (nvmlDeviceGetName) answer FUNCTION_NOT_FOUND (13) through the shim.
+	got := memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=20480")
+	want := []string{
+		"gpu=0 total=20480 used=10240 free=10240 v2total=20480 v2reserved=0 v2free=10240 name=13",
+		"gpu=1 total=20480 used=10240 free=10240 v2total=20480 v2reserved=0 v2free=10240 name=13",
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("with a limit (-want +got):\n%s", diff)
+	}
+
+	// Use above the limit is shown as the limit, never more than total.
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=4096")
+	if !strings.HasPrefix(got[0], "gpu=0 total=4096 used=4096 free=0 ") {
+		t.Errorf("use above the limit: %q", got[0])
+	}
+
+	// Without a limit the shim is transparent.
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake)
+	if !strings.HasPrefix(got[0], "gpu=0 total=81920 used=10240 free=71680 v2total=81920 v2reserved=512 ") {
+		t.Errorf("without a limit: %q", got[0])
+	}
+
+	// No real library (this machine has no driver): calls fail cleanly.
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+filepath.Join(dir, "missing.so"))
+	if diff := cmp.Diff([]string{"init=13"}, got); diff != "" {
+		t.Errorf("without the real library (-want +got):\n%s", diff)
+	}
+
+	// The shim never takes itself for the real library.
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+filepath.Join(shimDir, LibraryName))
+	if diff := cmp.Diff([]string{"init=13"}, got); diff != "" {
+		t.Errorf("pointed at itself (-want +got):\n%s", diff)
+	}
+}
+
+func TestGeneratorCoversTheHeader(t *testing.T) {
+	dir, err := HeaderDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	header, err := os.ReadFile(filepath.Join(dir, "nvml.h"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := GenerateForwarders(header, Overridden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"nvmlReturn_t nvmlInit(void) {",
+		"nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {",
+		"    return f(device, name, length);",
+		"nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(",
+		"const char *nvmlErrorString(nvmlReturn_t result) {",
+	} {
+		if !strings.Contains(string(src), want) {
+			t.Errorf("generated forwarders lack %q", want)
+		}
+	}
+	for _, o := range Overridden {
+		if strings.Contains(string(src), "nvmlReturn_t "+o+"(") {
+			t.Errorf("%s is overridden but was also generated", o)
+		}
+	}
+	if n := strings.Count(string(src), "gpufrac_real_symbol(\""); n < 400 {
+		t.Errorf("only %d forwarders", n)
+	}
+}
+
+func TestArgNames(t *testing.T) {
+	got, err := argNames("nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos, char serial[16]")
+	if err != nil || !cmp.Equal(got, []string{"device", "infoCount", "infos", "serial"}) {
+		t.Errorf("argNames = %v, %v", got, err)
+	}
+	if got, err := argNames("void"); err != nil || got != nil {
+		t.Errorf("void: %v, %v", got, err)
+	}
+}

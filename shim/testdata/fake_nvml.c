@@ -1,0 +1,27 @@
+/* A fake NVML for the shim's tests: two 80 GiB GPUs, 10 GiB used each. */
+#include <stddef.h>
+typedef int nvmlReturn_t;
+typedef struct { int index; } *nvmlDevice_t;
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+static struct { int index; } devices[2] = {{0}, {1}};
+
+nvmlReturn_t nvmlInit_v2(void) { return 0; }
+nvmlReturn_t nvmlShutdown(void) { return 0; }
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n) { *n = 2; return 0; }
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int i, nvmlDevice_t *d) {
+    if (i > 1) return 2;
+    *d = (nvmlDevice_t)&devices[i];
+    return 0;
+}
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
+    (void)d;
+    m->total = 80ULL << 30; m->used = 10ULL << 30; m->free = 70ULL << 30;
+    return 0;
+}
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
+    (void)d;
+    m->total = 80ULL << 30; m->reserved = 512ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->reserved - m->used;
+    return 0;
+}
+const char *nvmlErrorString(nvmlReturn_t r) { return r ? "fake error" : "fake success"; }
