@@ -98,7 +98,8 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	a := &Agent{opts: opts, client: client, metrics: metrics.New()}
 	// Until the first inventory says which backend the driver allows, the
 	// backend is unset and fractional containers are refused.
-	a.plugin = nriplugin.New(nriplugin.Options{Injection: opts.Injection, FailOpen: opts.FailOpen, Reporter: a, Evictor: a})
+	a.plugin = nriplugin.New(nriplugin.Options{Injection: opts.Injection, FailOpen: opts.FailOpen, Reporter: a, Evictor: a,
+		ObserveHook: a.metrics.ObserveHook})
 	return a
 }
 
@@ -254,7 +255,11 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	}
 	desired := publish.Compute(state, node.Labels)
 	a.metrics.Node(inv, backend, desired.Condition.Status == corev1.ConditionTrue)
+	a.metrics.Tenants(a.plugin.Tenants())
 	a.metrics.Containers(lib, a.leases.All())
+	if invErr == nil {
+		a.metrics.GPUUse(lib, inv)
+	}
 	if err := publish.Apply(ctx, a.client, a.opts.NodeName, desired); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)
@@ -323,6 +328,11 @@ func (a *Agent) Evicted(pod nriplugin.PodRef, container, reason string) {
 	a.metrics.Count(metrics.EventEvicted)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
 		"evicted: container %s runs without its GPU-fraction enforcement (%s)", container, reason)
+}
+
+// Enforced records a Normal Event on the pod: its limits are in force.
+func (a *Agent) Enforced(pod nriplugin.PodRef, container, detail string) {
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeNormal, "GPUFractionEnforced", "container %s: %s", container, detail)
 }
 
 // ReleaseFailed records an Event on the pod.

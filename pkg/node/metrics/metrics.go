@@ -5,8 +5,10 @@
 package metrics
 
 import (
+	"regexp"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/prometheus/client_golang/prometheus"
@@ -14,6 +16,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 )
 
 const mebibyte = float64(1 << 20)
@@ -30,6 +33,33 @@ type Metrics struct {
 	used        *prometheus.GaugeVec
 	limitHits   *prometheus.CounterVec
 	events      *prometheus.CounterVec
+	state       *prometheus.GaugeVec
+	gpuRequest  *prometheus.GaugeVec
+	gpuLimit    *prometheus.GaugeVec
+	gpuUsed     *prometheus.GaugeVec
+	gpuMode     *prometheus.GaugeVec
+	hook        *prometheus.HistogramVec
+	collectors  []prometheus.Collector
+}
+
+var fqName = regexp.MustCompile(`fqName: "([^"]+)"`)
+
+// Names lists the names of every metric the agent exports.
+func (m *Metrics) Names() []string {
+	descs := make(chan *prometheus.Desc, 64)
+	go func() {
+		for _, c := range m.collectors {
+			c.Describe(descs)
+		}
+		close(descs)
+	}()
+	var names []string
+	for d := range descs {
+		if match := fqName.FindStringSubmatch(d.String()); match != nil {
+			names = append(names, match[1])
+		}
+	}
+	return names
 }
 
 // New registers the collectors on a fresh registry.
@@ -54,8 +84,24 @@ func New() *Metrics {
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_enforcement_events_total",
 			Help: "Containers refused, started without a GPU (fail-open), evicted for missing enforcement, or whose soft limit could not be released."},
 			[]string{"event"}),
+		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_enforcement",
+			Help: "1 for each fractional container with its memory-limit backend and enforcement state (injected, enforced, unenforced, fail_open)."},
+			[]string{"namespace", "pod", "container", "backend", "state"}),
+		gpuRequest: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_memory_requested_bytes",
+			Help: "Sum of the fractional containers' guaranteed memory on each GPU."}, []string{"gpu_uuid"}),
+		gpuLimit: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_memory_limited_bytes",
+			Help: "Sum of the fractional containers' hard limits on each GPU."}, []string{"gpu_uuid"}),
+		gpuUsed: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_memory_used_bytes",
+			Help: "Memory in use on each GPU, as NVML reports it."}, []string{"gpu_uuid"}),
+		gpuMode: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_compute_mode",
+			Help: "1 for the compute mode (time-slicing, sm-sharing) of each GPU's fractional tenants."}, []string{"gpu_uuid", "mode"}),
+		hook: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "gpufrac_nri_hook_duration_seconds",
+			Help:    "Time the NRI plugin takes per hook (CreateContainer runs inside the runtime's creation deadline).",
+			Buckets: []float64{0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2}}, []string{"hook"}),
 	}
-	m.Registry.MustRegister(m.gpuMemory, m.enforcement, m.ready, m.request, m.limit, m.used, m.limitHits, m.events)
+	m.collectors = []prometheus.Collector{m.gpuMemory, m.enforcement, m.ready, m.request, m.limit, m.used, m.limitHits, m.events,
+		m.state, m.gpuRequest, m.gpuLimit, m.gpuUsed, m.gpuMode, m.hook}
+	m.Registry.MustRegister(m.collectors...)
 	return m
 }
 
@@ -69,6 +115,51 @@ const (
 
 // Count records one enforcement event.
 func (m *Metrics) Count(event string) { m.events.WithLabelValues(event).Inc() }
+
+// ObserveHook records one NRI hook's duration.
+func (m *Metrics) ObserveHook(hook string, d time.Duration) {
+	m.hook.WithLabelValues(hook).Observe(d.Seconds())
+}
+
+// Tenants records every fractional container's request, limit and
+// enforcement state, and each GPU's requested and limited memory and mode.
+func (m *Metrics) Tenants(tenants []nriplugin.Tenant) {
+	m.state.Reset()
+	m.request.Reset()
+	m.limit.Reset()
+	m.gpuRequest.Reset()
+	m.gpuLimit.Reset()
+	m.gpuMode.Reset()
+	for _, t := range tenants {
+		m.state.WithLabelValues(t.Pod.Namespace, t.Pod.Name, t.Container, t.Backend, t.State).Set(1)
+		for _, uuid := range t.Devices {
+			labels := []string{t.Pod.Namespace, t.Pod.Name, t.Container, uuid}
+			m.request.WithLabelValues(labels...).Set(float64(t.RequestMiB) * mebibyte)
+			m.limit.WithLabelValues(labels...).Set(float64(t.LimitMiB) * mebibyte)
+			m.gpuRequest.WithLabelValues(uuid).Add(float64(t.RequestMiB) * mebibyte)
+			m.gpuLimit.WithLabelValues(uuid).Add(float64(t.LimitMiB) * mebibyte)
+			m.gpuMode.WithLabelValues(uuid, string(t.Mode)).Set(1)
+		}
+	}
+}
+
+// GPUUse records each GPU's memory in use, read through lib.
+func (m *Metrics) GPUUse(lib nvml.Interface, inv inventory.Inventory) {
+	m.gpuUsed.Reset()
+	if lib == nil || lib.Init() != nvml.SUCCESS {
+		return
+	}
+	defer func() { _ = lib.Shutdown() }()
+	for _, g := range inv.GPUs {
+		dev, ret := lib.DeviceGetHandleByUUID(g.UUID)
+		if ret != nvml.SUCCESS {
+			continue
+		}
+		if mem, ret := dev.GetMemoryInfo(); ret == nvml.SUCCESS {
+			m.gpuUsed.WithLabelValues(g.UUID).Set(float64(mem.Used))
+		}
+	}
+}
 
 // Node records the GPUs, the backend and readiness.
 func (m *Metrics) Node(inv inventory.Inventory, backend injection.Backend, ready bool) {
@@ -87,12 +178,10 @@ func (m *Metrics) Node(inv inventory.Inventory, backend injection.Backend, ready
 	}
 }
 
-// Containers records every leased container's request and limit and, read
-// from the driver through lib, its use; a use at the hard limit counts as a
-// limit hit. Containers whose lease is gone disappear from the gauges.
+// Containers records, for every container holding driver limits, its use
+// as the driver accounts it, read through lib; a use at the hard limit
+// counts as a limit hit. Containers whose lease is gone disappear.
 func (m *Metrics) Containers(lib nvml.Interface, leases map[string]enforce.Lease) {
-	m.request.Reset()
-	m.limit.Reset()
 	m.used.Reset()
 	if len(leases) == 0 {
 		return
@@ -105,8 +194,6 @@ func (m *Metrics) Containers(lib nvml.Interface, leases map[string]enforce.Lease
 		ns, pod, _ := strings.Cut(lease.Pod, "/")
 		for _, uuid := range lease.Devices {
 			labels := []string{ns, pod, lease.Container, uuid}
-			m.request.WithLabelValues(labels...).Set(float64(lease.RequestMiB) * mebibyte)
-			m.limit.WithLabelValues(labels...).Set(float64(lease.LimitMiB) * mebibyte)
 			if !initialised {
 				continue
 			}

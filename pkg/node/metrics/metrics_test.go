@@ -1,8 +1,12 @@
 package metrics
 
 import (
+	"encoding/json"
+	"os"
+	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -11,6 +15,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 )
 
 func TestNodeAndContainerMetrics(t *testing.T) {
@@ -23,6 +28,14 @@ func TestNodeAndContainerMetrics(t *testing.T) {
 	m := New()
 	m.Node(inventory.Inventory{GPUs: []inventory.GPU{{Index: 0, UUID: uuids[0], Product: "H100", MemoryMiB: 81920}}}, injection.BackendDriver, true)
 	m.Containers(lib, map[string]enforce.Lease{"c1": {Pod: "ml/llm", Container: "main", Cgroup: cg, Devices: uuids, RequestMiB: 1024, LimitMiB: 2048}})
+	m.Tenants([]nriplugin.Tenant{
+		{Pod: nriplugin.PodRef{Namespace: "ml", Name: "llm"}, Container: "main", Devices: uuids, RequestMiB: 1024, LimitMiB: 2048,
+			Mode: "time-slicing", Backend: "driver", State: nriplugin.StateEnforced},
+		{Pod: nriplugin.PodRef{Namespace: "ml", Name: "web"}, Container: "main", Devices: uuids[:1], RequestMiB: 512, LimitMiB: 512,
+			Mode: "time-slicing", Backend: "driver", State: nriplugin.StateInjected},
+	})
+	m.GPUUse(lib, inventory.Inventory{GPUs: []inventory.GPU{{UUID: uuids[0]}}})
+	m.ObserveHook("CreateContainer", 3*time.Millisecond)
 	m.Count(EventRefused)
 	m.Count(EventRefused)
 
@@ -52,10 +65,57 @@ gpufrac_enforcement_events_total{event="refused"} 2
 	if got := testutil.ToFloat64(m.ready); got != 1 {
 		t.Errorf("ready = %v", got)
 	}
+	if got := testutil.ToFloat64(m.gpuRequest.WithLabelValues(uuids[0])); got != 1536<<20 {
+		t.Errorf("GPU requested = %v, want the sum of both tenants", got)
+	}
+	if got := testutil.ToFloat64(m.state.WithLabelValues("ml", "web", "main", "driver", "injected")); got != 1 {
+		t.Errorf("state gauge = %v", got)
+	}
+	if got := testutil.CollectAndCount(m.hook); got != 1 {
+		t.Errorf("hook histogram series = %d", got)
+	}
 
 	// The container stopped: its lease is gone and so are its gauges.
 	m.Containers(lib, nil)
 	if n := testutil.CollectAndCount(m.used); n != 0 {
 		t.Errorf("%d used-bytes series left after the container went away", n)
+	}
+}
+
+// The Grafana dashboard in deploy/ must only query metrics this package
+// exports (a renamed metric would silently empty a panel).
+func TestDashboardQueriesExportedMetrics(t *testing.T) {
+	data, err := os.ReadFile("../../../deploy/grafana/gpufrac-node.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(data, &dash); err != nil {
+		t.Fatal(err)
+	}
+	exported := map[string]bool{}
+	for _, name := range New().Names() {
+		exported[name] = true
+	}
+	metric := regexp.MustCompile(`gpufrac_[a-z_]+`)
+	for _, p := range dash.Panels {
+		for _, target := range p.Targets {
+			for _, name := range metric.FindAllString(target.Expr, -1) {
+				name = strings.TrimSuffix(name, "_bucket")
+				if !exported[name] {
+					t.Errorf("panel %q queries %s, which the agent does not export", p.Title, name)
+				}
+			}
+		}
+	}
+	if len(dash.Panels) < 8 {
+		t.Errorf("%d panels", len(dash.Panels))
 	}
 }

@@ -67,6 +67,11 @@ func TestNamespacePerContainerWithItsCeiling(t *testing.T) {
 		t.Errorf("keys = %v", got)
 	}
 
+	commands, _ := os.ReadFile(filepath.Join(root, a, "log", "commands"))
+	if !strings.Contains(string(commands), "get_server_list\nset_default_active_thread_percentage 25\n") {
+		t.Errorf("daemon of %s received:\n%s", a, commands)
+	}
+
 	// Stopping one container drains its daemon only.
 	if err := s.Stop(ctx, a, 2*time.Second); err != nil {
 		t.Fatal(err)

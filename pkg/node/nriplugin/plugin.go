@@ -53,6 +53,8 @@ type Reporter interface {
 	// ReleaseFailed: a stopped container's soft limit could not be
 	// released, so its reservation stays charged up the cgroup tree.
 	ReleaseFailed(pod PodRef, container string, err error)
+	// Enforced: a fractional container got its limits (detail says how).
+	Enforced(pod PodRef, container, detail string)
 }
 
 // Evictor evicts a pod (through the Eviction API, so disruption budgets
@@ -80,6 +82,8 @@ type Options struct {
 	// MPS runs the sm-sharing containers' MPS namespaces; nil refuses
 	// sm-sharing containers.
 	MPS *mps.Supervisor
+	// ObserveHook, when set, receives how long each NRI hook took.
+	ObserveHook func(hook string, d time.Duration)
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -87,6 +91,17 @@ type Plugin struct {
 	opts       Options
 	injection  atomic.Pointer[injection.Config]
 	registered atomic.Bool
+	tenants    tenants
+}
+
+// Tenants lists the fractional containers the plugin knows of, with their
+// enforcement state.
+func (p *Plugin) Tenants() []Tenant { return p.tenants.list() }
+
+func (p *Plugin) observe(hook string, start time.Time) {
+	if p.opts.ObserveHook != nil {
+		p.opts.ObserveHook(hook, time.Since(start))
+	}
 }
 
 // New returns a plugin; Run connects it to the runtime.
@@ -162,11 +177,24 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 
 // CreateContainer injects the container's GPU share, or refuses it.
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
-	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
+	defer p.observe("CreateContainer", time.Now())
+	cfg := *p.injection.Load()
+	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
 	if err == nil {
 		err = p.ensureMPS(ctx, pod, ctr)
 	}
+	a, fractional := assignmentOf(pod, ctr)
 	if err == nil {
+		if fractional {
+			state := StateEnforced
+			if cfg.Backend == injection.BackendDriver {
+				state = StateInjected // verified after start
+			}
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), a, string(cfg.Backend), state))
+			if state == StateEnforced && p.opts.Reporter != nil {
+				p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend))
+			}
+		}
 		return adj, nil, nil
 	}
 	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
@@ -174,6 +202,9 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		logger.Info("Starting the container without a GPU: its fraction cannot be enforced and the node fails open", "reason", err.Error())
 		if p.opts.Reporter != nil {
 			p.opts.Reporter.FailedOpen(refOf(pod), ctr.GetName(), err)
+		}
+		if fractional {
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), a, string(cfg.Backend), StateFailOpen))
 		}
 		return injection.FailOpen(), nil, nil
 	}
@@ -189,6 +220,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 // the lease to release at stop. A container whose limits are not in force
 // is evicted: it must not keep running unlimited.
 func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	defer p.observe("PostStartContainer", time.Now())
 	cfg := p.injection.Load()
 	if cfg.Backend != injection.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
 		return nil
@@ -209,8 +241,14 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 		err = enforce.Verify(p.opts.NVML, cgroup, limits)
 	}
 	if err == nil {
+		p.tenants.setState(ctr.GetId(), StateEnforced)
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
+				cgroup, limits.RequestMiB, limits.LimitMiB, strings.Join(limits.Devices, ",")))
+		}
 		return nil
 	}
+	p.tenants.setState(ctr.GetId(), StateUnenforced)
 	reason := "GPU memory limits not in force after start: " + err.Error()
 	logger.Info("Evicting a pod whose GPU memory limits are not in force", "reason", reason)
 	if p.opts.Evictor != nil {
@@ -228,6 +266,8 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 // StopContainer releases the stopping container's soft limit before its
 // cgroup goes away. It never fails the stop.
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
+	defer p.observe("StopContainer", time.Now())
+	p.tenants.remove(ctr.GetId())
 	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
 	if p.opts.MPS != nil {
 		// Drain its MPS clients, bounded well inside the runtime's own
@@ -347,12 +387,22 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 		byID[pod.GetId()] = pod
 	}
 	evicted := map[string]bool{}
+	live := map[string]bool{}
+	backend := string(p.injection.Load().Backend)
 	for _, ctr := range ctrs {
 		pod := byID[ctr.GetPodSandboxId()]
 		if pod == nil || evicted[pod.GetId()] || ctr.GetState() != nriapi.ContainerState_CONTAINER_RUNNING {
 			continue
 		}
+		live[ctr.GetId()] = true
 		reason := p.missingEnforcement(pod, ctr)
+		if a, ok := assignmentOf(pod, ctr); ok {
+			state := StateEnforced
+			if reason != "" {
+				state = StateUnenforced
+			}
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), a, backend, state))
+		}
 		if reason == "" {
 			continue
 		}
@@ -368,6 +418,9 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 		if p.opts.Reporter != nil {
 			p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
 		}
+	}
+	if len(ctrs) > 0 {
+		p.tenants.retain(live)
 	}
 	p.releaseVanished(ctx, byID, ctrs)
 	p.registered.Store(true)

@@ -64,8 +64,8 @@ func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs [
 
 // recorder is the Reporter and Evictor of the tests.
 type recorder struct {
-	mu                                        sync.Mutex
-	refused, failedOpen, evict, releaseFailed []string
+	mu                                                  sync.Mutex
+	refused, failedOpen, evict, releaseFailed, enforced []string
 }
 
 func (r *recorder) Refused(pod PodRef, c string, err error) {
@@ -75,6 +75,9 @@ func (r *recorder) FailedOpen(pod PodRef, c string, err error) {
 	r.add(&r.failedOpen, pod.Name+"/"+c)
 }
 func (r *recorder) Evicted(PodRef, string, string) {}
+func (r *recorder) Enforced(pod PodRef, c, detail string) {
+	r.add(&r.enforced, pod.Name+"/"+c+": "+detail)
+}
 func (r *recorder) ReleaseFailed(pod PodRef, c string, err error) {
 	r.add(&r.releaseFailed, pod.Name+"/"+c+": "+err.Error())
 }
@@ -420,6 +423,16 @@ func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 	}
 	if ids := leases.IDs(); !cmp.Equal(ids, []string{"c1", "c2"}) {
 		t.Errorf("leases = %v", ids)
+	}
+	states := map[string]string{}
+	for _, tenant := range p.Tenants() {
+		states[tenant.Pod.Name] = tenant.State
+	}
+	if diff := cmp.Diff(map[string]string{"enforced": StateEnforced, "unenforced": StateUnenforced, "probe": StateInjected}, states); diff != "" {
+		t.Errorf("tenant states (-want +got):\n%s", diff)
+	}
+	if got := rec.get(&rec.enforced); len(got) != 1 || !strings.HasPrefix(got[0], "enforced/main: driver memory limits verified on cgroup /kubepods/pod-a/ctr-1") {
+		t.Errorf("enforced events = %v", got)
 	}
 
 	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: podA, Container: ctr1}); err != nil {

@@ -7,7 +7,8 @@
 //
 // Files in the pipe directory steer it: "wedged" makes the daemon stop
 // answering; "threads" records the last default active-thread percentage.
-// The log directory's "starts" has a line per daemon start.
+// The log directory's "starts" has a line per daemon start and "commands"
+// a line per command received.
 package mpstest
 
 import (
@@ -68,6 +69,7 @@ func daemon(pipe, sock string) int {
 		}
 		line, _ := bufio.NewReader(conn).ReadString('\n')
 		line = strings.TrimSpace(line)
+		appendLine(filepath.Join(os.Getenv("CUDA_MPS_LOG_DIRECTORY"), "commands"), line)
 		if _, err := os.Stat(filepath.Join(pipe, "wedged")); err == nil {
 			continue // never answers
 		}

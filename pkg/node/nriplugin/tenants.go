@@ -1,0 +1,94 @@
+package nriplugin
+
+import (
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// Enforcement states of a fractional container.
+const (
+	// StateInjected: created with its limits injected; for the driver
+	// backend not yet verified.
+	StateInjected = "injected"
+	// StateEnforced: the driver holds its limits (verified after start),
+	// or its backend enforces without a read-back.
+	StateEnforced = "enforced"
+	// StateUnenforced: found running without its limits; evicted.
+	StateUnenforced = "unenforced"
+	// StateFailOpen: started without a GPU because the node fails open.
+	StateFailOpen = "fail_open"
+)
+
+// Tenant is one fractional container on the node, for metrics.
+type Tenant struct {
+	Pod        PodRef
+	Container  string
+	Devices    []string
+	RequestMiB int64
+	LimitMiB   int64
+	Mode       api.ComputeMode
+	Backend    string
+	State      string
+}
+
+// tenants tracks the fractional containers by container ID.
+type tenants struct {
+	mu sync.Mutex
+	m  map[string]Tenant
+}
+
+func (t *tenants) set(id string, tenant Tenant) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = map[string]Tenant{}
+	}
+	t.m[id] = tenant
+}
+
+func (t *tenants) setState(id, state string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if tenant, ok := t.m[id]; ok {
+		tenant.State = state
+		t.m[id] = tenant
+	}
+}
+
+func (t *tenants) remove(id string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.m, id)
+}
+
+// retain drops the containers not in live.
+func (t *tenants) retain(live map[string]bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for id := range t.m {
+		if !live[id] {
+			delete(t.m, id)
+		}
+	}
+}
+
+func (t *tenants) list() []Tenant {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]Tenant, 0, len(t.m))
+	for _, tenant := range t.m {
+		out = append(out, tenant)
+	}
+	slices.SortFunc(out, func(a, b Tenant) int {
+		return strings.Compare(a.Pod.Namespace+"/"+a.Pod.Name+"/"+a.Container, b.Pod.Namespace+"/"+b.Pod.Name+"/"+b.Container)
+	})
+	return out
+}
+
+func tenantOf(pod PodRef, a api.Assignment, backend, state string) Tenant {
+	return Tenant{Pod: pod, Container: a.Container, Devices: a.Devices, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB,
+		Mode: a.Mode, Backend: backend, State: state}
+}
