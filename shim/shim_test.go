@@ -44,12 +44,14 @@ func TestShimReportsTheContainerLimitAsTotal(t *testing.T) {
 	program := filepath.Join(dir, "memquery")
 	cc(t, "-o", program, "testdata/memquery.c", "-ldl")
 
-	// A 20 GiB limit: total 20480 MiB, the 10 GiB in use, 10 GiB free; the
-	// driver's reserve is not the container's. Functions the fake lacks
-	// (nvmlDeviceGetName) answer FUNCTION_NOT_FOUND (13) through the shim.
+	// A 20 GiB limit: total 20480 MiB, the driver's reserve is not the
+	// container's. On GPU 0 used is the container's own process (3 GiB,
+	// not the other tenant's 5 GiB); GPU 1 names no process, so the GPU's
+	// 10 GiB stand. Functions the fake lacks (nvmlDeviceGetName) answer
+	// FUNCTION_NOT_FOUND (13) through the shim.
 	got := memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=20480")
 	want := []string{
-		"gpu=0 total=20480 used=10240 free=10240 v2total=20480 v2reserved=0 v2free=10240 name=13",
+		"gpu=0 total=20480 used=3072 free=17408 v2total=20480 v2reserved=0 v2free=17408 name=13",
 		"gpu=1 total=20480 used=10240 free=10240 v2total=20480 v2reserved=0 v2free=10240 name=13",
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
@@ -57,9 +59,9 @@ func TestShimReportsTheContainerLimitAsTotal(t *testing.T) {
 	}
 
 	// Use above the limit is shown as the limit, never more than total.
-	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=4096")
-	if !strings.HasPrefix(got[0], "gpu=0 total=4096 used=4096 free=0 ") {
-		t.Errorf("use above the limit: %q", got[0])
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=2048")
+	if !strings.HasPrefix(got[0], "gpu=0 total=2048 used=2048 free=0 ") || !strings.HasPrefix(got[1], "gpu=1 total=2048 used=2048 free=0 ") {
+		t.Errorf("use above the limit: %q", got)
 	}
 
 	// Without a limit the shim is transparent.

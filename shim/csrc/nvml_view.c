@@ -3,14 +3,18 @@
  * a fractional container's LD_LIBRARY_PATH by the node agent. Every NVML
  * function is forwarded to the real library (forward.c, generated from
  * nvml.h); the memory-info calls are answered for the container: its hard
- * limit (NVIDIA_GPU_MEMORY_LIMIT, MiB) is the GPU's total memory, and used
- * memory never exceeds it. Without the variable it changes nothing.
+ * limit (NVIDIA_GPU_MEMORY_LIMIT, MiB) is the GPU's total memory, used is
+ * what its own processes use (or, when NVML's process IDs are not visible
+ * from the container, the GPU's use, capped at the limit). Without the
+ * variable it changes nothing.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define NVML_NO_UNVERSIONED_FUNC_DEFS
 #include "nvml.h"
@@ -61,6 +65,37 @@ static unsigned long long limit_bytes(void) {
     return mib << 20;
 }
 
+/* container_used is the memory used on device by the processes this
+ * container can see (NVML reports them and /proc/<pid> exists here). It
+ * returns 0 when it cannot tell, leaving the caller's value. */
+static int container_used(nvmlDevice_t device, unsigned long long *used) {
+    nvmlReturn_t (*f)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *) =
+        (nvmlReturn_t (*)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *))gpufrac_real_symbol("nvmlDeviceGetComputeRunningProcesses_v3");
+    if (!f) return 0;
+    nvmlProcessInfo_t infos[256];
+    unsigned int n = sizeof infos / sizeof infos[0];
+    if (f(device, &n, infos) != NVML_SUCCESS) return 0;
+    int visible = 0;
+    unsigned long long sum = 0;
+    for (unsigned int i = 0; i < n; i++) {
+        char path[32];
+        snprintf(path, sizeof path, "/proc/%u", infos[i].pid);
+        if (access(path, F_OK) != 0) continue;
+        visible = 1;
+        if (infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE) sum += infos[i].usedGpuMemory;
+    }
+    if (visible) *used = sum;
+    return visible;
+}
+
+static void as_container(nvmlDevice_t device, unsigned long long limit, unsigned long long *total,
+                         unsigned long long *used, unsigned long long *free_) {
+    container_used(device, used);
+    *total = limit;
+    if (*used > limit) *used = limit;
+    *free_ = limit - *used;
+}
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     nvmlReturn_t (*f)(nvmlDevice_t, nvmlMemory_t *) =
         (nvmlReturn_t (*)(nvmlDevice_t, nvmlMemory_t *))gpufrac_real_symbol("nvmlDeviceGetMemoryInfo");
@@ -68,9 +103,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
     nvmlReturn_t ret = f(device, memory);
     unsigned long long limit = limit_bytes();
     if (ret != NVML_SUCCESS || !limit || !memory) return ret;
-    memory->total = limit;
-    if (memory->used > limit) memory->used = limit;
-    memory->free = limit - memory->used;
+    as_container(device, limit, &memory->total, &memory->used, &memory->free);
     return ret;
 }
 
@@ -81,9 +114,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     nvmlReturn_t ret = f(device, memory);
     unsigned long long limit = limit_bytes();
     if (ret != NVML_SUCCESS || !limit || !memory) return ret;
-    memory->total = limit;
     memory->reserved = 0; /* the driver's reserve is outside the container's share */
-    if (memory->used > limit) memory->used = limit;
-    memory->free = limit - memory->used;
+    as_container(device, limit, &memory->total, &memory->used, &memory->free);
     return ret;
 }

@@ -1,5 +1,6 @@
 /* A fake NVML for the shim's tests: two 80 GiB GPUs, 10 GiB used each. */
 #include <stddef.h>
+#include <unistd.h>
 typedef int nvmlReturn_t;
 typedef struct { int index; } *nvmlDevice_t;
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
@@ -22,6 +23,17 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
     (void)d;
     m->total = 80ULL << 30; m->reserved = 512ULL << 20; m->used = 10ULL << 30; m->free = m->total - m->reserved - m->used;
+    return 0;
+}
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; } nvmlProcessInfo_t;
+/* GPU 0 runs the calling process (3 GiB) and a process of another
+ * container (5 GiB, a pid that does not exist here); GPU 1 reports none. */
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *n, nvmlProcessInfo_t *infos) {
+    if (d->index == 1) { *n = 0; return 0; }
+    if (*n < 2) { *n = 2; return 7; }
+    infos[0].pid = (unsigned int)getpid(); infos[0].usedGpuMemory = 3ULL << 30;
+    infos[1].pid = 0x7ffffffe; infos[1].usedGpuMemory = 5ULL << 30;
+    *n = 2;
     return 0;
 }
 const char *nvmlErrorString(nvmlReturn_t r) { return r ? "fake error" : "fake success"; }

@@ -133,6 +133,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	// are gone are drained at the plugin's first synchronization.
 	if a.opts.Injection.MPSPipeDir != "" {
 		a.mps = mps.New(a.opts.MPSControl, a.opts.Injection.MPSPipeDir)
+		a.mps.StatePath = filepath.Join(a.opts.StateDir, "mps-namespaces.json")
 		if err := a.mps.Recover(ctx, func(string) bool { return true }); err != nil {
 			logger.Error(err, "Cannot recover the MPS namespaces of the previous agent")
 		}

@@ -42,6 +42,9 @@ type Supervisor struct {
 	// MinBackoff and MaxBackoff bound the restart delay of a daemon that
 	// keeps exiting.
 	MinBackoff, MaxBackoff time.Duration
+	// StatePath is where the namespaces are recorded for the next agent;
+	// default Root/namespaces.json.
+	StatePath string
 
 	mu     sync.Mutex
 	spaces map[string]*space
@@ -75,7 +78,12 @@ func Key(podUID, container string) string {
 func PipeDir(root, key string) string { return filepath.Join(root, key, "pipe") }
 
 func (s *Supervisor) logDir(key string) string { return filepath.Join(s.Root, key, "log") }
-func (s *Supervisor) statePath() string        { return filepath.Join(s.Root, "namespaces.json") }
+func (s *Supervisor) statePath() string {
+	if s.StatePath != "" {
+		return s.StatePath
+	}
+	return filepath.Join(s.Root, "namespaces.json")
+}
 
 // Ensure makes namespace key run with the given active-thread percentage,
 // starting its daemon if needed, and returns when the daemon answers.
@@ -364,7 +372,7 @@ func (s *Supervisor) save() error {
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(s.Root, 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(s.statePath()), 0o755); err != nil {
 		return err
 	}
 	tmp := s.statePath() + ".tmp"
