@@ -336,6 +336,13 @@ func (a *Agent) Enforced(pod nriplugin.PodRef, container, detail string) {
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeNormal, "GPUFractionEnforced", "container %s: %s", container, detail)
 }
 
+// Unenforced records a Warning Event on the pod.
+func (a *Agent) Unenforced(pod nriplugin.PodRef, container, reason string) {
+	a.metrics.Count(metrics.EventUnenforced)
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
+		"container %s runs WITHOUT verified GPU memory limits (the node fails open): %s", container, reason)
+}
+
 // ReleaseFailed records an Event on the pod.
 func (a *Agent) ReleaseFailed(pod nriplugin.PodRef, container string, err error) {
 	a.metrics.Count(metrics.EventReleaseFailed)

@@ -82,7 +82,7 @@ func New() *Metrics {
 		limitHits: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_container_gpu_memory_limit_hits_total",
 			Help: "Resyncs at which a container's GPU memory use had reached its hard limit."}, container),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_enforcement_events_total",
-			Help: "Containers refused, started without a GPU (fail-open), evicted for missing enforcement, or whose soft limit could not be released."},
+			Help: "Containers refused, started without a GPU (fail-open), evicted for missing enforcement, left running without it (fail-open), or whose soft limit could not be released."},
 			[]string{"event"}),
 		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_enforcement",
 			Help: "1 for each fractional container with its memory-limit backend and enforcement state (injected, enforced, unenforced, fail_open)."},
@@ -111,6 +111,7 @@ const (
 	EventFailedOpen    = "fail_open"
 	EventEvicted       = "evicted"
 	EventReleaseFailed = "release_failed"
+	EventUnenforced    = "unenforced"
 )
 
 // Count records one enforcement event.

@@ -55,6 +55,9 @@ type Reporter interface {
 	ReleaseFailed(pod PodRef, container string, err error)
 	// Enforced: a fractional container got its limits (detail says how).
 	Enforced(pod PodRef, container, detail string)
+	// Unenforced: a container runs without verified limits and, the node
+	// failing open, keeps running.
+	Unenforced(pod PodRef, container, reason string)
 }
 
 // Evictor evicts a pod (through the Eviction API, so disruption budgets
@@ -218,7 +221,8 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 // PostStartContainer verifies, for the driver backend, that the limits the
 // hook set are in force on the started container's cgroup, and records
 // the lease to release at stop. A container whose limits are not in force
-// is evicted: it must not keep running unlimited.
+// is evicted so it restarts enforced (fail closed); a node that fails open
+// reports it and lets it run.
 func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
 	defer p.observe("PostStartContainer", time.Now())
 	cfg := p.injection.Load()
@@ -250,6 +254,13 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	}
 	p.tenants.setState(ctr.GetId(), StateUnenforced)
 	reason := "GPU memory limits not in force after start: " + err.Error()
+	if p.opts.FailOpen {
+		logger.Info("GPU memory limits not in force; the node fails open, so the container keeps running", "reason", reason)
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Unenforced(refOf(pod), ctr.GetName(), reason)
+		}
+		return nil
+	}
 	logger.Info("Evicting a pod whose GPU memory limits are not in force", "reason", reason)
 	if p.opts.Evictor != nil {
 		if eerr := p.opts.Evictor.Evict(ctx, refOf(pod), reason); eerr != nil {

@@ -64,8 +64,8 @@ func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs [
 
 // recorder is the Reporter and Evictor of the tests.
 type recorder struct {
-	mu                                                  sync.Mutex
-	refused, failedOpen, evict, releaseFailed, enforced []string
+	mu                                                              sync.Mutex
+	refused, failedOpen, evict, releaseFailed, enforced, unenforced []string
 }
 
 func (r *recorder) Refused(pod PodRef, c string, err error) {
@@ -75,6 +75,9 @@ func (r *recorder) FailedOpen(pod PodRef, c string, err error) {
 	r.add(&r.failedOpen, pod.Name+"/"+c)
 }
 func (r *recorder) Evicted(PodRef, string, string) {}
+func (r *recorder) Unenforced(pod PodRef, c, reason string) {
+	r.add(&r.unenforced, pod.Name+"/"+c+": "+reason)
+}
 func (r *recorder) Enforced(pod PodRef, c, detail string) {
 	r.add(&r.enforced, pod.Name+"/"+c+": "+detail)
 }
@@ -555,5 +558,47 @@ func TestSMSharingWithoutMPSIsRefused(t *testing.T) {
 	_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: container("cs", "ps", "main")})
 	if err == nil || !strings.Contains(err.Error(), "runs no MPS supervisor") {
 		t.Errorf("sm-sharing without MPS: %v", err)
+	}
+}
+
+// Failing open, a container whose limits are not in force is reported, not
+// evicted.
+func TestUnverifiedLimitsFailingOpenAreReportedNotEvicted(t *testing.T) {
+	lib, _, uuids := enforcetest.NewMachine(1)
+	proc := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(proc, "7"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(proc, "7", "cgroup"), []byte("0::/kubepods/x\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	leases, err := enforce.OpenLeases(filepath.Join(t.TempDir(), "leases.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	p := New(Options{Injection: cfg, FailOpen: true, Reporter: rec, Evictor: rec})
+	p.EnableLimitLifecycle(lib, proc, leases)
+	connect(t, p, rt)
+	ctx := context.Background()
+	pod := sandbox("pu", "unverified", map[string]string{"nvidia.com/container.main.gpus.devices": uuids[0],
+		"nvidia.com/container.main.gpu-memory.request": "1Gi"})
+	ctr := container("cu", "pu", "main")
+	ctr.Pid = 7
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr}); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.PostStartContainer(ctx, &nriapi.PostStartContainerRequest{Pod: pod, Container: ctr}); err != nil {
+		t.Fatal(err)
+	}
+	if got := rec.get(&rec.evict); len(got) != 0 {
+		t.Errorf("evicted although the node fails open: %v", got)
+	}
+	if got := rec.get(&rec.unenforced); len(got) != 1 || !strings.HasPrefix(got[0], "unverified/main: GPU memory limits not in force") {
+		t.Errorf("unenforced reports = %v", got)
 	}
 }
