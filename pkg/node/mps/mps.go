@@ -235,9 +235,10 @@ func (s *Supervisor) Stop(ctx context.Context, key string, deadline time.Duratio
 	delete(s.spaces, key)
 	s.mu.Unlock()
 
-	quitCtx, cancel := context.WithTimeout(ctx, deadline)
+	drainCtx, cancel := context.WithTimeout(ctx, deadline)
 	defer cancel()
-	_, quitErr := s.Command(quitCtx, key, "quit")
+	s.terminateClients(drainCtx, key)
+	_, quitErr := s.Command(drainCtx, key, "quit")
 	if !waitExit(exited, pid, deadline) {
 		kill(pid)
 		waitExit(exited, pid, time.Second)
@@ -247,6 +248,24 @@ func (s *Supervisor) Stop(ctx context.Context, key string, deadline time.Duratio
 		klog.FromContext(ctx).Info("MPS daemon did not quit cleanly; killed it", "namespace", key, "err", quitErr)
 	}
 	return err
+}
+
+// terminateClients ends every MPS client of a namespace's servers, within
+// ctx: get_server_list, get_client_list per server, terminate per client.
+func (s *Supervisor) terminateClients(ctx context.Context, key string) {
+	servers, err := s.Command(ctx, key, "get_server_list")
+	if err != nil {
+		return
+	}
+	for _, server := range strings.Fields(servers) {
+		clients, err := s.Command(ctx, key, "get_client_list "+server)
+		if err != nil {
+			continue
+		}
+		for _, client := range strings.Fields(clients) {
+			_, _ = s.Command(ctx, key, "terminate "+server+" "+client)
+		}
+	}
 }
 
 // Check probes every daemon; one that does not answer is wedged and is

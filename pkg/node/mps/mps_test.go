@@ -87,6 +87,35 @@ func TestNamespacePerContainerWithItsCeiling(t *testing.T) {
 	}
 }
 
+// Stopping a container drains its MPS clients: each client of each server
+// is terminated (then the daemon is told to quit).
+func TestDrainOrder(t *testing.T) {
+	root := t.TempDir()
+	s := newSupervisor(t, root)
+	ctx := context.Background()
+	key := Key("uid-b", "main")
+	if err := s.Ensure(ctx, key, 50); err != nil {
+		t.Fatal(err)
+	}
+	pipe := PipeDir(root, key)
+	for name, content := range map[string]string{"servers": "4242\n", "clients": "100\n101\n"} {
+		if err := os.WriteFile(filepath.Join(pipe, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	drainCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	s.terminateClients(drainCtx, key)
+	commands, _ := os.ReadFile(filepath.Join(root, key, "log", "commands"))
+	want := "get_server_list\nget_client_list 4242\nterminate 4242 100\nterminate 4242 101\n"
+	if !strings.HasSuffix(string(commands), want) {
+		t.Errorf("commands:\n%s\nwant them to end with:\n%s", commands, want)
+	}
+	if err := s.Stop(ctx, key, 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestDaemonThatDiesIsRestartedWithItsCeiling(t *testing.T) {
 	root := t.TempDir()
 	s := newSupervisor(t, root)

@@ -6,7 +6,9 @@
 // daemon, no argument is the client relaying one stdin line.
 //
 // Files in the pipe directory steer it: "wedged" makes the daemon stop
-// answering; "threads" records the last default active-thread percentage.
+// answering; "servers" and "clients" hold the PIDs get_server_list and
+// get_client_list answer; "threads" records the last default
+// active-thread percentage.
 // The log directory's "starts" has a line per daemon start and "commands"
 // a line per command received.
 package mpstest
@@ -14,6 +16,7 @@ package mpstest
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -49,8 +52,7 @@ func Fake(args []string) int {
 	}
 	defer func() { _ = conn.Close() }()
 	fmt.Fprint(conn, in)
-	out, _ := bufio.NewReader(conn).ReadString('\n')
-	fmt.Print(out)
+	_, _ = io.Copy(os.Stdout, conn)
 	return 0
 }
 
@@ -75,6 +77,10 @@ func daemon(pipe, sock string) int {
 		}
 		switch {
 		case line == "get_server_list":
+			fmt.Fprintln(conn, pids(filepath.Join(pipe, "servers")))
+		case strings.HasPrefix(line, "get_client_list "):
+			fmt.Fprintln(conn, pids(filepath.Join(pipe, "clients")))
+		case strings.HasPrefix(line, "terminate "):
 			fmt.Fprintln(conn, "")
 		case strings.HasPrefix(line, "set_default_active_thread_percentage "):
 			pct := strings.TrimPrefix(line, "set_default_active_thread_percentage ")
@@ -89,6 +95,12 @@ func daemon(pipe, sock string) int {
 		}
 		_ = conn.Close()
 	}
+}
+
+// pids answers a list command from a file: one PID per line.
+func pids(path string) string {
+	data, _ := os.ReadFile(path)
+	return strings.Join(strings.Fields(string(data)), "\n")
 }
 
 func appendLine(path, line string) {
