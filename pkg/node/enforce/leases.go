@@ -4,10 +4,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync"
+
+	"github.com/gpufrac/gpufrac/internal/statefile"
 )
 
 // Lease records that a container's cgroup holds memory limits on some
@@ -71,40 +73,15 @@ func (l *Leases) Take(id string) (Lease, bool, error) {
 func (l *Leases) All() map[string]Lease {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	out := make(map[string]Lease, len(l.m))
-	for id, lease := range l.m {
-		out[id] = lease
-	}
-	return out
+	return maps.Clone(l.m)
 }
 
 // IDs lists the containers holding leases, sorted.
 func (l *Leases) IDs() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	ids := make([]string, 0, len(l.m))
-	for id := range l.m {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
-	return ids
+	return slices.Sorted(maps.Keys(l.m))
 }
 
 // save writes the table atomically (a crash leaves the old or the new one).
-func (l *Leases) save() error {
-	data, err := json.MarshalIndent(l.m, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.MkdirAll(filepath.Dir(l.path), 0o750); err != nil {
-		return err
-	}
-	tmp := l.path + ".tmp"
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return fmt.Errorf("write GPU memory leases: %w", err)
-	}
-	if err := os.Rename(tmp, l.path); err != nil {
-		return fmt.Errorf("write GPU memory leases: %w", err)
-	}
-	return nil
-}
+func (l *Leases) save() error { return statefile.WriteJSON(l.path, l.m) }

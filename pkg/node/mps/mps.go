@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +26,8 @@ import (
 	"time"
 
 	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/internal/statefile"
 )
 
 // DefaultBinary is the MPS control program.
@@ -330,12 +333,7 @@ func (s *Supervisor) PID(key string) int {
 func (s *Supervisor) Keys() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	keys := make([]string, 0, len(s.spaces))
-	for k := range s.spaces {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	return keys
+	return slices.Sorted(maps.Keys(s.spaces))
 }
 
 // Recover is called once at agent start with the namespaces a previous
@@ -382,23 +380,12 @@ func (s *Supervisor) Recover(ctx context.Context, live func(key string) bool) er
 func (s *Supervisor) save() error {
 	s.mu.Lock()
 	saved := make([]space, 0, len(s.spaces))
-	for _, sp := range s.spaces {
+	for _, key := range slices.Sorted(maps.Keys(s.spaces)) {
+		sp := s.spaces[key]
 		saved = append(saved, space{Key: sp.Key, Threads: sp.Threads, PID: sp.PID})
 	}
 	s.mu.Unlock()
-	slices.SortFunc(saved, func(a, b space) int { return strings.Compare(a.Key, b.Key) })
-	data, err := json.MarshalIndent(saved, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.MkdirAll(filepath.Dir(s.statePath()), 0o755); err != nil {
-		return err
-	}
-	tmp := s.statePath() + ".tmp"
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, s.statePath())
+	return statefile.WriteJSON(s.statePath(), saved)
 }
 
 func waitExit(exited chan struct{}, pid int, d time.Duration) bool {
