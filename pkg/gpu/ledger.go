@@ -1,0 +1,331 @@
+// Package gpu keeps one node's GPU ledger: each GPU's capacity, reserve
+// and tenants (fractional shares with their mode and compute portion, or a
+// whole-GPU owner), plus the node's CPU and memory. Fit says where a
+// request can go and, when nowhere, why; Assign and Release are exact
+// inverses. The invariants the scheduler promises (no GPU's requests above
+// its schedulable memory, one compute mode per GPU, sm-sharing portions at
+// most 1, whole GPUs never shared) are enforced here. The package is pure:
+// amounts are plain integers (MiB in the scheduler, milli-GPU in the
+// simulator), so both use the same ledger.
+package gpu
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// FullPortion is a whole GPU's compute, in thousandths.
+const FullPortion = 1000
+
+// Share is a fractional tenant's part of one GPU.
+type Share struct {
+	// Request is charged against the GPU's schedulable memory.
+	Request int64
+	// Limit is the tenant's hard cap; it is not charged.
+	Limit int64
+	Mode  api.ComputeMode
+	// Portion is the sm-sharing compute share in thousandths (0 for
+	// time-slicing).
+	Portion int64
+}
+
+// Device is one GPU.
+type Device struct {
+	Index   int
+	UUID    string
+	Model   string
+	Total   int64
+	Reserve int64
+
+	whole   string           // the whole-GPU tenant, if any
+	shares  map[string]Share // fractional tenants
+	charged int64            // sum of the shares' requests
+	portion int64            // sum of the shares' portions
+}
+
+// Schedulable is the memory fractions may be charged: total − reserve.
+func (d *Device) Schedulable() int64 { return max(d.Total-d.Reserve, 0) }
+
+// Free is the schedulable memory no tenant holds (0 when a whole-GPU
+// tenant owns the GPU).
+func (d *Device) Free() int64 {
+	if d.whole != "" {
+		return 0
+	}
+	return d.Schedulable() - d.charged
+}
+
+// Idle reports whether the GPU has no tenant at all.
+func (d *Device) Idle() bool { return d.whole == "" && len(d.shares) == 0 }
+
+// Whole returns the whole-GPU tenant, or "".
+func (d *Device) Whole() string { return d.whole }
+
+// Mode is the compute mode of the GPU's fractional tenants ("" when none).
+func (d *Device) Mode() api.ComputeMode {
+	for _, s := range d.shares {
+		return s.Mode
+	}
+	return ""
+}
+
+// Charged is the sum of the fractional tenants' requests.
+func (d *Device) Charged() int64 { return d.charged }
+
+// Portion is the sum of the sm-sharing tenants' portions, in thousandths.
+func (d *Device) Portion() int64 { return d.portion }
+
+// Shares returns a copy of the fractional tenants' shares.
+func (d *Device) Shares() map[string]Share { return maps.Clone(d.shares) }
+
+// Request is what a tenant asks of a node: either Whole GPUs, or the same
+// Share on each of Devices distinct GPUs; and CPU and memory.
+type Request struct {
+	Tenant  string
+	Whole   int
+	Devices int
+	Share   Share
+	// CPU (milli-CPU) and Memory are charged against the node's when it
+	// tracks them.
+	CPU, Memory int64
+	// Models restricts the GPU model; empty allows any.
+	Models []string
+}
+
+// Reason says why a request does not fit a node.
+type Reason string
+
+// The reasons, most specific first.
+const (
+	ReasonCPU     Reason = "InsufficientCPU"
+	ReasonMemory  Reason = "InsufficientMemory"
+	ReasonModel   Reason = "GPUModelNotAllowed"
+	ReasonWhole   Reason = "NotEnoughIdleGPUs"
+	ReasonGPUs    Reason = "NotEnoughGPUMemory"
+	ReasonMode    Reason = "ComputeModeConflict"
+	ReasonCompute Reason = "ComputePortionExceeded"
+	ReasonInvalid Reason = "InvalidRequest"
+)
+
+// Unfit explains a rejection: the reason and the numbers behind it.
+type Unfit struct {
+	Reason Reason
+	Detail string
+}
+
+func (u *Unfit) Error() string { return string(u.Reason) + ": " + u.Detail }
+
+// Node is one node's ledger.
+type Node struct {
+	Name string
+	// CPU (milli-CPU) and Memory are the node's allocatable amounts; 0
+	// means not tracked.
+	CPU, Memory int64
+	Devices     []*Device
+
+	cpuUsed, memUsed int64
+	held             map[string]holding
+}
+
+// holding is what one tenant holds, for Release.
+type holding struct {
+	Request Request
+	Devices []int
+}
+
+// NewNode returns an empty ledger over devices.
+func NewNode(name string, cpu, memory int64, devices ...*Device) *Node {
+	for _, d := range devices {
+		d.shares = map[string]Share{}
+	}
+	return &Node{Name: name, CPU: cpu, Memory: memory, Devices: devices, held: map[string]holding{}}
+}
+
+// Fit returns the indices (into Devices) of every GPU that could take the
+// request, or why the node cannot: at least Whole idle GPUs, or Devices
+// distinct GPUs each with the share's request free, a compatible mode
+// and, for sm-sharing, compute left.
+func (n *Node) Fit(r Request) ([]int, *Unfit) {
+	if u := validate(r); u != nil {
+		return nil, u
+	}
+	if n.CPU > 0 && n.cpuUsed+r.CPU > n.CPU {
+		return nil, &Unfit{ReasonCPU, fmt.Sprintf("requested %dm CPU, %dm of %dm free", r.CPU, n.CPU-n.cpuUsed, n.CPU)}
+	}
+	if n.Memory > 0 && n.memUsed+r.Memory > n.Memory {
+		return nil, &Unfit{ReasonMemory, fmt.Sprintf("requested %d memory, %d of %d free", r.Memory, n.Memory-n.memUsed, n.Memory)}
+	}
+	var fit []int
+	var modelOK, memoryOK, modeOK int
+	for i, d := range n.Devices {
+		if len(r.Models) > 0 && !slices.Contains(r.Models, d.Model) {
+			continue
+		}
+		modelOK++
+		if r.Whole > 0 {
+			if d.Idle() {
+				fit = append(fit, i)
+			}
+			continue
+		}
+		if d.Free() < r.Share.Request {
+			continue
+		}
+		memoryOK++
+		if m := d.Mode(); m != "" && m != r.Share.Mode {
+			continue
+		}
+		modeOK++
+		if r.Share.Mode == api.SMSharing && d.portion+r.Share.Portion > FullPortion {
+			continue
+		}
+		fit = append(fit, i)
+	}
+	need := max(r.Whole, r.Devices)
+	if len(fit) >= need {
+		return fit, nil
+	}
+	switch {
+	case modelOK < need:
+		return nil, &Unfit{ReasonModel, fmt.Sprintf("%d GPUs of models %s, %d needed", modelOK, strings.Join(r.Models, "|"), need)}
+	case r.Whole > 0:
+		return nil, &Unfit{ReasonWhole, fmt.Sprintf("%d idle GPUs, %d needed", len(fit), need)}
+	case memoryOK < need:
+		return nil, &Unfit{ReasonGPUs, fmt.Sprintf("%d GPUs with %d free, %d needed", memoryOK, r.Share.Request, need)}
+	case modeOK < need:
+		return nil, &Unfit{ReasonMode, fmt.Sprintf("%d GPUs free for %s, %d needed", modeOK, r.Share.Mode, need)}
+	}
+	return nil, &Unfit{ReasonCompute, fmt.Sprintf("%d GPUs with %d/1000 compute left, %d needed", len(fit), r.Share.Portion, need)}
+}
+
+func validate(r Request) *Unfit {
+	bad := func(format string, args ...any) *Unfit { return &Unfit{ReasonInvalid, fmt.Sprintf(format, args...)} }
+	switch {
+	case r.Tenant == "":
+		return bad("no tenant")
+	case r.Whole < 0 || r.Devices < 0 || r.CPU < 0 || r.Memory < 0:
+		return bad("negative amounts")
+	case r.Whole > 0 && r.Devices > 0:
+		return bad("whole GPUs and a share at once")
+	case r.Devices > 0 && (r.Share.Request <= 0 || r.Share.Limit < r.Share.Request):
+		return bad("share request %d, limit %d: want 0 < request ≤ limit", r.Share.Request, r.Share.Limit)
+	case r.Devices > 0 && r.Share.Mode != api.TimeSlicing && r.Share.Mode != api.SMSharing:
+		return bad("compute mode %q", r.Share.Mode)
+	case r.Devices > 0 && r.Share.Mode == api.SMSharing && (r.Share.Portion <= 0 || r.Share.Portion > FullPortion):
+		return bad("sm-sharing portion %d/1000", r.Share.Portion)
+	case r.Devices > 0 && r.Share.Mode == api.TimeSlicing && r.Share.Portion != 0:
+		return bad("time-slicing with a compute portion")
+	}
+	return nil
+}
+
+// Assign gives the tenant the request on exactly the given devices, which
+// must be distinct, as many as asked, and each able to take it.
+func (n *Node) Assign(r Request, devices []int) error {
+	if _, taken := n.held[r.Tenant]; taken {
+		return fmt.Errorf("tenant %s already holds resources on node %s", r.Tenant, n.Name)
+	}
+	fit, unfit := n.Fit(r)
+	if unfit != nil {
+		return fmt.Errorf("node %s: %w", n.Name, unfit)
+	}
+	need := max(r.Whole, r.Devices)
+	if len(devices) != need {
+		return fmt.Errorf("tenant %s: %d devices given, %d needed", r.Tenant, len(devices), need)
+	}
+	seen := map[int]bool{}
+	for _, i := range devices {
+		if seen[i] || !slices.Contains(fit, i) {
+			return fmt.Errorf("tenant %s: device %d is repeated or cannot take the request", r.Tenant, i)
+		}
+		seen[i] = true
+	}
+	for _, i := range devices {
+		d := n.Devices[i]
+		if r.Whole > 0 {
+			d.whole = r.Tenant
+			continue
+		}
+		d.shares[r.Tenant] = r.Share
+		d.charged += r.Share.Request
+		d.portion += r.Share.Portion
+	}
+	n.cpuUsed += r.CPU
+	n.memUsed += r.Memory
+	n.held[r.Tenant] = holding{Request: r, Devices: slices.Clone(devices)}
+	return nil
+}
+
+// Release returns everything the tenant holds.
+func (n *Node) Release(tenant string) error {
+	h, ok := n.held[tenant]
+	if !ok {
+		return fmt.Errorf("tenant %s holds nothing on node %s", tenant, n.Name)
+	}
+	for _, i := range h.Devices {
+		d := n.Devices[i]
+		if h.Request.Whole > 0 {
+			d.whole = ""
+			continue
+		}
+		delete(d.shares, tenant)
+		d.charged -= h.Request.Share.Request
+		d.portion -= h.Request.Share.Portion
+	}
+	n.cpuUsed -= h.Request.CPU
+	n.memUsed -= h.Request.Memory
+	delete(n.held, tenant)
+	return nil
+}
+
+// Holds returns the devices a tenant holds, and whether it holds any.
+func (n *Node) Holds(tenant string) ([]int, bool) {
+	h, ok := n.held[tenant]
+	return slices.Clone(h.Devices), ok
+}
+
+// Used returns the node's charged CPU and memory.
+func (n *Node) Used() (cpu, memory int64) { return n.cpuUsed, n.memUsed }
+
+// Check verifies every invariant; the ledger keeps them, so an error is a
+// bug to report.
+func (n *Node) Check() error {
+	var cpu, mem int64
+	for _, h := range n.held {
+		cpu += h.Request.CPU
+		mem += h.Request.Memory
+	}
+	if cpu != n.cpuUsed || mem != n.memUsed || (n.CPU > 0 && cpu > n.CPU) || (n.Memory > 0 && mem > n.Memory) {
+		return fmt.Errorf("node %s: CPU %d/%d, memory %d/%d (held: %d, %d)", n.Name, n.cpuUsed, n.CPU, n.memUsed, n.Memory, cpu, mem)
+	}
+	for _, d := range n.Devices {
+		var charged, portion int64
+		var mode api.ComputeMode
+		for tenant, s := range d.shares {
+			charged += s.Request
+			portion += s.Portion
+			if mode != "" && s.Mode != mode {
+				return fmt.Errorf("GPU %d mixes %s and %s", d.Index, mode, s.Mode)
+			}
+			mode = s.Mode
+			if h, ok := n.held[tenant]; !ok || !slices.Contains(h.Devices, slices.Index(n.Devices, d)) {
+				return fmt.Errorf("GPU %d: share of %s not recorded as held", d.Index, tenant)
+			}
+		}
+		switch {
+		case charged != d.charged || portion != d.portion:
+			return fmt.Errorf("GPU %d: charged %d (sum %d), portion %d (sum %d)", d.Index, d.charged, charged, d.portion, portion)
+		case charged > d.Schedulable():
+			return fmt.Errorf("GPU %d over-committed: %d charged of %d schedulable", d.Index, charged, d.Schedulable())
+		case portion > FullPortion:
+			return fmt.Errorf("GPU %d: compute portions sum to %d/1000", d.Index, portion)
+		case d.whole != "" && len(d.shares) > 0:
+			return fmt.Errorf("GPU %d: whole-GPU tenant %s shares it with fractions", d.Index, d.whole)
+		}
+	}
+	return nil
+}

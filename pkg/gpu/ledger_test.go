@@ -1,0 +1,186 @@
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+
+	"pgregory.net/rapid"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+func node(gpus int, model string) *Node {
+	var ds []*Device
+	for i := range gpus {
+		ds = append(ds, &Device{Index: i, UUID: fmt.Sprintf("GPU-%d", i), Model: model, Total: 81920, Reserve: 1024})
+	}
+	return NewNode("n1", 64000, 262144, ds...)
+}
+
+func share(req int64, mode api.ComputeMode, portion int64) Share {
+	return Share{Request: req, Limit: req, Mode: mode, Portion: portion}
+}
+
+func TestFitExplainsEveryReason(t *testing.T) {
+	n := node(2, "H100")
+	must := func(r Request, devices ...int) {
+		t.Helper()
+		if err := n.Assign(r, devices); err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(Request{Tenant: "ts", Devices: 1, Share: share(40000, api.TimeSlicing, 0)}, 0)
+	must(Request{Tenant: "sm", Devices: 1, Share: share(10000, api.SMSharing, 600)}, 1)
+
+	tests := []struct {
+		name string
+		r    Request
+		want Reason
+		fit  []int
+	}{
+		{"time-slicing fits GPU 0 only (mode)", Request{Tenant: "a", Devices: 1, Share: share(30000, api.TimeSlicing, 0)}, "", []int{0}},
+		{"sm-sharing fits GPU 1 only", Request{Tenant: "a", Devices: 1, Share: share(10000, api.SMSharing, 400)}, "", []int{1}},
+		{"two GPUs in one mode do not exist", Request{Tenant: "a", Devices: 2, Share: share(1000, api.TimeSlicing, 0)}, ReasonMode, nil},
+		{"memory", Request{Tenant: "a", Devices: 1, Share: share(80000, api.TimeSlicing, 0)}, ReasonGPUs, nil},
+		{"compute portion", Request{Tenant: "a", Devices: 1, Share: share(1000, api.SMSharing, 500)}, ReasonCompute, nil},
+		{"model", Request{Tenant: "a", Devices: 1, Share: share(1, api.TimeSlicing, 0), Models: []string{"A100"}}, ReasonModel, nil},
+		{"no idle GPU for a whole-GPU pod", Request{Tenant: "a", Whole: 1}, ReasonWhole, nil},
+		{"CPU", Request{Tenant: "a", Devices: 1, Share: share(1, api.TimeSlicing, 0), CPU: 64001}, ReasonCPU, nil},
+		{"node memory", Request{Tenant: "a", Devices: 1, Share: share(1, api.TimeSlicing, 0), Memory: 262145}, ReasonMemory, nil},
+		{"invalid: limit below request", Request{Tenant: "a", Devices: 1, Share: Share{Request: 2, Limit: 1, Mode: api.TimeSlicing}}, ReasonInvalid, nil},
+		{"invalid: both whole and share", Request{Tenant: "a", Whole: 1, Devices: 1, Share: share(1, api.TimeSlicing, 0)}, ReasonInvalid, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			fit, unfit := n.Fit(tt.r)
+			switch {
+			case tt.want == "" && unfit != nil:
+				t.Fatalf("unfit: %v", unfit)
+			case tt.want == "" && !slices.Equal(fit, tt.fit):
+				t.Errorf("fit = %v, want %v", fit, tt.fit)
+			case tt.want != "" && (unfit == nil || unfit.Reason != tt.want):
+				t.Errorf("got %v (fit %v), want %s", unfit, fit, tt.want)
+			}
+		})
+	}
+}
+
+func TestWholeGPUsAndFractionsNeverShare(t *testing.T) {
+	n := node(2, "H100")
+	if err := n.Assign(Request{Tenant: "whole", Whole: 1}, []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	if fit, _ := n.Fit(Request{Tenant: "f", Devices: 1, Share: share(1, api.TimeSlicing, 0)}); !slices.Equal(fit, []int{1}) {
+		t.Errorf("fractions fit %v, want only the idle GPU 1", fit)
+	}
+	if err := n.Assign(Request{Tenant: "f", Devices: 1, Share: share(1, api.TimeSlicing, 0)}, []int{0}); err == nil {
+		t.Error("fraction assigned to a whole-GPU pod's GPU")
+	}
+	if err := n.Assign(Request{Tenant: "f", Devices: 1, Share: share(1, api.TimeSlicing, 0)}, []int{1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, unfit := n.Fit(Request{Tenant: "w2", Whole: 1}); unfit == nil || unfit.Reason != ReasonWhole {
+		t.Errorf("whole GPU onto a shared GPU: %v", unfit)
+	}
+	if err := n.Assign(Request{Tenant: "f", Devices: 1, Share: share(1, api.TimeSlicing, 0)}, []int{1}); err == nil {
+		t.Error("a tenant assigned twice")
+	}
+	var unfit *Unfit
+	_, u := n.Fit(Request{Tenant: "x", Whole: 1})
+	if !errors.As(error(u), &unfit) {
+		t.Errorf("Unfit is not an error: %T", u)
+	}
+}
+
+// dump renders the whole ledger, to compare states exactly.
+func dump(n *Node) string {
+	var b strings.Builder
+	cpu, mem := n.Used()
+	fmt.Fprintf(&b, "cpu=%d mem=%d held=%v\n", cpu, mem, slices.Sorted(maps.Keys(n.held)))
+	for _, d := range n.Devices {
+		shares := d.Shares()
+		keys := slices.Sorted(maps.Keys(shares))
+		fmt.Fprintf(&b, "gpu%d whole=%q charged=%d portion=%d", d.Index, d.Whole(), d.Charged(), d.Portion())
+		for _, k := range keys {
+			fmt.Fprintf(&b, " %s=%+v", k, shares[k])
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// Random sequences of assignments and releases never break an invariant,
+// and releasing what was just assigned restores the ledger exactly.
+func TestLedgerProperties(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		var ds []*Device
+		for i := range rapid.IntRange(1, 8).Draw(t, "gpus") {
+			total := rapid.Int64Range(1000, 200000).Draw(t, "total")
+			ds = append(ds, &Device{Index: i, Model: rapid.SampledFrom([]string{"H100", "A100"}).Draw(t, "model"),
+				Total: total, Reserve: rapid.Int64Range(0, total/10).Draw(t, "reserve")})
+		}
+		n := NewNode("n", rapid.Int64Range(0, 128000).Draw(t, "cpu"), rapid.Int64Range(0, 1<<20).Draw(t, "mem"), ds...)
+		var tenants []string
+		for step := range rapid.IntRange(1, 60).Draw(t, "steps") {
+			if len(tenants) > 0 && rapid.Bool().Draw(t, "release") {
+				i := rapid.IntRange(0, len(tenants)-1).Draw(t, "which")
+				if err := n.Release(tenants[i]); err != nil {
+					t.Fatal(err)
+				}
+				tenants = slices.Delete(tenants, i, i+1)
+			} else {
+				r := Request{Tenant: fmt.Sprintf("t%d", step), CPU: rapid.Int64Range(0, 16000).Draw(t, "podcpu"),
+					Memory: rapid.Int64Range(0, 65536).Draw(t, "podmem")}
+				if rapid.IntRange(0, 4).Draw(t, "kind") == 0 {
+					r.Whole = rapid.IntRange(1, 4).Draw(t, "whole")
+				} else {
+					mode := rapid.SampledFrom([]api.ComputeMode{api.TimeSlicing, api.SMSharing}).Draw(t, "mode")
+					req := rapid.Int64Range(1, 100000).Draw(t, "request")
+					r.Devices = rapid.IntRange(1, 3).Draw(t, "devices")
+					r.Share = Share{Request: req, Limit: req + rapid.Int64Range(0, 1000).Draw(t, "burst"), Mode: mode}
+					if mode == api.SMSharing {
+						r.Share.Portion = rapid.Int64Range(1, 1000).Draw(t, "portion")
+					}
+				}
+				if rapid.Bool().Draw(t, "constrained") {
+					r.Models = []string{"H100"}
+				}
+				before := dump(n)
+				fit, unfit := n.Fit(r)
+				if unfit != nil {
+					if err := n.Assign(r, fit); err == nil {
+						t.Fatalf("assigned a request Fit rejected: %v", unfit)
+					}
+					if dump(n) != before {
+						t.Fatal("a rejected Assign changed the ledger")
+					}
+					continue
+				}
+				chosen := rapid.Permutation(fit).Draw(t, "order")[:max(r.Whole, r.Devices)]
+				if err := n.Assign(r, chosen); err != nil {
+					t.Fatalf("Assign on devices Fit offered: %v", err)
+				}
+				if err := n.Check(); err != nil {
+					t.Fatal(err)
+				}
+				if rapid.Bool().Draw(t, "undo") {
+					if err := n.Release(r.Tenant); err != nil {
+						t.Fatal(err)
+					}
+					if after := dump(n); after != before {
+						t.Fatalf("Release is not the inverse of Assign:\nbefore %s\nafter  %s", before, after)
+					}
+					continue
+				}
+				tenants = append(tenants, r.Tenant)
+			}
+			if err := n.Check(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
