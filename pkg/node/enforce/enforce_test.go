@@ -113,10 +113,6 @@ func TestCgroupOf(t *testing.T) {
 	if _, err := CgroupOf(proc, 44); err == nil {
 		t.Error("missing pid resolved")
 	}
-	// This very process, through the real /proc.
-	if _, err := CgroupOf("/proc", os.Getpid()); err != nil {
-		t.Logf("this machine's own cgroup: %v", err)
-	}
 }
 
 func TestReadState(t *testing.T) {
