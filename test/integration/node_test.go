@@ -206,7 +206,7 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	}
 
 	// Not registered with the runtime yet: visible, not ready.
-	if err := publish.Apply(ctx, shared.admin, node.Name, publish.Compute(state, nil)); err != nil {
+	if err := publish.Apply(ctx, shared.admin, read(), publish.Compute(state, nil)); err != nil {
 		t.Fatal(err)
 	}
 	n := read()
@@ -226,7 +226,7 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	// Registered: ready, and the other component's condition survives.
 	state.NRIRegistered = true
 	time.Sleep(1100 * time.Millisecond)
-	if err := publish.Apply(ctx, shared.admin, node.Name, publish.Compute(state, n.Labels)); err != nil {
+	if err := publish.Apply(ctx, shared.admin, n, publish.Compute(state, n.Labels)); err != nil {
 		t.Fatal(err)
 	}
 	n = read()
@@ -245,7 +245,7 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	// A heartbeat with the same status keeps the transition time.
 	secondTransition := c.LastTransitionTime
 	time.Sleep(1100 * time.Millisecond)
-	if err := publish.Apply(ctx, shared.admin, node.Name, publish.Compute(state, n.Labels)); err != nil {
+	if err := publish.Apply(ctx, shared.admin, n, publish.Compute(state, n.Labels)); err != nil {
 		t.Fatal(err)
 	}
 	if c := condition(read()); !c.LastTransitionTime.Equal(&secondTransition) || !c.LastHeartbeatTime.After(secondTransition.Time) {

@@ -261,7 +261,7 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	if invErr == nil {
 		a.metrics.GPUUse(lib, inv)
 	}
-	if err := publish.Apply(ctx, a.client, a.opts.NodeName, desired); err != nil {
+	if err := publish.Apply(ctx, a.client, node, desired); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)
 		return
@@ -281,7 +281,11 @@ func (a *Agent) markStopped(logger klog.Logger) {
 	defer cancel()
 	d := publish.Desired{Condition: corev1.NodeCondition{Type: publish.ConditionReady, Status: corev1.ConditionFalse,
 		Reason: "AgentStopped", Message: "the gpufrac node agent is not running, so GPU-fraction limits cannot be injected"}}
-	if err := publish.Apply(ctx, a.client, a.opts.NodeName, d); err != nil {
+	node, err := a.client.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	if err == nil {
+		err = publish.Apply(ctx, a.client, node, d)
+	}
+	if err != nil {
 		logger.Error(err, "Cannot mark the node not ready on shutdown")
 	}
 }

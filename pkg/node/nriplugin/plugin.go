@@ -183,10 +183,10 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 	defer p.observe("CreateContainer", time.Now())
 	cfg := *p.injection.Load()
 	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
-	if err == nil {
-		err = p.ensureMPS(ctx, pod, ctr)
-	}
 	a, fractional := assignmentOf(pod, ctr)
+	if err == nil && fractional {
+		err = p.ensureMPS(ctx, pod.GetUid(), ctr.GetName(), a)
+	}
 	if err == nil {
 		if fractional {
 			state := StateEnforced
@@ -359,16 +359,15 @@ func podOf(pod *nriapi.PodSandbox) injection.Pod {
 
 // ensureMPS starts an sm-sharing container's MPS namespace, with its
 // thread ceiling, before the container's first client can connect.
-func (p *Plugin) ensureMPS(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	a, ok := assignmentOf(pod, ctr)
-	if !ok || a.Mode != api.SMSharing {
+func (p *Plugin) ensureMPS(ctx context.Context, podUID, container string, a api.Assignment) error {
+	if a.Mode != api.SMSharing {
 		return nil
 	}
 	if p.opts.MPS == nil {
-		return fmt.Errorf("container %q: sm-sharing needs MPS, and this node runs no MPS supervisor", ctr.GetName())
+		return fmt.Errorf("container %q: sm-sharing needs MPS, and this node runs no MPS supervisor", container)
 	}
-	if err := p.opts.MPS.Ensure(ctx, mps.Key(pod.GetUid(), ctr.GetName()), a.ActiveThreadPercentage()); err != nil {
-		return fmt.Errorf("container %q: %w", ctr.GetName(), err)
+	if err := p.opts.MPS.Ensure(ctx, mps.Key(podUID, container), a.ActiveThreadPercentage()); err != nil {
+		return fmt.Errorf("container %q: %w", container, err)
 	}
 	return nil
 }

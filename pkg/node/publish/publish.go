@@ -153,14 +153,12 @@ func labelValue(s string) string {
 
 func ptr(s string) *string { return &s }
 
-// Apply writes d onto node name: labels with a merge patch, the condition
-// through the status subresource. The condition's transition time moves
-// only when its status changes.
-func Apply(ctx context.Context, client kubernetes.Interface, name string, d Desired) error {
-	node, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		return fmt.Errorf("read node %s: %w", name, err)
-	}
+// Apply writes d onto node (as the caller just read it, so it is not read
+// twice): labels with a merge patch, the condition through the status
+// subresource. The condition's transition time moves only when its status
+// changes.
+func Apply(ctx context.Context, client kubernetes.Interface, node *corev1.Node, d Desired) error {
+	name := node.Name
 	labels := map[string]*string{}
 	for k, v := range d.Labels {
 		if cur, ok := node.Labels[k]; (v == nil && ok) || (v != nil && cur != *v) {
