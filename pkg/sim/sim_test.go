@@ -1,14 +1,11 @@
 package sim
 
 import (
-	"math"
+	"math/rand"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/gpu"
 )
 
 const traceDir = "../../../shared/traces/alibaba-gpu-v2023"
@@ -52,7 +49,8 @@ func TestTheTraceLoadsAsTheStudyDescribes(t *testing.T) {
 func TestWorkloadIsSeededAndPaddedToTune(t *testing.T) {
 	_, pods := load(t)
 	const capacity = 6212 * MilliGPU
-	a, b, c := Workload(pods, 42, 1.3, capacity), Workload(pods, 42, 1.3, capacity), Workload(pods, 43, 1.3, capacity)
+	seeded := func(seed int64) []PodSpec { return Workload(pods, rand.New(rand.NewSource(seed)), 1.3, capacity) }
+	a, b, c := seeded(42), seeded(42), seeded(43)
 	if len(a) != len(b) || a[0].Name != b[0].Name || a[len(a)-1].Name != b[len(b)-1].Name {
 		t.Error("the same seed gave different workloads")
 	}
@@ -69,53 +67,6 @@ func TestWorkloadIsSeededAndPaddedToTune(t *testing.T) {
 	}
 	if len(a) <= len(pods) {
 		t.Errorf("workload of %d pods was not padded beyond the trace's %d", len(a), len(pods))
-	}
-}
-
-func TestPopularShapesCoverAndRenormalise(t *testing.T) {
-	pods := []PodSpec{
-		{CPUMilli: 4000, NumGPU: 1, GPUMilli: 500}, {CPUMilli: 4000, NumGPU: 1, GPUMilli: 500}, {CPUMilli: 4000, NumGPU: 1, GPUMilli: 500},
-		{CPUMilli: 8000, NumGPU: 2, GPUMilli: 1000}, {CPUMilli: 8000, NumGPU: 2, GPUMilli: 1000},
-		{CPUMilli: 1000, NumGPU: 1, GPUMilli: 1000, GPUSpec: []string{"T4"}},
-		{CPUMilli: 2000}, // CPU-only: left out
-	}
-	shapes := PopularShapes(pods, 0.8)
-	if len(shapes) != 2 || shapes[0].GPUMilli != 500 || shapes[1].NumGPU != 2 {
-		t.Fatalf("shapes = %+v", shapes)
-	}
-	if math.Abs(shapes[0].P-0.6) > 1e-9 || math.Abs(shapes[1].P-0.4) > 1e-9 {
-		t.Errorf("P = %v, %v; want 0.6, 0.4 after renormalising", shapes[0].P, shapes[1].P)
-	}
-	if all := PopularShapes(pods, 1); len(all) != 3 {
-		t.Errorf("full coverage kept %d shapes", len(all))
-	}
-}
-
-func TestFragmentation(t *testing.T) {
-	n := Cluster([]NodeSpec{{Name: "n", CPUMilli: 32000, MemoryMiB: 1 << 18, GPUs: 4, Model: "T4"}})[0]
-	share := func(tenant string, milli int64, dev int) {
-		t.Helper()
-		r := gpu.Request{Tenant: tenant, Devices: 1, Share: gpu.Share{Request: milli, Limit: milli, Mode: api.TimeSlicing}}
-		if err := n.Assign(r, []int{dev}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	share("a", 700, 0) // GPU 0: 300 free
-	share("b", 200, 1) // GPU 1: 800 free; GPUs 2, 3: 1000 free each
-	half := Shape{CPUMilli: 1000, NumGPU: 1, GPUMilli: 500, P: 0.5}
-	two := Shape{CPUMilli: 1000, NumGPU: 2, GPUMilli: 1000, P: 0.25}
-	v100 := Shape{CPUMilli: 1000, NumGPU: 1, GPUMilli: 1000, GPUSpec: []string{"V100M32"}, P: 0.25}
-	// half fits; only GPU 0's 300 is too small for it: 0.5 × 300.
-	// two fits (GPUs 2 and 3); GPUs 0 and 1 are too small: 0.25 × 1100.
-	// v100 cannot run on T4s: all 3100 idle: 0.25 × 3100.
-	want := 0.5*300 + 0.25*1100 + 0.25*3100
-	if got := Fragmentation(n, []Shape{half, two, v100}); math.Abs(got-want) > 1e-9 {
-		t.Errorf("Fragmentation = %v, want %v", got, want)
-	}
-	// Out of CPU: nothing fits, everything idle is fragment.
-	cpuHog := Shape{CPUMilli: 40000, NumGPU: 1, GPUMilli: 100, P: 1}
-	if got := Fragmentation(n, []Shape{cpuHog}); got != 3100 {
-		t.Errorf("Fragmentation without CPU = %v, want 3100", got)
 	}
 }
 

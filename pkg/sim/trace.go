@@ -16,7 +16,9 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
 // MilliGPU is one whole GPU in the trace's unit.
@@ -77,9 +79,9 @@ func LoadNodes(r io.Reader, file string) ([]NodeSpec, error) {
 }
 
 // LoadPods reads a pod CSV (name, cpu_milli, memory_mib, num_gpu,
-// gpu_milli, gpu_spec, ...).
+// gpu_milli, and optionally gpu_spec; other columns are ignored).
 func LoadPods(r io.Reader, file string) ([]PodSpec, error) {
-	rows, col, err := readCSV(r, file, "name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec")
+	rows, col, err := readCSV(r, file, "name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 	if err != nil {
 		return nil, err
 	}
@@ -93,11 +95,18 @@ func LoadPods(r io.Reader, file string) ([]PodSpec, error) {
 		n, errs = parseInt(row[col["num_gpu"]], "num_gpu", errs)
 		p.NumGPU = int(n)
 		p.GPUMilli, errs = parseInt(row[col["gpu_milli"]], "gpu_milli", errs)
-		if spec := strings.TrimSpace(row[col["gpu_spec"]]); spec != "" && spec != "nan" {
-			p.GPUSpec = strings.Split(spec, "|")
+		if c, ok := col["gpu_spec"]; ok {
+			if spec := strings.TrimSpace(row[c]); spec != "" && spec != "nan" {
+				p.GPUSpec = strings.Split(spec, "|")
+			}
 		}
-		if p.GPUMilli > MilliGPU {
-			errs = append(errs, fmt.Errorf("gpu_milli %d above %d", p.GPUMilli, MilliGPU))
+		switch {
+		case p.GPUMilli > MilliGPU:
+			errs = append(errs, fmt.Errorf("gpu_milli %d must be at most %d", p.GPUMilli, MilliGPU))
+		case p.NumGPU > 1 && p.GPUMilli != MilliGPU:
+			errs = append(errs, fmt.Errorf("num_gpu %d with gpu_milli %d: a pod of several GPUs must take them whole (gpu_milli %d)", p.NumGPU, p.GPUMilli, MilliGPU))
+		case (p.NumGPU == 0) != (p.GPUMilli == 0):
+			errs = append(errs, fmt.Errorf("num_gpu %d with gpu_milli %d: both must be 0 or both positive", p.NumGPU, p.GPUMilli))
 		}
 		if len(errs) > 0 {
 			return nil, fmt.Errorf("%s:%d: %w", file, i+2, errors.Join(errs...))
@@ -137,8 +146,11 @@ func parseInt(s, field string, errs []error) (int64, []error) {
 
 // Cluster builds one empty ledger per GPU node (nodes without GPUs are not
 // part of the experiment), GPUs measured in milli-GPU.
+// They come sorted by name, the order the study's simulator creates them.
 func Cluster(specs []NodeSpec) []*gpu.Node {
 	var nodes []*gpu.Node
+	specs = slices.Clone(specs)
+	slices.SortStableFunc(specs, func(a, b NodeSpec) int { return strings.Compare(a.Name, b.Name) })
 	for _, s := range specs {
 		if s.GPUs == 0 {
 			continue
@@ -152,27 +164,58 @@ func Cluster(specs []NodeSpec) []*gpu.Node {
 	return nodes
 }
 
-// Workload prepares a seed's arrival order (SPEC §4.2): the pods sorted by
-// name, shuffled with the seed, then padded with random re-draws of the
-// trace's rows until the next one would push the total GPU request past
-// tune × capacityMilli.
-func Workload(pods []PodSpec, seed int64, tune float64, capacityMilli int64) []PodSpec {
-	rng := rand.New(rand.NewSource(seed))
-	out := slices.Clone(pods)
-	slices.SortFunc(out, func(a, b PodSpec) int { return strings.Compare(a.Name, b.Name) })
+// Workload prepares a seed's arrival order (SPEC §4.2) as the study's
+// simulator does with its seeded generator: the pods sorted by name and
+// shuffled; then, if their GPU request is below tune × capacityMilli,
+// padded with random re-draws of the name-sorted trace until the next
+// draw would pass it (like the study, that test adds the drawn pod's
+// per-GPU milli-GPU, not its total), and if above, thinned by removing
+// random pods until it is not.
+func Workload(pods []PodSpec, rng *rand.Rand, tune float64, capacityMilli int64) []PodSpec {
+	byName := slices.Clone(pods)
+	slices.SortStableFunc(byName, func(a, b PodSpec) int { return strings.Compare(a.Name, b.Name) })
+	out := slices.Clone(byName)
 	rng.Shuffle(len(out), func(i, j int) { out[i], out[j] = out[j], out[i] })
-	limit := int64(tune * float64(capacityMilli))
+	limit := tune * float64(capacityMilli)
 	var total int64
 	for _, p := range out {
 		total += p.GPURequest()
 	}
-	for len(pods) > 0 {
-		p := pods[rng.Intn(len(pods))]
-		if total+p.GPURequest() > limit {
+	for len(out) > 0 && float64(total) > limit {
+		i := rng.Intn(len(out))
+		total -= out[i].GPURequest()
+		out = slices.Delete(out, i, i+1)
+	}
+	for len(byName) > 0 && float64(total) < limit {
+		p := byName[rng.Intn(len(byName))]
+		if float64(total+p.GPUMilli) > limit {
 			break
 		}
 		total += p.GPURequest()
 		out = append(out, p)
 	}
 	return out
+}
+
+// Shape is the pod's task shape for the fragmentation estimate.
+func (p PodSpec) Shape() placement.Key {
+	k := placement.Key{CPU: p.CPUMilli, NumGPU: p.NumGPU, Models: strings.Join(p.GPUSpec, "|")}
+	if p.Shares() {
+		k.Share = p.GPUMilli
+	}
+	return k
+}
+
+// Request is the pod as a ledger request: a time-sliced share of one GPU,
+// whole GPUs, or CPU and memory only.
+func (p PodSpec) Request(tenant string) gpu.Request {
+	r := gpu.Request{Tenant: tenant, CPU: p.CPUMilli, Memory: p.MemoryMiB, Models: p.GPUSpec}
+	switch {
+	case p.Shares():
+		r.Devices = 1
+		r.Share = gpu.Share{Request: p.GPUMilli, Limit: p.GPUMilli, Mode: api.TimeSlicing}
+	case p.NumGPU > 0:
+		r.Whole = p.NumGPU
+	}
+	return r
 }

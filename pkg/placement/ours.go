@@ -1,0 +1,129 @@
+package placement
+
+import (
+	"hash/fnv"
+	"math"
+	"sync"
+
+	"github.com/gpufrac/gpufrac/pkg/gpu"
+)
+
+// The weights of Ours, found on the Alibaba traces (see docs/placement.md)
+// and used unchanged for every trace.
+const (
+	// copiesWeight blends the capacity view (how much of the free GPU as
+	// many copies of each shape as fit would take) into FGD's one-copy
+	// view.
+	copiesWeight = 0.25
+	// strandedWeight prices GPU room that the node's CPU cannot feed.
+	strandedWeight = 0.3
+	// remainderWeight prices what the stream of shares is not expected to
+	// fill on partly used GPUs.
+	remainderWeight = 1.0
+	// rankWeight is how many GPUs of expected fragmentation a node's fixed
+	// rank is worth: it makes near-equal choices consolidate onto the
+	// same nodes, first-fit style, instead of scattering.
+	rankWeight = 1.0
+)
+
+// Ours is gpufrac's default policy. Like FGD it places where the node's
+// expected fragmentation over the workload's shapes grows least, but
+//   - fragmentation also counts what many copies of a shape (not just one)
+//     could not use, GPU room the node's CPU cannot feed, and remainders
+//     of shared GPUs the expected stream of shares would not fill;
+//   - growth is compared exactly, and near-equal nodes are told apart by
+//     a fixed per-node rank, so placements consolidate on the same nodes
+//     and leave the others whole for large requests.
+//
+// Ours must be made with NewOurs.
+type Ours struct {
+	Shapes []Shape
+	fill   *filler
+}
+
+// NewOurs returns gpufrac's policy for a workload of shapes.
+func NewOurs(shapes []Shape) Ours { return Ours{Shapes: shapes, fill: &filler{shapes: shapes}} }
+
+func (Ours) Name() string { return "gpufrac" }
+
+func (p Ours) metric(v view) float64 {
+	return (1-copiesWeight)*v.frag(p.Shapes) + copiesWeight*v.capacityFrag(p.Shapes) +
+		strandedWeight*v.stranded(p.Shapes) + remainderWeight*p.fill.remainder(v)
+}
+
+// Score is minus the growth of the node's expected fragmentation in whole
+// GPUs, minus the node's rank (at most rankWeight). A share goes to the
+// GPU where growth is least, the lowest index on a tie.
+func (p Ours) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
+	v := viewOf(n)
+	before := p.metric(v)
+	unit := gpuUnit(v)
+	penalty := rankWeight * rank(n.Name)
+	score := func(devices []int) float64 {
+		w := v.clone()
+		w.take(r, devices)
+		growth := math.Round((p.metric(w)-before)/unit*1e6) / 1e6 // float noise must not order ties
+		return -growth - penalty
+	}
+	if r.Devices == 1 {
+		best := Choice{Score: math.Inf(-1)}
+		for _, i := range fit {
+			if s := score([]int{i}); s > best.Score {
+				best = Choice{Score: s, Devices: []int{i}}
+			}
+		}
+		return best
+	}
+	devices := bestFitDevices(n, r, fit)
+	return Choice{Score: score(devices), Devices: devices}
+}
+
+// rank is the node's fixed priority in [0, 1), from its name.
+func rank(name string) float64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(name))
+	return float64(h.Sum64()>>11) / (1 << 53)
+}
+
+// filler knows, for each free amount f on a shared GPU, the amount a
+// stream of random single-GPU shares (drawn by P among those that fit)
+// is expected to fill: V(f) = Σ p(s) (s + V(f−s)) over shares s ≤ f, with
+// p renormalised over them. The table grows on demand and is shared by
+// concurrent Score calls.
+type filler struct {
+	shapes []Shape
+	mu     sync.Mutex
+	v      []float64
+}
+
+func (f *filler) expected(free int64) float64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for x := int64(len(f.v)); x <= free; x++ {
+		var psum, acc float64
+		for i := range f.shapes {
+			s := &f.shapes[i]
+			if s.NumGPU == 1 && s.Share > 0 && s.Share <= x {
+				psum += s.P
+				acc += s.P * (float64(s.Share) + f.v[x-s.Share])
+			}
+		}
+		if psum > 0 {
+			acc /= psum
+		}
+		f.v = append(f.v, acc)
+	}
+	return f.v[free]
+}
+
+// remainder is the free amount on the node's partly used GPUs that the
+// stream of shares is not expected to fill.
+func (f *filler) remainder(v view) float64 {
+	var sum float64
+	for i, free := range v.free {
+		if free > 0 && free < v.full[i] {
+			sum += float64(free) - f.expected(free)
+		}
+	}
+	return sum
+}

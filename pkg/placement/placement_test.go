@@ -1,0 +1,203 @@
+package placement
+
+import (
+	"fmt"
+	"math"
+	"math/rand"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/gpu"
+)
+
+// node builds a ledger of milli-GPUs with the given shares already placed
+// (one per GPU index; 0 leaves the GPU idle).
+func node(t testing.TB, name string, cpu int64, model string, used ...int64) *gpu.Node {
+	t.Helper()
+	var ds []*gpu.Device
+	for i := range used {
+		ds = append(ds, &gpu.Device{Index: i, UUID: fmt.Sprintf("%s-%d", name, i), Model: model, Total: 1000})
+	}
+	n := gpu.NewNode(name, cpu, 1<<20, ds...)
+	for i, u := range used {
+		if u == 0 {
+			continue
+		}
+		if err := n.Assign(share(fmt.Sprintf("old%d", i), u, 0), []int{i}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return n
+}
+
+func share(tenant string, milli, cpu int64) gpu.Request {
+	return gpu.Request{Tenant: tenant, Devices: 1, CPU: cpu, Share: gpu.Share{Request: milli, Limit: milli, Mode: api.TimeSlicing}}
+}
+
+func TestPopularCoversAndRenormalises(t *testing.T) {
+	half := Key{CPU: 4000, NumGPU: 1, Share: 500}
+	two := Key{CPU: 8000, NumGPU: 2}
+	t4 := Key{CPU: 1000, NumGPU: 1, Models: "T4"}
+	cpuOnly := Key{CPU: 2000}
+	keys := []Key{half, half, half, two, two, t4, cpuOnly, cpuOnly}
+	shapes := Popular(keys, 0.8)
+	if got := []Key{shapes[0].Key(), shapes[1].Key(), shapes[2].Key()}; len(shapes) != 3 || !slices.Equal(got, []Key{half, two, cpuOnly}) {
+		t.Fatalf("shapes = %+v, want half, then the larger of the two pairs (8 CPUs, 2 GPUs), then CPU-only", shapes)
+	}
+	for i, want := range []float64{3.0 / 7, 2.0 / 7, 2.0 / 7} {
+		if math.Abs(shapes[i].P-want) > 1e-12 {
+			t.Errorf("P[%d] = %v, want %v after renormalising over the 7 covered tasks", i, shapes[i].P, want)
+		}
+	}
+	if all := Popular(keys, 1); len(all) != 4 || all[3].Models[0] != "T4" {
+		t.Errorf("full coverage: %+v", all)
+	}
+}
+
+func TestFragmentationFollowsTheStudy(t *testing.T) {
+	n := node(t, "n", 32000, "T4", 700, 200, 0, 0) // free: 300, 800, 1000, 1000
+	half := Shape{CPU: 1000, NumGPU: 1, Share: 500, P: 0.4}
+	two := Shape{CPU: 1000, NumGPU: 2, P: 0.2}
+	v100 := Shape{CPU: 1000, NumGPU: 1, Models: []string{"V100M32"}, P: 0.2}
+	cpuOnly := Shape{CPU: 1000, P: 0.2}
+	// half fits; only GPU 0's 300 is too small for it.
+	// two fits on GPUs 2 and 3; GPUs 0 and 1 (1100) cannot serve it.
+	// v100 cannot run on T4s, cpuOnly uses no GPU: all 3100 is theirs.
+	want := 0.4*300 + 0.2*1100 + 0.2*3100 + 0.2*3100
+	if got := Fragmentation(n, []Shape{half, two, v100, cpuOnly}); math.Abs(got-want) > 1e-9 {
+		t.Errorf("Fragmentation = %v, want %v", got, want)
+	}
+	hog := Shape{CPU: 40000, NumGPU: 1, Share: 100, P: 1}
+	if got := Fragmentation(n, []Shape{hog}); got != 3100 {
+		t.Errorf("without CPU for the shape all idle GPU is fragment: got %v, want 3100", got)
+	}
+	full := node(t, "full", 32000, "T4", 1000, 1000)
+	if got := Fragmentation(full, []Shape{hog, half}); got != 0 {
+		t.Errorf("a node without free GPU has no fragment, got %v", got)
+	}
+}
+
+func TestCapacityViewCountsCopiesAndCPU(t *testing.T) {
+	v := viewOf(node(t, "n", 10000, "G2", 0, 0, 0, 0)) // 4 idle GPUs, 10 CPUs
+	s := Shape{CPU: 3000, NumGPU: 1, Share: 470, P: 1}
+	// The GPUs hold 8 copies (2 each); the CPU feeds 3: 3×470 usable.
+	if got := v.capacityFrag([]Shape{s}); got != 4000-3*470 {
+		t.Errorf("capacityFrag = %v, want %v", got, 4000-3*470)
+	}
+	if got := v.stranded([]Shape{s}); got != (8-3)*470 {
+		t.Errorf("stranded = %v, want %v", got, (8-3)*470)
+	}
+	if got := v.frag([]Shape{s}); got != 0 {
+		t.Errorf("FGD's one-copy view sees no fragment here, got %v", got)
+	}
+}
+
+func TestFillerExpectsTheStreamOfShares(t *testing.T) {
+	f := &filler{shapes: []Shape{{NumGPU: 1, Share: 300, P: 0.5}, {NumGPU: 1, Share: 600, P: 0.5}}}
+	for _, c := range []struct {
+		free int64
+		want float64
+	}{
+		{299, 0}, {300, 300}, {599, 300},
+		{600, 0.5*(300+300) + 0.5*600}, // 300 then another 300, or 600
+		{900, 0.5*(300+f.expected(600)) + 0.5*(600+300)},
+	} {
+		if got := f.expected(c.free); math.Abs(got-c.want) > 1e-9 {
+			t.Errorf("expected(%d) = %v, want %v", c.free, got, c.want)
+		}
+	}
+}
+
+func TestBestTakesTheFirstOfEqualScores(t *testing.T) {
+	cands := []Candidate{{Node: 7, Choice: Choice{Score: 1}}, {Node: 3, Choice: Choice{Score: 2}}, {Node: 5, Choice: Choice{Score: 2}}}
+	if b := Best(FGD{}, cands); cands[b].Node != 3 {
+		t.Errorf("Best picked node %d, want 3 (first of the two best)", cands[b].Node)
+	}
+	if b := Best(FGD{}, nil); b != -1 {
+		t.Errorf("Best of nothing = %d, want -1", b)
+	}
+	// BestFit normalises to whole points: 90 and 91 over a range of 0..200
+	// both become 45, and the earlier wins.
+	cands = []Candidate{{Node: 0, Choice: Choice{Score: 0}}, {Node: 1, Choice: Choice{Score: 91}}, {Node: 2, Choice: Choice{Score: 90.5}}, {Node: 3, Choice: Choice{Score: 200}}}
+	if b := Best(BestFit{}, cands); cands[b].Node != 3 || cands[1].Score != 45 || cands[2].Score != 45 {
+		t.Errorf("normalised = %+v", cands)
+	}
+}
+
+func TestFGDScoresAsTheStudy(t *testing.T) {
+	shapes := []Shape{{CPU: 1000, NumGPU: 1, P: 1}} // whole GPUs only
+	n := node(t, "n", 32000, "T4", 600, 0)
+	// Free is 400 and 1000; only GPU 0's 400 is fragment. A 300 share on
+	// GPU 0 leaves 100 (fragment 400 → 100, a decrease of 300); on GPU 1 it
+	// breaks the only idle GPU (fragment 400 → 1100).
+	r := share("p", 300, 1000)
+	fit, _ := n.Fit(r)
+	c := FGD{Shapes: shapes}.Score(n, r, fit)
+	want := math.Trunc(100 / (1 + math.Exp(-300.0/1000)))
+	if !slices.Equal(c.Devices, []int{0}) || c.Score != want {
+		t.Errorf("FGD chose %v with %v, want [0] with %v", c.Devices, c.Score, want)
+	}
+}
+
+func TestOursKeepsIdleGPUsForWholeRequests(t *testing.T) {
+	shapes := []Shape{{CPU: 1000, NumGPU: 1, Share: 400, P: 0.5}, {CPU: 1000, NumGPU: 2, P: 0.5}}
+	p := NewOurs(shapes)
+	used := node(t, "used", 32000, "T4", 500, 0, 0)
+	idle := node(t, "idle", 32000, "T4", 0, 0)
+	idx, devices := Pick([]*gpu.Node{idle, used}, share("p", 400, 1000), p)
+	if idx != 1 || !slices.Equal(devices, []int{0}) {
+		t.Errorf("share went to node %d GPUs %v, want the used node's shared GPU 0", idx, devices)
+	}
+}
+
+// Every policy, on random nodes and requests, chooses exactly the GPUs
+// the request needs among those that fit, so the ledger accepts it.
+func TestPoliciesChooseWhatTheLedgerAccepts(t *testing.T) {
+	rng := rand.New(rand.NewSource(1))
+	shapes := []Shape{{CPU: 2000, NumGPU: 1, Share: 300, P: 0.4}, {CPU: 8000, NumGPU: 2, P: 0.3}, {CPU: 4000, P: 0.3}}
+	for _, name := range Names {
+		p, err := New(name, shapes, StudyCapacity, rng)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range 300 {
+			used := make([]int64, 1+rng.Intn(8))
+			for g := range used {
+				used[g] = []int64{0, 0, 1000, 100, 500, 900}[rng.Intn(6)]
+			}
+			n := node(t, "n", 64000, "T4", used...)
+			var r gpu.Request
+			switch rng.Intn(3) {
+			case 0:
+				r = share("x", int64(50+rng.Intn(900)), 1000)
+			case 1:
+				r = gpu.Request{Tenant: "x", Whole: 1 + rng.Intn(3), CPU: 2000}
+			default:
+				r = gpu.Request{Tenant: "x", CPU: 2000}
+			}
+			fit, unfit := n.Fit(r)
+			if unfit != nil {
+				continue
+			}
+			c := p.Score(n, r, fit)
+			if math.IsNaN(c.Score) || math.IsInf(c.Score, 0) {
+				t.Fatalf("%s: score %v for %+v on %v", name, c.Score, r, used)
+			}
+			if err := n.Assign(r, c.Devices); err != nil {
+				t.Fatalf("%s case %d: %v (request %+v, node %v, chose %v)", name, i, err, r, used, c.Devices)
+			}
+		}
+	}
+}
+
+func TestNewNamesTheKnownPolicies(t *testing.T) {
+	_, err := New("tetris", nil, StudyCapacity, nil)
+	if err == nil || !strings.Contains(err.Error(), `policy "tetris" is not known: use one of gpufrac, fgd, bestfit, gpupacking, dotprod, random`) {
+		t.Errorf("err = %v", err)
+	}
+	if p, _ := New("", nil, StudyCapacity, nil); p.Name() != "gpufrac" {
+		t.Errorf("the default policy is %s, want gpufrac", p.Name())
+	}
+}
