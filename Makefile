@@ -40,8 +40,14 @@ demo: build ## the main job: validate the shipped examples and print their norma
 test: verify unit ## the whole suite: formatting, vet, lint, then every test
 
 .PHONY: unit
-unit: $(KUBE_STAMP) ## every test with the race detector: unit, fuzz seed corpora, integration against kube-apiserver
-	$(GO) test -race -count=1 ./...
+# The trace replays (fidelity to the published study, our policy's margin)
+# are pure single-goroutine computation: they run without the race detector,
+# which would make them ten times slower.
+TRACE_TESTS := ^(TestFidelityToThePublishedStudy|TestQualityOurPolicyBeatsFGD)$$
+
+unit: $(KUBE_STAMP) ## every test: with the race detector, then the trace replays without it
+	$(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
+	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
 
 .PHONY: kube-binaries
 kube-binaries: $(KUBE_STAMP) ## build kube-apiserver and etcd from source into bin/kube (cold: ~10 min)
@@ -72,9 +78,21 @@ tidy-check: ## go.mod and go.sum must already be tidy
 	$(GO) mod tidy -diff
 
 .PHONY: fuzz
-fuzz: ## fuzz the annotation parser and the manifest reader for FUZZTIME each (default 5m)
+fuzz: ## fuzz the annotation parser, the manifest reader and the trace reader for FUZZTIME each (default 5m)
 	$(GO) test ./pkg/api -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/manifest -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./pkg/sim -run '^$$' -fuzz '^FuzzLoadPods$$' -fuzztime $(FUZZTIME)
+
+TRACES ?= $(CURDIR)/../shared/traces/alibaba-gpu-v2023
+
+.PHONY: sim
+sim: build ## one seed of every policy on the default Alibaba trace (TRACES=dir), with curves and a plot in _output/sim
+	$(BIN)/gpufrac sim --nodes $(TRACES)/openb_node_list_gpu_node.csv --pods $(TRACES)/openb_pod_list_default.csv \
+		--policy all --seeds 42 --out _output/sim
+
+.PHONY: sim-table
+sim-table: build ## the README's table: every policy on every trace in TRACES, seeds 42-51 (about 40 min on 2 cores)
+	hack/sim-table.sh $(TRACES) _output/sim-table
 
 .PHONY: bench
 bench: $(BENCHSTAT) ## pure-code benchmarks, 10 runs, summarised by benchstat

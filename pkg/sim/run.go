@@ -189,12 +189,15 @@ type Curve struct {
 	Arrived []int
 	Alloc   []float64
 	Frag    []float64
+	// FragRate is the fragmentation amount as a % of the idle GPUs.
+	FragRate []float64
 }
 
 // Discrete returns the run's curve for 0..maxPct arrived.
 func (r Result) Discrete(maxPct int) Curve {
 	sumA := make([]float64, maxPct+1)
 	sumF := make([]float64, maxPct+1)
+	sumR := make([]float64, maxPct+1)
 	cnt := make([]int, maxPct+1)
 	capacity := float64(r.CapacityMilli)
 	for _, s := range r.Samples {
@@ -204,15 +207,18 @@ func (r Result) Discrete(maxPct int) Curve {
 		}
 		sumA[pct] += math.Round(float64(s.AllocMilli)/capacity*1e4) / 100
 		sumF[pct] += s.Frag / capacity * 100
+		if idle := capacity - float64(s.AllocMilli); idle > 0 {
+			sumR[pct] += s.Frag / idle * 100
+		}
 		cnt[pct]++
 	}
 	var c Curve
 	for pct := 0; pct <= maxPct; pct++ {
-		a, f, n := sumA[pct], sumF[pct], cnt[pct]
+		a, f, fr, n := sumA[pct], sumF[pct], sumR[pct], cnt[pct]
 		if n == 0 { // the study falls back to the neighbouring percents
 			for _, q := range []int{pct - 1, pct + 1} {
 				if q >= 0 && q <= maxPct {
-					a, f, n = a+sumA[q], f+sumF[q], n+cnt[q]
+					a, f, fr, n = a+sumA[q], f+sumF[q], fr+sumR[q], n+cnt[q]
 				}
 			}
 		}
@@ -222,6 +228,7 @@ func (r Result) Discrete(maxPct int) Curve {
 		c.Arrived = append(c.Arrived, pct)
 		c.Alloc = append(c.Alloc, math.Round(a/float64(n)*100)/100)
 		c.Frag = append(c.Frag, math.Round(f/float64(n)*100)/100)
+		c.FragRate = append(c.FragRate, math.Round(fr/float64(n)*100)/100)
 	}
 	return c
 }

@@ -1,0 +1,132 @@
+package sim
+
+import (
+	"encoding/csv"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+)
+
+// These tests replay the full default trace (about 10,900 pods on 1,213
+// nodes per run). They run in `make test` without the race detector,
+// which would make them ten times slower; the race-detector pass skips
+// them by name (-skip), it does not hide them.
+
+// runSeeds replays the trace with a policy for seeds, two at a time.
+func runSeeds(t *testing.T, trace, policy string, seeds []int64) []Curve {
+	t.Helper()
+	nodes, pods := loadTrace(t, trace)
+	curves := make([]Curve, len(seeds))
+	errs := make([]error, len(seeds))
+	sem := make(chan struct{}, 2)
+	var wg sync.WaitGroup
+	for i, seed := range seeds {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			r, err := Run(nodes, pods, Config{Policy: policy, Seed: seed, Tune: 1.3}, nil)
+			errs[i], curves[i] = err, r.Discrete(MaxArrived)
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return curves
+}
+
+// publishedSeeds reads the study's per-seed allocation for a policy.
+func publishedSeeds(t *testing.T, trace, policy string) map[int64][2]float64 {
+	t.Helper()
+	f, err := os.Open(filepath.Join(traceDir, "fgd-atc23-expected-results", "analysis_allo_discrete.csv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = f.Close() }()
+	out := map[int64][2]float64{}
+	for seed := int64(42); seed <= 51; seed++ {
+		if _, err := f.Seek(0, 0); err != nil {
+			t.Fatal(err)
+		}
+		p, err := loadPublishedSeed(f, "openb_pod_list_"+trace, policy, seed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[seed] = p
+	}
+	return out
+}
+
+// TestFidelityToThePublishedStudy: our fgd and bestfit reproduce the
+// published allocation of every seed 42–51 of the default trace at 100%
+// and 130% arrived, within 0.3 points (fgd) and 0.5 points (bestfit).
+func TestFidelityToThePublishedStudy(t *testing.T) {
+	seeds := []int64{42, 43, 44, 45, 46, 47, 48, 49, 50, 51}
+	for _, c := range []struct {
+		policy, study string
+		tolerance     float64
+	}{{"fgd", "06-FGD", 0.3}, {"bestfit", "05-BestFit", 0.5}} {
+		published := publishedSeeds(t, "default", c.study)
+		for i, curve := range runSeeds(t, "default", c.policy, seeds) {
+			for j, pct := range []int{100, 130} {
+				got, want := curve.At(curve.Alloc, pct), published[seeds[i]][j]
+				if d := math.Abs(got - want); !(d <= c.tolerance) {
+					t.Errorf("%s seed %d at %d%%: %.2f, published %.2f (off by %.2f, tolerance %.1f)", c.policy, seeds[i], pct, got, want, d, c.tolerance)
+				} else {
+					t.Logf("%s seed %d at %d%%: %.2f, published %.2f", c.policy, seeds[i], pct, got, want)
+				}
+			}
+		}
+	}
+}
+
+// TestQualityOurPolicyBeatsFGD guards the default policy's margin: at
+// least 0.4 points more allocation than FGD at 130% arrived, FGD run here
+// with the same seeds (measured: +0.58 on default, +0.50 on gpushare60;
+// the full comparison with the published figures on every trace is
+// `make sim-table`).
+func TestQualityOurPolicyBeatsFGD(t *testing.T) {
+	seeds := []int64{42, 43}
+	for _, trace := range []string{"default", "gpushare60"} {
+		mean := func(curves []Curve) float64 {
+			var s float64
+			for _, c := range curves {
+				s += c.At(c.Alloc, 130)
+			}
+			return s / float64(len(curves))
+		}
+		ours, fgd := mean(runSeeds(t, trace, "gpufrac", seeds)), mean(runSeeds(t, trace, "fgd", seeds))
+		t.Logf("%s: gpufrac %.2f, fgd %.2f", trace, ours, fgd)
+		if ours < fgd+0.4 {
+			t.Errorf("%s: gpufrac %.2f, fgd %.2f: want at least fgd + 0.4", trace, ours, fgd)
+		}
+	}
+}
+
+// loadPublishedSeed reads one (trace, policy, seed) row of the study's
+// table: allocation at 100% and 130% arrived.
+func loadPublishedSeed(f *os.File, workload, policy string, seed int64) ([2]float64, error) {
+	rows, err := csv.NewReader(f).ReadAll()
+	if err != nil {
+		return [2]float64{}, err
+	}
+	col := map[string]int{}
+	for i, h := range rows[0] {
+		col[h] = i
+	}
+	for _, row := range rows[1:] {
+		if row[col["workload"]] == workload && row[col["sc_policy"]] == policy && row[col["seed"]] == strconv.FormatInt(seed, 10) {
+			a, err1 := strconv.ParseFloat(row[col["100"]], 64)
+			b, err2 := strconv.ParseFloat(row[col["130"]], 64)
+			return [2]float64{a, b}, errors.Join(err1, err2)
+		}
+	}
+	return [2]float64{}, fmt.Errorf("no published row for %s %s seed %d", workload, policy, seed)
+}
