@@ -95,8 +95,10 @@ func viewOf(n *gpu.Node) view {
 	return v
 }
 
-func (v view) clone() view {
-	v.free = slices.Clone(v.free)
+// with returns v with free copied into buf, so that a policy can try a
+// placement per candidate GPU without allocating each time.
+func (v view) with(buf []int64) view {
+	v.free = buf[:copy(buf, v.free)]
 	return v
 }
 

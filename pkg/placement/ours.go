@@ -44,6 +44,7 @@ type Ours struct {
 // NewOurs returns gpufrac's policy for a workload of shapes.
 func NewOurs(shapes []Shape) Ours { return Ours{Shapes: shapes, fill: &filler{shapes: shapes}} }
 
+// Name implements Policy.
 func (Ours) Name() string { return "gpufrac" }
 
 func (p Ours) metric(v view) float64 {
@@ -59,20 +60,24 @@ func (p Ours) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	before := p.metric(v)
 	unit := gpuUnit(v)
 	penalty := rankWeight * rank(n.Name)
+	buf := make([]int64, len(v.free))
 	score := func(devices []int) float64 {
-		w := v.clone()
+		w := v.with(buf)
 		w.take(r, devices)
 		growth := math.Round((p.metric(w)-before)/unit*1e6) / 1e6 // float noise must not order ties
 		return -growth - penalty
 	}
 	if r.Devices == 1 {
-		best := Choice{Score: math.Inf(-1)}
+		one := make([]int, 1)
+		best, at := math.Inf(-1), -1
 		for _, i := range fit {
-			if s := score([]int{i}); s > best.Score {
-				best = Choice{Score: s, Devices: []int{i}}
+			one[0] = i
+			if s := score(one); s > best {
+				best, at = s, i
 			}
 		}
-		return best
+		one[0] = at
+		return Choice{Score: best, Devices: one}
 	}
 	devices := bestFitDevices(n, r, fit)
 	return Choice{Score: score(devices), Devices: devices}

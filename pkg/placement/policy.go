@@ -121,8 +121,10 @@ func bestFitDevices(n *gpu.Node, r gpu.Request, fit []int) []int {
 // them; a share goes to a random GPU that fits.
 type Random struct{ Rng *rand.Rand }
 
+// Name implements Policy.
 func (Random) Name() string { return "random" }
 
+// Score implements Policy.
 func (p Random) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	k := need(r)
 	score := p.Rng.Float64()
@@ -168,8 +170,10 @@ func requested(n *gpu.Node, r gpu.Request) int64 {
 // equally.
 type BestFit struct{ Max Capacity }
 
+// Name implements Policy.
 func (BestFit) Name() string { return "bestfit" }
 
+// Score implements Policy.
 func (p BestFit) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	cpu, gpus := leftover(n, r)
 	left := 0.5*cpu/float64(p.Max.CPU) + 0.5*gpus/float64(p.Max.GPU)
@@ -194,8 +198,10 @@ func minMax(scores []float64) {
 // leftover CPU and GPU are least aligned with the request.
 type DotProd struct{ Max Capacity }
 
+// Name implements Policy.
 func (DotProd) Name() string { return "dotprod" }
 
+// Score implements Policy.
 func (p DotProd) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	v := viewOf(n)
 	cpuFree := float64(max(v.cpuFree, 0))
@@ -208,8 +214,10 @@ func (p DotProd) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 // node already in use, then an empty node.
 type GPUPacking struct{}
 
+// Name implements Policy.
 func (GPUPacking) Name() string { return "gpupacking" }
 
+// Score implements Policy.
 func (GPUPacking) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	k := need(r)
 	if k == 0 {
@@ -247,8 +255,10 @@ func (GPUPacking) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 // random.
 type FGD struct{ Shapes []Shape }
 
+// Name implements Policy.
 func (FGD) Name() string { return "fgd" }
 
+// Score implements Policy.
 func (p FGD) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	v := viewOf(n)
 	before := v.frag(p.Shapes)
@@ -256,19 +266,23 @@ func (p FGD) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	points := func(after float64) float64 {
 		return math.Trunc(100 / (1 + math.Exp(-(before-after)/unit)))
 	}
+	buf := make([]int64, len(v.free))
 	if r.Devices == 1 {
-		best := Choice{Score: math.Inf(-1)}
+		one := make([]int, 1)
+		best, at := math.Inf(-1), -1
 		for _, i := range fit {
-			w := v.clone()
-			w.take(r, []int{i})
-			if s := points(w.frag(p.Shapes)); s > best.Score {
-				best = Choice{Score: s, Devices: []int{i}}
+			one[0] = i
+			w := v.with(buf)
+			w.take(r, one)
+			if s := points(w.frag(p.Shapes)); s > best {
+				best, at = s, i
 			}
 		}
-		return best
+		one[0] = at
+		return Choice{Score: best, Devices: one}
 	}
 	devices := bestFitDevices(n, r, fit)
-	w := v.clone()
+	w := v.with(buf)
 	w.take(r, devices)
 	return Choice{Score: points(w.frag(p.Shapes)), Devices: devices}
 }
