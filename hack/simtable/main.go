@@ -97,7 +97,7 @@ func table(w io.Writer, runsPath, publishedPath string) error {
 	_, _ = fmt.Fprintf(w, "Mean GPU allocation (%%) at 130%% arrived, %d seeds per cell.\n\n", len(seeds))
 	header := append([]string{"trace"}, placement.Names...)
 	header = append(header, "FGD published", "gpufrac − FGD published", "gpufrac − fgd here")
-	_, _ = fmt.Fprintf(w, "| %s |\n|%s\n", strings.Join(header, " | "), strings.Repeat("---:|", len(header)))
+	_, _ = fmt.Fprintf(w, "| %s |\n|---|%s\n", strings.Join(header, " | "), strings.Repeat("---:|", len(header)-1))
 	for _, t := range traces {
 		cells := []string{strings.TrimPrefix(t, "openb_pod_list_")}
 		for _, p := range placement.Names {

@@ -7,6 +7,7 @@ package placement
 
 import (
 	"cmp"
+	"math"
 	"slices"
 	"strings"
 
@@ -17,7 +18,10 @@ import (
 // asks, and either NumGPU whole GPUs (Share 0) or Share of one GPU, on
 // any of Models (empty: any model). A CPU-only shape has NumGPU 0.
 type Shape struct {
-	CPU    int64
+	CPU int64
+	// Memory is the shape's mean memory request; only gpufrac's policy
+	// uses it (the study's shapes have none).
+	Memory int64
 	NumGPU int
 	Share  int64
 	Models []string
@@ -78,16 +82,21 @@ func Popular(keys []Key, coverage float64) []Shape {
 // that a policy can try a placement without touching the ledger.
 type view struct {
 	cpuFree int64 // -1 when the node does not track CPU
+	memFree int64 // -1 when the node does not track memory
 	models  []string
 	free    []int64 // schedulable amount left per GPU
 	full    []int64 // schedulable amount per GPU
 }
 
 func viewOf(n *gpu.Node) view {
-	v := view{cpuFree: -1, models: make([]string, len(n.Devices)), free: make([]int64, len(n.Devices)), full: make([]int64, len(n.Devices))}
+	v := view{cpuFree: -1, memFree: -1, models: make([]string, len(n.Devices)), free: make([]int64, len(n.Devices)), full: make([]int64, len(n.Devices))}
 	if n.CPU > 0 {
 		used, _ := n.Used()
 		v.cpuFree = n.CPU - used
+	}
+	if n.Memory > 0 {
+		_, used := n.Used()
+		v.memFree = n.Memory - used
 	}
 	for i, d := range n.Devices {
 		v.models[i], v.free[i], v.full[i] = d.Model, d.Free(), d.Schedulable()
@@ -106,6 +115,9 @@ func (v view) with(buf []int64) view {
 func (v *view) take(r gpu.Request, devices []int) {
 	if v.cpuFree >= 0 {
 		v.cpuFree -= r.CPU
+	}
+	if v.memFree >= 0 {
+		v.memFree -= r.Memory
 	}
 	for _, i := range devices {
 		if r.Whole > 0 {
@@ -194,52 +206,42 @@ func (v view) capacityFrag(shapes []Shape) float64 {
 	return frag
 }
 
-// usable is the free GPU amount copies of s could take on the node.
+// usable is the free GPU amount copies of s could take on the node: as
+// many as its GPUs hold and its CPU and memory feed.
 func (v view) usable(s *Shape) int64 {
 	if s.NumGPU == 0 {
 		return 0
 	}
-	var copies, per int64
-	if s.Share > 0 {
-		per = s.Share
-		for i, f := range v.free {
-			if len(s.Models) == 0 || slices.Contains(s.Models, v.models[i]) {
-				copies += f / s.Share
-			}
-		}
-	} else {
-		idleGPUs := int64(0)
-		for i, f := range v.free {
-			if f > 0 && f == v.full[i] && (len(s.Models) == 0 || slices.Contains(s.Models, v.models[i])) {
-				idleGPUs++
-				per = f
-			}
-		}
-		copies = idleGPUs / int64(s.NumGPU)
-		per *= int64(s.NumGPU)
-	}
+	byGPU, per := v.copies(s)
+	return min(byGPU, v.hosted(s)) * per
+}
+
+// hosted is how many copies of s the node's free CPU and memory can feed.
+func (v view) hosted(s *Shape) int64 {
+	n := int64(math.MaxInt64)
 	if v.cpuFree >= 0 && s.CPU > 0 {
-		copies = min(copies, v.cpuFree/s.CPU)
+		n = min(n, v.cpuFree/s.CPU)
 	}
-	return copies * per
+	if v.memFree >= 0 && s.Memory > 0 {
+		n = min(n, v.memFree/s.Memory)
+	}
+	return n
 }
 
 // stranded is the free GPU amount the shapes could take by GPU room but
-// not by the node's CPU: for each shape, weighted by P, the copies the
-// GPUs could hold beyond those the free CPU can feed, times their size.
+// not by the node's CPU and memory: for each shape, weighted by P, the
+// copies the GPUs could hold beyond those the host can feed, times their
+// size.
 func (v view) stranded(shapes []Shape) float64 {
-	if v.cpuFree < 0 {
-		return 0
-	}
 	var sum float64
 	for i := range shapes {
 		s := &shapes[i]
-		if s.NumGPU == 0 || s.CPU == 0 {
+		if s.NumGPU == 0 {
 			continue
 		}
 		byGPU, per := v.copies(s)
-		if byCPU := v.cpuFree / s.CPU; byGPU > byCPU {
-			sum += s.P * float64((byGPU-byCPU)*per)
+		if host := v.hosted(s); byGPU > host {
+			sum += s.P * float64((byGPU-host)*per)
 		}
 	}
 	return sum
@@ -264,4 +266,21 @@ func (v view) copies(s *Shape) (n, per int64) {
 		}
 	}
 	return idleGPUs / int64(s.NumGPU), per * int64(s.NumGPU)
+}
+
+// WithMemory returns shapes with each one's Memory set to the mean memory
+// of the tasks of its key (keys[i] asked mems[i]).
+func WithMemory(shapes []Shape, keys []Key, mems []int64) []Shape {
+	sum, n := map[Key]int64{}, map[Key]int64{}
+	for i, k := range keys {
+		sum[k] += mems[i]
+		n[k]++
+	}
+	out := slices.Clone(shapes)
+	for i := range out {
+		if c := n[out[i].Key()]; c > 0 {
+			out[i].Memory = sum[out[i].Key()] / c
+		}
+	}
+	return out
 }

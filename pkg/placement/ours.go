@@ -35,7 +35,7 @@ const (
 //     a fixed per-node rank, so placements consolidate on the same nodes
 //     and leave the others whole for large requests.
 //
-// Ours must be made with NewOurs.
+// Make it with NewOurs, which builds the expected-fill table once.
 type Ours struct {
 	Shapes []Shape
 	fill   *filler
@@ -49,7 +49,16 @@ func (Ours) Name() string { return "gpufrac" }
 
 func (p Ours) metric(v view) float64 {
 	return (1-copiesWeight)*v.frag(p.Shapes) + copiesWeight*v.capacityFrag(p.Shapes) +
-		strandedWeight*v.stranded(p.Shapes) + remainderWeight*p.fill.remainder(v)
+		strandedWeight*v.stranded(p.Shapes) + remainderWeight*p.filler().remainder(v)
+}
+
+// filler is the policy's table of expected fills, built once by NewOurs;
+// a zero Ours still works, building it per call.
+func (p Ours) filler() *filler {
+	if p.fill != nil {
+		return p.fill
+	}
+	return &filler{shapes: p.Shapes}
 }
 
 // Score is minus the growth of the node's expected fragmentation in whole

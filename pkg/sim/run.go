@@ -62,11 +62,14 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 	rng.Int() // the study logs one draw before shuffling
 	workload := Workload(pods, rng, cfg.Tune, capacity)
 	keys := make([]placement.Key, len(pods))
+	mems := make([]int64, len(pods))
 	for i, p := range pods {
-		keys[i] = p.Shape()
+		keys[i], mems[i] = p.Shape(), p.MemoryMiB
 	}
+	// The study's shapes have no memory; gpufrac's policy also knows each
+	// shape's mean memory, so that it sees GPUs a node's memory strands.
 	shapes := placement.Popular(keys, Coverage)
-	policy, err := placement.New(cfg.Policy, shapes, placement.StudyCapacity, rng)
+	policy, err := placement.New(cfg.Policy, placement.WithMemory(shapes, keys, mems), placement.StudyCapacity, rng)
 	if err != nil {
 		return Result{}, err
 	}
