@@ -1,6 +1,7 @@
 package placement
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"math/rand"
@@ -99,7 +100,7 @@ func lowestIdle(fit []int, k int) []int { return slices.Clone(fit[:k]) }
 func tightest(n *gpu.Node, fit []int, k int) []int {
 	byFree := slices.Clone(fit)
 	slices.SortStableFunc(byFree, func(a, b int) int {
-		return int(n.Devices[a].Free() - n.Devices[b].Free())
+		return cmp.Compare(n.Devices[a].Free(), n.Devices[b].Free())
 	})
 	return byFree[:k]
 }
