@@ -24,6 +24,9 @@ const (
 	// rank is worth: it makes near-equal choices consolidate onto the
 	// same nodes, first-fit style, instead of scattering.
 	rankWeight = 1.0
+	// shareRankWeight is the rank's worth for a share: shares consolidate
+	// harder, so partly used GPUs gather on few nodes.
+	shareRankWeight = 4.0
 )
 
 // Ours is gpufrac's default policy. Like FGD it places where the node's
@@ -62,13 +65,17 @@ func (p Ours) filler() *filler {
 }
 
 // Score is minus the growth of the node's expected fragmentation in whole
-// GPUs, minus the node's rank (at most rankWeight). A share goes to the
+// GPUs, minus the node's rank (at most rankWeight, or shareRankWeight for
+// a share). A share goes to the
 // GPU where growth is least, the lowest index on a tie.
 func (p Ours) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	v := viewOf(n)
 	before := p.metric(v)
 	unit := gpuUnit(v)
 	penalty := rankWeight * rank(n.Name)
+	if r.Devices > 0 {
+		penalty = shareRankWeight * rank(n.Name)
+	}
 	buf := make([]int64, len(v.free))
 	score := func(devices []int) float64 {
 		w := v.with(buf)
