@@ -187,33 +187,34 @@ func Fragmentation(n *gpu.Node, shapes []Shape) float64 {
 	return viewOf(n).frag(shapes)
 }
 
-// capacityFrag is the free GPU amount the shapes could not use even if
-// only they arrived from now on: for each shape, weighted by P, the free
-// amount less what as many copies of the shape as the node's GPUs and CPU
-// can hold would take. Unlike frag, it sees that CPU for three more tasks
-// strands the rest of eight idle GPUs, and that a GPU with room for two
-// tasks but not three wastes the remainder.
-func (v view) capacityFrag(shapes []Shape) float64 {
+// manyCopies is, in one pass over the shapes, what FGD's one-more-copy
+// view misses. unused: the free GPU amount the shapes could not use even
+// if only they arrived from now on (for each shape, weighted by P, the
+// free amount less what as many copies as the node's GPUs hold and its
+// CPU and memory feed would take), so CPU for three more tasks strands the
+// rest of eight idle GPUs and a GPU with room for two tasks but not three
+// wastes the remainder. stranded: the part of that GPU room the host
+// cannot feed (copies by GPU beyond copies by CPU and memory, times
+// their size).
+func (v view) manyCopies(shapes []Shape) (unused, stranded float64) {
 	idle := v.idle()
 	if idle == 0 {
-		return 0
+		return 0, 0
 	}
-	var frag float64
 	for i := range shapes {
 		s := &shapes[i]
-		frag += s.P * float64(idle-v.usable(s))
+		if s.NumGPU == 0 {
+			unused += s.P * float64(idle)
+			continue
+		}
+		byGPU, per := v.copies(s)
+		host := v.hosted(s)
+		unused += s.P * float64(idle-min(byGPU, host)*per)
+		if byGPU > host {
+			stranded += s.P * float64((byGPU-host)*per)
+		}
 	}
-	return frag
-}
-
-// usable is the free GPU amount copies of s could take on the node: as
-// many as its GPUs hold and its CPU and memory feed.
-func (v view) usable(s *Shape) int64 {
-	if s.NumGPU == 0 {
-		return 0
-	}
-	byGPU, per := v.copies(s)
-	return min(byGPU, v.hosted(s)) * per
+	return unused, stranded
 }
 
 // hosted is how many copies of s the node's free CPU and memory can feed.
@@ -226,25 +227,6 @@ func (v view) hosted(s *Shape) int64 {
 		n = min(n, v.memFree/s.Memory)
 	}
 	return n
-}
-
-// stranded is the free GPU amount the shapes could take by GPU room but
-// not by the node's CPU and memory: for each shape, weighted by P, the
-// copies the GPUs could hold beyond those the host can feed, times their
-// size.
-func (v view) stranded(shapes []Shape) float64 {
-	var sum float64
-	for i := range shapes {
-		s := &shapes[i]
-		if s.NumGPU == 0 {
-			continue
-		}
-		byGPU, per := v.copies(s)
-		if host := v.hosted(s); byGPU > host {
-			sum += s.P * float64((byGPU-host)*per)
-		}
-	}
-	return sum
 }
 
 // copies is how many copies of s the node's GPUs could hold, ignoring

@@ -51,8 +51,9 @@ func NewOurs(shapes []Shape) Ours { return Ours{Shapes: shapes, fill: &filler{sh
 func (Ours) Name() string { return "gpufrac" }
 
 func (p Ours) metric(v view) float64 {
-	return (1-copiesWeight)*v.frag(p.Shapes) + copiesWeight*v.capacityFrag(p.Shapes) +
-		strandedWeight*v.stranded(p.Shapes) + remainderWeight*p.filler().remainder(v)
+	unused, stranded := v.manyCopies(p.Shapes)
+	return (1-copiesWeight)*v.frag(p.Shapes) + copiesWeight*unused +
+		strandedWeight*stranded + remainderWeight*p.filler().remainder(v)
 }
 
 // filler is the policy's table of expected fills, built once by NewOurs;

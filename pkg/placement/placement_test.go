@@ -83,11 +83,12 @@ func TestCapacityViewCountsCopiesAndCPU(t *testing.T) {
 	v := viewOf(node(t, "n", 10000, "G2", 0, 0, 0, 0)) // 4 idle GPUs, 10 CPUs
 	s := Shape{CPU: 3000, NumGPU: 1, Share: 470, P: 1}
 	// The GPUs hold 8 copies (2 each); the CPU feeds 3: 3×470 usable.
-	if got := v.capacityFrag([]Shape{s}); got != 4000-3*470 {
-		t.Errorf("capacityFrag = %v, want %v", got, 4000-3*470)
+	unused, stranded := v.manyCopies([]Shape{s})
+	if unused != 4000-3*470 {
+		t.Errorf("unused = %v, want %v", unused, 4000-3*470)
 	}
-	if got := v.stranded([]Shape{s}); got != (8-3)*470 {
-		t.Errorf("stranded = %v, want %v", got, (8-3)*470)
+	if stranded != (8-3)*470 {
+		t.Errorf("stranded = %v, want %v", stranded, (8-3)*470)
 	}
 	if got := v.frag([]Shape{s}); got != 0 {
 		t.Errorf("FGD's one-copy view sees no fragment here, got %v", got)

@@ -3,7 +3,6 @@ package sim
 import (
 	"encoding/csv"
 	"errors"
-	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -42,7 +41,8 @@ func runSeeds(t *testing.T, trace, policy string, seeds []int64) []Curve {
 	return curves
 }
 
-// publishedSeeds reads the study's per-seed allocation for a policy.
+// publishedSeeds reads the study's allocation at 100% and 130% arrived
+// for each seed 42–51 of a policy on a trace, in one pass over its table.
 func publishedSeeds(t *testing.T, trace, policy string) map[int64][2]float64 {
 	t.Helper()
 	f, err := os.Open(filepath.Join(traceDir, "fgd-atc23-expected-results", "analysis_allo_discrete.csv"))
@@ -50,16 +50,31 @@ func publishedSeeds(t *testing.T, trace, policy string) map[int64][2]float64 {
 		t.Fatal(err)
 	}
 	defer func() { _ = f.Close() }()
+	rows, err := csv.NewReader(f).ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	col := map[string]int{}
+	for i, h := range rows[0] {
+		col[h] = i
+	}
 	out := map[int64][2]float64{}
+	for _, row := range rows[1:] {
+		if row[col["workload"]] != "openb_pod_list_"+trace || row[col["sc_policy"]] != policy {
+			continue
+		}
+		seed, err0 := strconv.ParseInt(row[col["seed"]], 10, 64)
+		a, err1 := strconv.ParseFloat(row[col["100"]], 64)
+		b, err2 := strconv.ParseFloat(row[col["130"]], 64)
+		if err := errors.Join(err0, err1, err2); err != nil {
+			t.Fatalf("published %s %s: %v", trace, policy, err)
+		}
+		out[seed] = [2]float64{a, b}
+	}
 	for seed := int64(42); seed <= 51; seed++ {
-		if _, err := f.Seek(0, 0); err != nil {
-			t.Fatal(err)
+		if _, ok := out[seed]; !ok {
+			t.Fatalf("no published row for %s %s seed %d", trace, policy, seed)
 		}
-		p, err := loadPublishedSeed(f, "openb_pod_list_"+trace, policy, seed)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out[seed] = p
 	}
 	return out
 }
@@ -107,25 +122,4 @@ func TestQualityOurPolicyBeatsFGD(t *testing.T) {
 			t.Errorf("%s: gpufrac %.2f, fgd %.2f: want at least fgd + 0.4", trace, ours, fgd)
 		}
 	}
-}
-
-// loadPublishedSeed reads one (trace, policy, seed) row of the study's
-// table: allocation at 100% and 130% arrived.
-func loadPublishedSeed(f *os.File, workload, policy string, seed int64) ([2]float64, error) {
-	rows, err := csv.NewReader(f).ReadAll()
-	if err != nil {
-		return [2]float64{}, err
-	}
-	col := map[string]int{}
-	for i, h := range rows[0] {
-		col[h] = i
-	}
-	for _, row := range rows[1:] {
-		if row[col["workload"]] == workload && row[col["sc_policy"]] == policy && row[col["seed"]] == strconv.FormatInt(seed, 10) {
-			a, err1 := strconv.ParseFloat(row[col["100"]], 64)
-			b, err2 := strconv.ParseFloat(row[col["130"]], 64)
-			return [2]float64{a, b}, errors.Join(err1, err2)
-		}
-	}
-	return [2]float64{}, fmt.Errorf("no published row for %s %s seed %d", workload, policy, seed)
 }
