@@ -83,3 +83,13 @@ func User(env *envtest.Environment, name string, groups ...string) (*kubernetes.
 	client, err := kubernetes.NewForConfig(cfg)
 	return client, cfg, err
 }
+
+// KubeConfig adds an authenticated user, as User does, and returns a
+// kubeconfig file's contents for it, for the processes a test starts.
+func KubeConfig(env *envtest.Environment, name string, groups ...string) ([]byte, error) {
+	u, err := env.AddUser(envtest.User{Name: name, Groups: groups}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("add user %s: %w", name, err)
+	}
+	return u.KubeConfig()
+}

@@ -46,6 +46,29 @@ const ResourceGPU = "nvidia.com/gpu"
 // .gpus.devices.
 const ReservedGPUAnnotation = "gpufrac.io/reserved-gpu-uuid"
 
+// GPUGroupsAnnotation is written by the scheduler on a fractional pod with
+// its decision: the comma-separated GPU groups the pod joined, one per
+// device, in the order of .gpus.devices. A GPU group is the set of pods
+// sharing one physical GPU, held by one reservation pod; the scheduler
+// rebuilds its state from this after a restart.
+const GPUGroupsAnnotation = "gpufrac.io/gpu-groups"
+
+// GPUGroupLabel carries the GPU group on a reservation pod, and on a
+// fractional pod that has one device, so that kubectl can list a GPU's
+// tenants (kubectl get pods -A -l gpufrac.io/gpu-group=<group>).
+const GPUGroupLabel = "gpufrac.io/gpu-group"
+
+// The node inventory schedulers read: GPU Feature Discovery's labels (the
+// node agent sets them where GFD does not) and KAI's readiness condition,
+// which the node agent reports when it can enforce fractions.
+const (
+	LabelGPUCount   = "nvidia.com/gpu.count"
+	LabelGPUMemory  = "nvidia.com/gpu.memory" // MiB per GPU
+	LabelGPUProduct = "nvidia.com/gpu.product"
+	// ConditionFractioningReady is a node condition type.
+	ConditionFractioningReady = "gpu-fractioning.nvidia.com/Ready"
+)
+
 // userSuffixes are the canonical suffixes a manifest may set, in the order
 // error messages list them.
 var userSuffixes = []string{SuffixMemoryRequest, SuffixMemoryLimit, SuffixComputeMode}
@@ -161,4 +184,10 @@ func withinOneEdit(a, b string) bool {
 		return i == len(a) || a[i+1:] == b[i+1:]
 	}
 	return a[i:] == b[i+1:]
+}
+
+// SplitList splits a comma-separated annotation value, dropping empty
+// items: "a,b" → [a b], "" → nil.
+func SplitList(s string) []string {
+	return strings.FieldsFunc(s, func(r rune) bool { return r == ',' })
 }

@@ -3,6 +3,8 @@ package api
 import (
 	"fmt"
 	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
 )
 
 // ComputeMode is how a container shares a GPU's compute with its neighbours.
@@ -107,4 +109,25 @@ func (r Request) Resolve(totalMiB, reserveMiB int64) (Resolved, error) {
 func (r Request) String() string {
 	return fmt.Sprintf("container=%s request=%s limit=%s mode=%s devices=%d",
 		r.Container, r.Memory, r.Limit, r.Mode, r.Devices)
+}
+
+// WholeGPUs is how many whole GPUs a pod asks the device plugin for: the
+// sum over its containers, or more if an init container asks more (they
+// run one at a time). Extended resources have requests equal to limits.
+func WholeGPUs(spec *corev1.PodSpec) int {
+	amount := func(c corev1.Container) int {
+		q, ok := c.Resources.Limits[ResourceGPU]
+		if !ok {
+			q = c.Resources.Requests[ResourceGPU]
+		}
+		return int(q.Value())
+	}
+	n := 0
+	for _, c := range spec.Containers {
+		n += amount(c)
+	}
+	for _, c := range spec.InitContainers {
+		n = max(n, amount(c))
+	}
+	return n
 }

@@ -319,3 +319,27 @@ func New(name string, shapes []Shape, capacity Capacity, rng *rand.Rand) (Policy
 	}
 	return nil, fmt.Errorf("policy %q is not known: use one of %s", name, strings.Join(Names, ", "))
 }
+
+// Spread is the opposite of packing: each request goes to the node with
+// the most free GPU memory after it, and a share to the GPUs with the most
+// free memory, so tenants get room to burst up to their limits.
+type Spread struct{}
+
+// Name implements Policy.
+func (Spread) Name() string { return "spread" }
+
+// Score implements Policy.
+func (Spread) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
+	k := need(r)
+	v := viewOf(n)
+	left := float64(v.idle() - requested(n, r))
+	if k == 0 {
+		return Choice{Score: left}
+	}
+	if r.Whole > 0 {
+		return Choice{Score: left, Devices: lowestIdle(fit, k)}
+	}
+	roomiest := slices.Clone(fit)
+	slices.SortStableFunc(roomiest, func(a, b int) int { return cmp.Compare(n.Devices[b].Free(), n.Devices[a].Free()) })
+	return Choice{Score: left, Devices: roomiest[:k]}
+}

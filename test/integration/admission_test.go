@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
@@ -36,6 +37,7 @@ const (
 type webhookEnv struct {
 	admin, alice, scheduler *kubernetes.Clientset
 	adminConfig             *rest.Config
+	env                     *envtest.Environment
 	serving                 admission.ServerOptions
 	stopWebhook             context.CancelFunc
 	webhookDone             chan error
@@ -84,7 +86,7 @@ func runWithEnv(m *testing.M) (int, error) {
 	}
 	defer func() { _ = env.Stop() }()
 
-	w := &webhookEnv{}
+	w := &webhookEnv{env: env}
 	if w.admin, w.adminConfig, err = testenv.User(env, "admin", "system:masters"); err != nil {
 		return 0, err
 	}

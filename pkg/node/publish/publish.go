@@ -16,19 +16,20 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
 // ConditionReady is the node condition schedulers read (KAI's key).
-const ConditionReady corev1.NodeConditionType = "gpu-fractioning.nvidia.com/Ready"
+const ConditionReady corev1.NodeConditionType = api.ConditionFractioningReady
 
 // Labels. The nvidia.com/gpu.* ones are GPU Feature Discovery's: the agent
 // sets them only with --publish-gpu-labels and only where GFD has not.
 const (
-	LabelGPUCount       = "nvidia.com/gpu.count"
-	LabelGPUMemory      = "nvidia.com/gpu.memory" // MiB per GPU
-	LabelGPUProduct     = "nvidia.com/gpu.product"
+	LabelGPUCount       = api.LabelGPUCount
+	LabelGPUMemory      = api.LabelGPUMemory // MiB per GPU
+	LabelGPUProduct     = api.LabelGPUProduct
 	LabelDriverVersion  = "gpufrac.io/driver-version"
 	LabelCUDAVersion    = "gpufrac.io/cuda-version"
 	LabelEnforcement    = "gpufrac.io/memory-enforcement" // the backend in effect: driver, toolkit, mps-pinned or none

@@ -1,0 +1,165 @@
+package scheduler
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"sigs.k8s.io/yaml"
+
+	"github.com/gpufrac/gpufrac/pkg/placement"
+)
+
+// Args are the GPUFractions plugin's arguments, set under pluginConfig in
+// the KubeSchedulerConfiguration.
+type Args struct {
+	// Policy is the placement policy: one of placement.Names, or spread
+	// (least-allocated GPUs first). Default: gpufrac.
+	Policy string `json:"policy,omitempty"`
+	// GPUMemoryReserveMiB is kept back on every GPU for the driver and CUDA
+	// contexts: fractions share total − reserve. Default 0, as KAI does.
+	GPUMemoryReserveMiB int64 `json:"gpuMemoryReserveMiB,omitempty"`
+	// GPUMemoryReserveMiBByModel overrides the reserve per GPU model (the
+	// node's nvidia.com/gpu.product label).
+	GPUMemoryReserveMiBByModel map[string]int64 `json:"gpuMemoryReserveMiBByModel,omitempty"`
+	// ReservationNamespace holds the reservation pods; the node agent
+	// watches the same namespace. Default gpufrac-reservations.
+	ReservationNamespace string `json:"reservationNamespace,omitempty"`
+	// ReservationImage runs in each reservation pod; it only has to sleep.
+	ReservationImage string `json:"reservationImage,omitempty"`
+	// ReservationPriorityClassName keeps reservation pods from being
+	// preempted by ordinary pods. Default system-node-critical.
+	ReservationPriorityClassName string `json:"reservationPriorityClassName,omitempty"`
+	// BindTimeout bounds PreBind's wait for a reservation pod's GPU UUID.
+	// Default 2m.
+	BindTimeout Duration `json:"bindTimeout,omitempty"`
+}
+
+// Duration is a time.Duration written as "90s" or "2m".
+type Duration struct{ time.Duration }
+
+// UnmarshalJSON reads a Go duration string.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("must be a duration string such as \"90s\": %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	d.Duration = v
+	return nil
+}
+
+// MarshalJSON writes a Go duration string.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(d.String()) }
+
+// Defaults of Args.
+const (
+	DefaultReservationNamespace = "gpufrac-reservations"
+	DefaultReservationImage     = "registry.k8s.io/pause:3.10"
+	DefaultPriorityClassName    = "system-node-critical"
+	DefaultBindTimeout          = 2 * time.Minute
+	// PolicySpread puts each fraction on the least allocated GPU: the
+	// opposite of packing, for workloads that want room to burst.
+	PolicySpread = "spread"
+)
+
+// PolicyNames lists the policies the plugin accepts, the default first:
+// the simulator's, less random (a baseline, not a policy to run), and
+// spread.
+func PolicyNames() []string {
+	return append(slices.DeleteFunc(slices.Clone(placement.Names), func(n string) bool { return n == "random" }), PolicySpread)
+}
+
+// DecodeArgs reads the plugin's arguments strictly (an unknown field is an
+// error, so that a typo does not silently leave a default in force), fills
+// the defaults and validates them.
+func DecodeArgs(obj runtime.Object) (Args, error) {
+	var a Args
+	if obj != nil {
+		raw, err := rawArgs(obj)
+		if err != nil {
+			return Args{}, err
+		}
+		if len(raw) > 0 {
+			dec := json.NewDecoder(bytes.NewReader(raw))
+			dec.DisallowUnknownFields()
+			if err := dec.Decode(&a); err != nil {
+				return Args{}, fmt.Errorf("GPUFractions args: %w", err)
+			}
+		}
+	}
+	a.Default()
+	return a, a.Validate()
+}
+
+func rawArgs(obj runtime.Object) ([]byte, error) {
+	u, ok := obj.(*runtime.Unknown)
+	if !ok {
+		return nil, fmt.Errorf("GPUFractions args: want runtime.Unknown, got %T", obj)
+	}
+	if u.ContentType == runtime.ContentTypeYAML {
+		return yaml.YAMLToJSON(u.Raw)
+	}
+	return u.Raw, nil
+}
+
+// Default fills unset fields.
+func (a *Args) Default() {
+	if a.Policy == "" {
+		a.Policy = placement.Names[0]
+	}
+	if a.ReservationNamespace == "" {
+		a.ReservationNamespace = DefaultReservationNamespace
+	}
+	if a.ReservationImage == "" {
+		a.ReservationImage = DefaultReservationImage
+	}
+	if a.ReservationPriorityClassName == "" {
+		a.ReservationPriorityClassName = DefaultPriorityClassName
+	}
+	if a.BindTimeout.Duration == 0 {
+		a.BindTimeout.Duration = DefaultBindTimeout
+	}
+}
+
+// Validate reports the first bad field: its name, value and rule.
+func (a Args) Validate() error {
+	if !slices.Contains(PolicyNames(), a.Policy) {
+		return fmt.Errorf("GPUFractions args: policy %q is not known: use one of %s", a.Policy, strings.Join(PolicyNames(), ", "))
+	}
+	if a.GPUMemoryReserveMiB < 0 {
+		return fmt.Errorf("GPUFractions args: gpuMemoryReserveMiB %d must be 0 or more", a.GPUMemoryReserveMiB)
+	}
+	for _, model := range slices.Sorted(maps.Keys(a.GPUMemoryReserveMiBByModel)) {
+		if v := a.GPUMemoryReserveMiBByModel[model]; v < 0 {
+			return fmt.Errorf("GPUFractions args: gpuMemoryReserveMiBByModel[%q] %d must be 0 or more", model, v)
+		}
+	}
+	if errs := validation.IsDNS1123Label(a.ReservationNamespace); len(errs) > 0 {
+		return fmt.Errorf("GPUFractions args: reservationNamespace %q is not a namespace name: %s", a.ReservationNamespace, strings.Join(errs, "; "))
+	}
+	if strings.TrimSpace(a.ReservationImage) != a.ReservationImage || strings.ContainsAny(a.ReservationImage, " \t\n") {
+		return fmt.Errorf("GPUFractions args: reservationImage %q must be an image reference without spaces", a.ReservationImage)
+	}
+	if a.BindTimeout.Duration < time.Second {
+		return fmt.Errorf("GPUFractions args: bindTimeout %s must be at least 1s", a.BindTimeout.Duration)
+	}
+	return nil
+}
+
+// Reserve returns the per-GPU memory reserve for a GPU model.
+func (a Args) Reserve(model string) int64 {
+	if v, ok := a.GPUMemoryReserveMiBByModel[model]; ok {
+		return v
+	}
+	return a.GPUMemoryReserveMiB
+}

@@ -1,0 +1,279 @@
+package scheduler
+
+import (
+	"fmt"
+	"math"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/placement"
+)
+
+// Ask is what one pod asks of a node's GPUs: whole GPUs, or a fraction on
+// each of Request.Devices GPUs.
+type Ask struct {
+	UID   types.UID
+	Whole int
+	// Fraction is set for a fractional pod.
+	Fraction *api.Request
+}
+
+// Verdict is a node's answer to an Ask in Filter.
+type Verdict struct {
+	// Fits is true when the node can take the pod.
+	Fits bool
+	// Resolvable is false when no change of the GPUs' tenants would let
+	// the pod in (no inventory, not ready, a share that resolves to 0).
+	Resolvable bool
+	// Reason is one line, the same for every node that fails the same way,
+	// so that kube-scheduler's FailedScheduling event groups nodes by it.
+	Reason string
+}
+
+// request is the ledger request for ask on ns, or why it has none.
+func (c *Cache) request(ns *nodeState, ask Ask) (gpu.Request, api.Resolved, error) {
+	r := gpu.Request{Tenant: string(ask.UID)}
+	if ask.Fraction == nil {
+		r.Whole = ask.Whole
+		return r, api.Resolved{}, nil
+	}
+	share, resolved, err := shareOn(*ask.Fraction, ns, c.args)
+	if err != nil {
+		return r, resolved, err
+	}
+	r.Devices, r.Share = ask.Fraction.Devices, share
+	return r, resolved, nil
+}
+
+// Filter says whether a node can take the pod.
+func (c *Cache) Filter(node string, ask Ask) Verdict {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	ns, ok := c.nodes[node]
+	if ask.Fraction == nil {
+		// Whole GPUs: the default plugins count the device plugin's
+		// GPUs; here only the shared ones are kept out of reach.
+		if !ok || ns.ledger == nil {
+			return Verdict{Fits: true}
+		}
+		r, _, _ := c.request(ns, ask)
+		if _, unfit := ns.ledger.Fit(r); unfit != nil {
+			return Verdict{Resolvable: true, Reason: fmt.Sprintf("%s: fewer than %d idle GPUs (GPUs shared by fractions are not given whole)", gpu.ReasonWhole, ask.Whole)}
+		}
+		return Verdict{Fits: true}
+	}
+	switch {
+	case !ok:
+		return Verdict{Reason: "node has not reported its GPUs to gpufrac yet"}
+	case !ns.ready:
+		return Verdict{Reason: ns.why}
+	case len(ns.conflicts) > 0:
+		return Verdict{Resolvable: true, Reason: fmt.Sprintf("node has %d pod(s) holding GPUs that gpufrac cannot account for; it takes no fractions until they are gone (see gpufrac audit)", len(ns.conflicts))}
+	}
+	r, _, err := c.request(ns, ask)
+	if err != nil {
+		return Verdict{Reason: err.Error()}
+	}
+	if _, unfit := ns.ledger.Fit(r); unfit != nil {
+		return Verdict{Resolvable: true, Reason: explain(unfit.Reason, r)}
+	}
+	return Verdict{Fits: true}
+}
+
+// explain words a rejection without the node's own figures, so that nodes
+// rejecting a pod for the same reason read the same.
+func explain(reason gpu.Reason, r gpu.Request) string {
+	n := r.Devices
+	switch reason {
+	case gpu.ReasonGPUs:
+		return fmt.Sprintf("%s: fewer than %d GPU(s) with %dMi of memory free", reason, n, r.Share.Request)
+	case gpu.ReasonMode:
+		return fmt.Sprintf("%s: fewer than %d GPU(s) with %dMi free that are idle or already run %s", reason, n, r.Share.Request, r.Share.Mode)
+	case gpu.ReasonCompute:
+		return fmt.Sprintf("%s: fewer than %d GPU(s) with %d/1000 of their sm-sharing compute left", reason, n, r.Share.Portion)
+	}
+	return fmt.Sprintf("%s: the request does not fit", reason)
+}
+
+// Score rates the node for the pod with the policy; higher is better. The
+// second result is false when the node cannot take the pod.
+func (c *Cache) Score(node string, ask Ask, policy placement.Policy) (float64, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	choice, ok := c.choose(node, ask, policy)
+	return choice.Score, ok
+}
+
+func (c *Cache) choose(node string, ask Ask, policy placement.Policy) (placement.Choice, bool) {
+	ns, ok := c.nodes[node]
+	if !ok || ns.ledger == nil {
+		return placement.Choice{}, false
+	}
+	r, _, err := c.request(ns, ask)
+	if err != nil {
+		return placement.Choice{}, false
+	}
+	fit, unfit := ns.ledger.Fit(r)
+	if unfit != nil {
+		return placement.Choice{}, false
+	}
+	choice := policy.Score(ns.ledger, r, fit)
+	if math.IsNaN(choice.Score) {
+		choice.Score = math.Inf(-1)
+	}
+	return choice, true
+}
+
+// Reserve assumes the pod on the node: the policy's GPUs, joining the GPU
+// groups already on them or opening new ones. Whole-GPU pods are assumed
+// too, so that no fraction is placed on their GPUs meanwhile.
+func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.Policy) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, held := c.pods[ask.UID]; held {
+		return fmt.Errorf("pod %s/%s already holds GPUs", namespace, name)
+	}
+	ns, ok := c.nodes[node]
+	if !ok || ns.ledger == nil {
+		if ask.Fraction != nil {
+			return fmt.Errorf("node %s has no GPU inventory", node)
+		}
+		return nil
+	}
+	choice, ok := c.choose(node, ask, policy)
+	if !ok || len(choice.Devices) == 0 {
+		return fmt.Errorf("pod %s/%s no longer fits node %s", namespace, name, node)
+	}
+	r, resolved, _ := c.request(ns, ask)
+	t := &tenant{uid: ask.UID, namespace: namespace, name: name, node: node, request: r, resolved: resolved, assumed: true}
+	if ask.Fraction != nil {
+		t.container = ask.Fraction.Container
+		for i, slot := range choice.Devices {
+			g := groupAt(ns, slot)
+			if g == "" {
+				// A new group opens on the GPU the policy chose.
+				g = newGroup(ask.UID, i)
+				ns.groups[g] = slot
+			}
+			t.groups = append(t.groups, g)
+		}
+	} else {
+		t.request.Whole = ask.Whole
+	}
+	if ask.Fraction == nil {
+		// Place whole GPUs where the policy chose.
+		if err := ns.ledger.Assign(r, choice.Devices); err != nil {
+			return err
+		}
+		ns.tenants[t.uid], c.pods[t.uid] = t, t
+		c.shapes[t.shape()]++
+		return nil
+	}
+	c.add(ns, t)
+	if why, conflict := ns.conflicts[t.uid]; conflict {
+		c.remove(ns, t)
+		return fmt.Errorf("pod %s/%s cannot be assumed on node %s: %s", namespace, name, node, why)
+	}
+	return nil
+}
+
+// Unreserve forgets a pod this scheduler assumed and did not bind.
+func (c *Cache) Unreserve(uid types.UID) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if t, ok := c.pods[uid]; ok && t.assumed {
+		c.remove(c.nodes[t.node], t)
+	}
+}
+
+// Decision is what PreBind writes for a fractional pod.
+type Decision struct {
+	Node      string
+	Container string
+	Groups    []string
+	Resolved  api.Resolved
+	Mode      api.ComputeMode
+	// Portion is in thousandths.
+	Portion int64
+}
+
+// Decision returns the assumed decision for a pod.
+func (c *Cache) Decision(uid types.UID) (Decision, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	t, ok := c.pods[uid]
+	if !ok || len(t.groups) == 0 {
+		return Decision{}, false
+	}
+	return Decision{Node: t.node, Container: t.container, Groups: append([]string(nil), t.groups...), Resolved: t.resolved, Mode: t.request.Share.Mode, Portion: t.request.Share.Portion}, true
+}
+
+// ReservationState says whether a GPU group's reservation pod is known
+// and, once the node agent has written it, its GPU's UUID.
+func (c *Cache) ReservationState(node, group string) (known bool, uuid, failed string) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	ns, ok := c.nodes[node]
+	if !ok {
+		return false, "", ""
+	}
+	r, ok := ns.reservations[group]
+	if !ok {
+		return false, "", ""
+	}
+	return true, r.uuid, r.failed
+}
+
+// Orphan is a reservation pod whose GPU group has no tenant.
+type Orphan struct{ Namespace, Name string }
+
+// Orphans lists the reservation pods whose GPU group has no tenant, so
+// that their GPUs go back to the device plugin.
+func (c *Cache) Orphans() []Orphan {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	var out []Orphan
+	for _, ns := range c.nodes {
+		for g, r := range ns.reservations {
+			slot, ok := ns.groups[g]
+			live := ok && ns.ledger != nil && len(ns.ledger.Devices[slot].Shares()) > 0
+			if !live {
+				out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name})
+			}
+		}
+	}
+	return out
+}
+
+// Shapes returns the workload's typical shapes from the GPU tenants the
+// cache holds, plus extra (the pod being scheduled), as the FGD-like
+// policies weigh them; and the largest node's GPU memory, for the
+// policies that normalise by it.
+func (c *Cache) Shapes(extra ...placement.Key) ([]placement.Shape, placement.Capacity) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	keys := append([]placement.Key(nil), extra...)
+	for k, n := range c.shapes {
+		key := placement.Key{NumGPU: k.whole, Share: k.request}
+		if k.whole == 0 {
+			key.NumGPU = 1
+		}
+		for range n {
+			keys = append(keys, key)
+		}
+	}
+	capacity := placement.Capacity{CPU: 1, GPU: 1}
+	for _, ns := range c.nodes {
+		if ns.ledger == nil {
+			continue
+		}
+		var sum int64
+		for _, d := range ns.ledger.Devices {
+			sum += d.Schedulable()
+		}
+		capacity.GPU = max(capacity.GPU, sum)
+	}
+	return placement.Popular(keys, 0.95), capacity
+}

@@ -1,0 +1,316 @@
+// Package scheduler is the GPUFractions plugin of kube-scheduler: it
+// places pods that ask for a fraction of a GPU (SPEC §1) on GPUs with the
+// memory, compute mode and compute portion free, holds each shared GPU
+// with a reservation pod, and writes its decision onto the pod in the KAI
+// NvFractions annotations (SPEC §2), which gpufrac's node agent and
+// NVIDIA's enforce. Whole-GPU pods keep going through the default plugins;
+// this one only keeps them off shared GPUs.
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/placement"
+)
+
+// Name is the plugin's name in a KubeSchedulerConfiguration.
+const Name = "GPUFractions"
+
+// Plugin is the GPUFractions plugin.
+type Plugin struct {
+	args   Args
+	handle fwk.Handle
+	cache  *Cache
+}
+
+var (
+	_ fwk.PreFilterPlugin   = (*Plugin)(nil)
+	_ fwk.FilterPlugin      = (*Plugin)(nil)
+	_ fwk.ScorePlugin       = (*Plugin)(nil)
+	_ fwk.ReservePlugin     = (*Plugin)(nil)
+	_ fwk.PreBindPlugin     = (*Plugin)(nil)
+	_ fwk.EnqueueExtensions = (*Plugin)(nil)
+)
+
+// New builds the plugin from its arguments; it is the factory registered
+// with the kube-scheduler command. The cache follows the scheduler's own
+// pod and node informers, and a collector deletes reservation pods whose
+// GPU group emptied.
+func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, error) {
+	args, err := DecodeArgs(obj)
+	if err != nil {
+		return nil, err
+	}
+	p := &Plugin{args: args, handle: h, cache: NewCache(args)}
+	pods := h.SharedInformerFactory().Core().V1().Pods().Informer()
+	nodes := h.SharedInformerFactory().Core().V1().Nodes().Informer()
+	if _, err := pods.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { p.onPod(obj, false) },
+		UpdateFunc: func(_, obj any) { p.onPod(obj, false) },
+		DeleteFunc: func(obj any) { p.onPod(obj, true) },
+	}); err != nil {
+		return nil, err
+	}
+	if _, err := nodes.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { p.onNode(obj, false) },
+		UpdateFunc: func(_, obj any) { p.onNode(obj, false) },
+		DeleteFunc: func(obj any) { p.onNode(obj, true) },
+	}); err != nil {
+		return nil, err
+	}
+	go func() {
+		if !toolscache.WaitForCacheSync(ctx.Done(), pods.HasSynced, nodes.HasSynced) {
+			return
+		}
+		p.collect(ctx)
+	}()
+	klog.FromContext(ctx).Info("GPUFractions plugin ready", "policy", args.Policy, "reservationNamespace", args.ReservationNamespace,
+		"gpuMemoryReserveMiB", args.GPUMemoryReserveMiB, "bindTimeout", args.BindTimeout.Duration)
+	return p, nil
+}
+
+// Cache returns the plugin's view of the GPUs.
+func (p *Plugin) Cache() *Cache { return p.cache }
+
+// Name implements fwk.Plugin.
+func (p *Plugin) Name() string { return Name }
+
+func (p *Plugin) onPod(obj any, deleted bool) {
+	if tomb, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj, deleted = tomb.Obj, true
+	}
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	if deleted {
+		p.cache.DeletePod(pod)
+		return
+	}
+	p.cache.SetPod(pod)
+}
+
+func (p *Plugin) onNode(obj any, deleted bool) {
+	if tomb, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj, deleted = tomb.Obj, true
+	}
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return
+	}
+	if deleted {
+		p.cache.DeleteNode(node.Name)
+		return
+	}
+	p.cache.SetNode(node)
+}
+
+// cycle is what PreFilter learns once per pod for the later extension
+// points.
+type cycle struct {
+	ask    Ask
+	policy placement.Policy
+}
+
+// Clone implements fwk.StateData; the cycle is never changed after
+// PreFilter.
+func (c *cycle) Clone() fwk.StateData { return c }
+
+const stateKey fwk.StateKey = Name
+
+func readCycle(state fwk.CycleState) (*cycle, bool) {
+	s, err := state.Read(stateKey)
+	if err != nil {
+		return nil, false
+	}
+	c, ok := s.(*cycle)
+	return c, ok
+}
+
+// PreFilter reads the pod's request once. A pod that asks for no GPU is
+// skipped by every later extension point; an invalid one is unschedulable
+// until its author fixes it.
+func (p *Plugin) PreFilter(_ context.Context, state fwk.CycleState, pod *corev1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+	ask := Ask{UID: pod.UID}
+	if n := api.WholeGPUs(&pod.Spec); n > 0 {
+		ask.Whole = n
+	}
+	reqs, err := api.Parse(withoutDecision(pod))
+	switch {
+	case err != nil:
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, err.Error())
+	case len(reqs) > 0:
+		ask.Fraction = &reqs[0]
+	case ask.Whole == 0:
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
+	policy, err := p.policy()
+	if err != nil {
+		return nil, fwk.AsStatus(err)
+	}
+	state.Write(stateKey, &cycle{ask: ask, policy: policy})
+	return nil, nil
+}
+
+// policy builds the placement policy for one pod: the FGD-like ones weigh
+// the workload's typical shapes as the cache sees them now.
+func (p *Plugin) policy() (placement.Policy, error) {
+	if p.args.Policy == PolicySpread {
+		return placement.Spread{}, nil
+	}
+	shapes, capacity := p.cache.Shapes()
+	return placement.New(p.args.Policy, shapes, capacity, nil)
+}
+
+// PreFilterExtensions implements fwk.PreFilterPlugin: the plugin keeps its
+// own ledger, so preemption's what-if removals do not apply to it.
+func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return nil }
+
+// Filter checks the node's GPUs.
+func (p *Plugin) Filter(_ context.Context, state fwk.CycleState, _ *corev1.Pod, nodeInfo fwk.NodeInfo) *fwk.Status {
+	c, ok := readCycle(state)
+	if !ok {
+		return nil
+	}
+	v := p.cache.Filter(nodeInfo.Node().Name, c.ask)
+	switch {
+	case v.Fits:
+		return nil
+	case v.Resolvable:
+		return fwk.NewStatus(fwk.Unschedulable, v.Reason)
+	}
+	return fwk.NewStatus(fwk.UnschedulableAndUnresolvable, v.Reason)
+}
+
+// Score rates the node with the placement policy; NormalizeScore maps the
+// raw figures onto kube-scheduler's 0–100.
+func (p *Plugin) Score(_ context.Context, state fwk.CycleState, _ *corev1.Pod, nodeInfo fwk.NodeInfo) (int64, *fwk.Status) {
+	c, ok := readCycle(state)
+	if !ok {
+		return 0, nil
+	}
+	score, ok := p.cache.Score(nodeInfo.Node().Name, c.ask, c.policy)
+	if !ok {
+		return 0, nil
+	}
+	// Policies score in their own units; a thousandth is finer than any
+	// of them distinguishes.
+	return int64(math.Round(max(min(score, 1e12), -1e12) * 1000)), nil
+}
+
+// ScoreExtensions implements fwk.ScorePlugin.
+func (p *Plugin) ScoreExtensions() fwk.ScoreExtensions { return p }
+
+// NormalizeScore rescales the raw scores linearly onto 0–100.
+func (p *Plugin) NormalizeScore(_ context.Context, _ fwk.CycleState, _ *corev1.Pod, scores fwk.NodeScoreList) *fwk.Status {
+	if len(scores) == 0 {
+		return nil
+	}
+	lo, hi := scores[0].Score, scores[0].Score
+	for _, s := range scores {
+		lo, hi = min(lo, s.Score), max(hi, s.Score)
+	}
+	for i := range scores {
+		if hi == lo {
+			scores[i].Score = fwk.MaxScore
+			continue
+		}
+		scores[i].Score = int64(float64(scores[i].Score-lo) * float64(fwk.MaxScore) / float64(hi-lo))
+	}
+	return nil
+}
+
+// Reserve assumes the pod's GPUs in the cache.
+func (p *Plugin) Reserve(_ context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
+	c, ok := readCycle(state)
+	if !ok {
+		return nil
+	}
+	if err := p.cache.Reserve(node, pod.Namespace, pod.Name, c.ask, c.policy); err != nil {
+		return fwk.NewStatus(fwk.Unschedulable, err.Error())
+	}
+	return nil
+}
+
+// Unreserve rolls Reserve back exactly.
+func (p *Plugin) Unreserve(_ context.Context, state fwk.CycleState, pod *corev1.Pod, _ string) {
+	if _, ok := readCycle(state); ok {
+		p.cache.Unreserve(pod.UID)
+	}
+}
+
+// PreBindPreFlight implements fwk.PreBindPlugin: only fractional pods have
+// anything to write.
+func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, _ *corev1.Pod, _ string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
+	if c, ok := readCycle(state); !ok || c.ask.Fraction == nil {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
+	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
+}
+
+// PreBind makes the reservation pods exist, waits until each names its
+// GPU, and writes the decision onto the pod.
+func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
+	c, ok := readCycle(state)
+	if !ok || c.ask.Fraction == nil {
+		return nil
+	}
+	d, ok := p.cache.Decision(pod.UID)
+	if !ok || d.Node != node {
+		return fwk.AsStatus(fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node))
+	}
+	uuids, err := p.reserveGPUs(ctx, d)
+	if err != nil {
+		return fwk.AsStatus(err)
+	}
+	if err := p.annotate(ctx, pod, d, uuids); err != nil {
+		return fwk.AsStatus(err)
+	}
+	return nil
+}
+
+// EventsToRegister implements fwk.EnqueueExtensions: a fractional pod that
+// did not fit may fit once a pod leaves or a node changes (new GPUs,
+// readiness).
+func (p *Plugin) EventsToRegister(context.Context) ([]fwk.ClusterEventWithHint, error) {
+	return []fwk.ClusterEventWithHint{
+		{Event: fwk.ClusterEvent{Resource: fwk.Pod, ActionType: fwk.Delete | fwk.UpdatePodScaleDown}},
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeCondition | fwk.UpdateNodeAllocatable}},
+	}, nil
+}
+
+// collect deletes reservation pods whose GPU group emptied, whenever the
+// cache says one may have, and every half minute in case a delete failed.
+func (p *Plugin) collect(ctx context.Context) {
+	logger := klog.FromContext(ctx).WithName(Name)
+	tick := time.NewTicker(30 * time.Second)
+	defer tick.Stop()
+	for {
+		dirty := p.cache.Dirty()
+		for _, o := range p.cache.Orphans() {
+			if err := deleteReservation(ctx, p.handle.ClientSet(), o); err != nil {
+				logger.Error(err, "Could not delete an empty reservation pod; retrying later", "pod", klog.KRef(o.Namespace, o.Name))
+			} else {
+				logger.V(2).Info("Deleted reservation pod: its GPU group has no tenant", "pod", klog.KRef(o.Namespace, o.Name))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-dirty:
+			// Let a burst of deletions settle into one pass.
+			time.Sleep(100 * time.Millisecond)
+		case <-tick.C:
+		}
+	}
+}

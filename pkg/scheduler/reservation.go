@@ -1,0 +1,124 @@
+package scheduler
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// Labels on reservation pods.
+const (
+	labelManagedBy  = "app.kubernetes.io/managed-by"
+	labelComponent  = "app.kubernetes.io/component"
+	managedBy       = "gpufrac-scheduler"
+	componentHolder = "gpu-reservation"
+)
+
+// ReservationName is the reservation pod of a GPU group on a node:
+// gpufrac-<node>-<group>, with the node part shortened and a hash added
+// when the whole would exceed a pod name's 253 characters.
+func ReservationName(node, group string) string {
+	const limit = 253
+	name := "gpufrac-" + node + "-" + group
+	if len(name) <= limit {
+		return name
+	}
+	sum := sha256.Sum256([]byte(node))
+	suffix := "-" + hex.EncodeToString(sum[:4]) + "-" + group
+	return (name[:limit-len(suffix)]) + suffix
+}
+
+// ReservationPod is the pod that holds one shared GPU against the device
+// plugin: it asks for one nvidia.com/gpu, is bound straight to the node
+// (no scheduler runs it, so no one can place it elsewhere), tolerates
+// every taint so that the node's taints never evict a GPU from under its
+// tenants, and runs at high priority so that nothing preempts it.
+func ReservationPod(args Args, node, group string) *corev1.Pod {
+	one := resource.MustParse("1")
+	noPrivilege := false
+	nonRoot := true
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      ReservationName(node, group),
+			Namespace: args.ReservationNamespace,
+			Labels: map[string]string{
+				labelManagedBy:    managedBy,
+				labelComponent:    componentHolder,
+				api.GPUGroupLabel: group,
+			},
+		},
+		Spec: corev1.PodSpec{
+			NodeName:                      node,
+			PriorityClassName:             args.ReservationPriorityClassName,
+			Tolerations:                   []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
+			TerminationGracePeriodSeconds: new(int64),
+			AutomountServiceAccountToken:  &noPrivilege,
+			EnableServiceLinks:            &noPrivilege,
+			Containers: []corev1.Container{{
+				Name:  "reserve",
+				Image: args.ReservationImage,
+				Resources: corev1.ResourceRequirements{
+					Limits:   corev1.ResourceList{api.ResourceGPU: one},
+					Requests: corev1.ResourceList{api.ResourceGPU: one},
+				},
+				SecurityContext: &corev1.SecurityContext{
+					AllowPrivilegeEscalation: &noPrivilege,
+					RunAsNonRoot:             &nonRoot,
+					RunAsUser:                new(int64(65535)),
+					Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+				},
+			}},
+		},
+	}
+}
+
+// setReservation records a reservation pod: its group's slot stays held
+// while it exists, and its annotation names the physical GPU.
+func (c *Cache) setReservation(pod *corev1.Pod) {
+	group := pod.Labels[api.GPUGroupLabel]
+	if group == "" || pod.Spec.NodeName == "" {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ns := c.node(pod.Spec.NodeName)
+	r := &reservation{name: pod.Name, uuid: pod.Annotations[api.ReservedGPUAnnotation]}
+	if pod.Status.Phase == corev1.PodFailed {
+		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
+	}
+	_, known := ns.reservations[group]
+	ns.reservations[group] = r
+	if !known {
+		c.holdIfEmpty(ns, group)
+		c.markDirty()
+	}
+}
+
+func (c *Cache) deleteReservation(pod *corev1.Pod) {
+	group := pod.Labels[api.GPUGroupLabel]
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ns, ok := c.nodes[pod.Spec.NodeName]
+	if !ok || ns.reservations[group] == nil || ns.reservations[group].name != pod.Name {
+		return
+	}
+	delete(ns.reservations, group)
+	delete(ns.conflicts, types.UID(placeholder(group)))
+	if ns.ledger == nil {
+		return
+	}
+	if slot, ok := ns.groups[group]; ok && ns.ledger.Devices[slot].Whole() == placeholder(group) {
+		_ = ns.ledger.Release(placeholder(group))
+		delete(ns.groups, group)
+	}
+	if len(ns.conflicts) > 0 {
+		c.rebuild(pod.Spec.NodeName, ns)
+	}
+}

@@ -1,0 +1,453 @@
+package integration
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	toolscache "k8s.io/client-go/tools/cache"
+	"sigs.k8s.io/yaml"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/scheduler"
+)
+
+const reservationNS = scheduler.DefaultReservationNamespace
+
+var (
+	binaryOnce sync.Once
+	binaryPath string
+	binaryErr  error
+)
+
+// gpufracBinary builds cmd/gpufrac once per test run: the scheduler runs
+// as its own process so that a test can kill it.
+func gpufracBinary(t testing.TB) string {
+	t.Helper()
+	binaryOnce.Do(func() {
+		root, err := testenv.RepoRoot()
+		if err != nil {
+			binaryErr = err
+			return
+		}
+		dir, err := os.MkdirTemp("", "gpufrac-bin-")
+		if err != nil {
+			binaryErr = err
+			return
+		}
+		binaryPath = filepath.Join(dir, "gpufrac")
+		cmd := exec.Command("go", "build", "-o", binaryPath, "./cmd/gpufrac")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			binaryErr = fmt.Errorf("go build ./cmd/gpufrac: %w\n%s", err, out)
+		}
+	})
+	if binaryErr != nil {
+		t.Fatal(binaryErr)
+	}
+	return binaryPath
+}
+
+// schedEnv is the cluster side the scheduler tests share: the scheduler's
+// RBAC from deploy/scheduler, its identity's kubeconfig, an admin one for
+// gpufrac audit, and the device-plugin stand-in.
+type schedEnv struct {
+	schedulerKubeconfig, adminKubeconfig string
+	dir                                  string
+}
+
+var (
+	schedOnce sync.Once
+	sched     *schedEnv
+	schedErr  error
+)
+
+func schedulerEnv(t *testing.T) *schedEnv {
+	t.Helper()
+	schedOnce.Do(func() { sched, schedErr = setUpScheduler() })
+	if schedErr != nil {
+		t.Fatal(schedErr)
+	}
+	return sched
+}
+
+func setUpScheduler() (*schedEnv, error) {
+	ctx := context.Background()
+	admin := shared.admin
+	for _, ns := range []string{"gpufrac-system", reservationNS} {
+		if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return nil, err
+		}
+	}
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		return nil, err
+	}
+	if err := applyRBAC(ctx, admin, filepath.Join(root, "deploy", "scheduler", "scheduler.yaml")); err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "gpufrac-sched-")
+	if err != nil {
+		return nil, err
+	}
+	e := &schedEnv{dir: dir}
+	// The scheduler acts as its service account with only the RBAC of
+	// deploy/scheduler: least privilege is tested, not assumed.
+	kc, err := testenv.KubeConfig(shared.env, schedulerUser, "system:serviceaccounts", "system:serviceaccounts:gpufrac-system", "system:authenticated")
+	if err != nil {
+		return nil, err
+	}
+	e.schedulerKubeconfig = filepath.Join(dir, "scheduler.kubeconfig")
+	if err := os.WriteFile(e.schedulerKubeconfig, kc, 0o600); err != nil {
+		return nil, err
+	}
+	if kc, err = testenv.KubeConfig(shared.env, "auditor", "system:masters"); err != nil {
+		return nil, err
+	}
+	e.adminKubeconfig = filepath.Join(dir, "admin.kubeconfig")
+	if err := os.WriteFile(e.adminKubeconfig, kc, 0o600); err != nil {
+		return nil, err
+	}
+	go runDevicePlugin(context.Background(), admin)
+	return e, nil
+}
+
+// applyRBAC creates the RBAC objects of a manifest.
+func applyRBAC(ctx context.Context, c *kubernetes.Clientset, path string) error {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	dec := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
+	for {
+		doc, err := dec.Read()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		var meta metav1.TypeMeta
+		if err := yaml.Unmarshal(doc, &meta); err != nil {
+			return err
+		}
+		create := func(obj any, do func() error) error {
+			if err := yaml.Unmarshal(doc, obj); err != nil {
+				return err
+			}
+			if err := do(); err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("%s: %w", meta.Kind, err)
+			}
+			return nil
+		}
+		switch meta.Kind {
+		case "ClusterRole":
+			o := &rbacv1.ClusterRole{}
+			err = create(o, func() error { _, err := c.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{}); return err })
+		case "ClusterRoleBinding":
+			o := &rbacv1.ClusterRoleBinding{}
+			err = create(o, func() error {
+				_, err := c.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+				return err
+			})
+		case "Role":
+			o := &rbacv1.Role{}
+			err = create(o, func() error {
+				_, err := c.RbacV1().Roles(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+				return err
+			})
+		case "RoleBinding":
+			o := &rbacv1.RoleBinding{}
+			err = create(o, func() error {
+				_, err := c.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+				return err
+			})
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// runDevicePlugin plays the kubelet's device plugin and the node agent for
+// reservation pods, the one stand-in here (no kubelet runs): each gets the
+// lowest GPU of its node that no other reservation pod holds, written as
+// the node agent writes it.
+func runDevicePlugin(ctx context.Context, client kubernetes.Interface) {
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(reservationNS))
+	pods := factory.Core().V1().Pods()
+	work := make(chan struct{}, 1)
+	kick := func(any) {
+		select {
+		case work <- struct{}{}:
+		default:
+		}
+	}
+	_, _ = pods.Informer().AddEventHandler(toolscache.ResourceEventHandlerFuncs{AddFunc: kick, UpdateFunc: func(_, o any) { kick(o) }, DeleteFunc: kick})
+	factory.Start(ctx.Done())
+	factory.WaitForCacheSync(ctx.Done())
+	given := map[types.UID]string{} // what this loop wrote, before the informer shows it
+	for range work {
+		all, _ := pods.Lister().List(labels.Everything())
+		held := map[string]bool{}
+		live := map[types.UID]bool{}
+		for _, p := range all {
+			live[p.UID] = true
+			uuid := p.Annotations[api.ReservedGPUAnnotation]
+			if uuid == "" {
+				uuid = given[p.UID]
+			}
+			if uuid != "" {
+				held[uuid] = true
+			}
+		}
+		for uid := range given {
+			if !live[uid] {
+				delete(given, uid)
+			}
+		}
+		slices.SortFunc(all, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
+		for _, p := range all {
+			if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Annotations[api.ReservedGPUAnnotation] != "" || given[p.UID] != "" {
+				continue
+			}
+			var uuid string
+			for i := 0; ; i++ {
+				if uuid = fmt.Sprintf("GPU-%s-%d", p.Spec.NodeName, i); !held[uuid] {
+					break
+				}
+			}
+			patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, api.ReservedGPUAnnotation, uuid)
+			if _, err := client.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err == nil {
+				given[p.UID], held[uuid] = uuid, true
+			}
+		}
+	}
+}
+
+// schedulerProcess is `gpufrac scheduler` running as a child process.
+type schedulerProcess struct {
+	cmd  *exec.Cmd
+	log  string
+	done chan error
+}
+
+// startScheduler runs the scheduler with deploy/scheduler/config.yaml,
+// adjusted for a test: its kubeconfig, no leader election, a schedulerName
+// and plugin args of the test's.
+func (e *schedEnv) startScheduler(t *testing.T, name string, args map[string]any) *schedulerProcess {
+	t.Helper()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(filepath.Join(root, "deploy", "scheduler", "config.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg map[string]any
+	if err := yaml.Unmarshal(raw, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg["clientConnection"] = map[string]any{"kubeconfig": e.schedulerKubeconfig, "qps": 500, "burst": 1000}
+	cfg["leaderElection"] = map[string]any{"leaderElect": false}
+	profile := cfg["profiles"].([]any)[0].(map[string]any)
+	profile["schedulerName"] = name
+	pluginArgs := profile["pluginConfig"].([]any)[0].(map[string]any)["args"].(map[string]any)
+	for k, v := range args {
+		pluginArgs[k] = v
+	}
+	out, err := yaml.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(path, out, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := &schedulerProcess{log: filepath.Join(t.TempDir(), "scheduler.log"), done: make(chan error, 1)}
+	logFile, err := os.Create(p.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.cmd = exec.Command(gpufracBinary(t), "scheduler", "--config", path, "--secure-port", "0", "-v", "2")
+	p.cmd.Stdout, p.cmd.Stderr = logFile, logFile
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.done <- p.cmd.Wait(); _ = logFile.Close() }()
+	t.Cleanup(func() {
+		p.stop()
+		if t.Failed() {
+			p.dumpLog(t)
+		}
+	})
+	return p
+}
+
+// kill ends the scheduler at once, as a crash or an OOM kill would.
+func (p *schedulerProcess) kill() {
+	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	err := <-p.done
+	p.done <- err
+}
+
+func (p *schedulerProcess) stop() {
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-p.done:
+		p.done <- err
+	case <-time.After(10 * time.Second):
+		p.kill()
+	}
+}
+
+func (p *schedulerProcess) dumpLog(t *testing.T) {
+	raw, _ := os.ReadFile(p.log)
+	lines := strings.Split(string(raw), "\n")
+	if len(lines) > 80 {
+		lines = lines[len(lines)-80:]
+	}
+	t.Logf("scheduler log (last lines):\n%s", strings.Join(lines, "\n"))
+}
+
+// gpuNode creates a node with GPUs, as the device plugin and the node
+// agent would report it, in a scenario of its own (label scenario=<s>).
+func gpuNode(t *testing.T, name, scenario string, gpus int, memMiB int64, ready bool) {
+	t.Helper()
+	ctx := context.Background()
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
+		"scenario":          scenario,
+		api.LabelGPUCount:   fmt.Sprint(gpus),
+		api.LabelGPUMemory:  fmt.Sprint(memMiB),
+		api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3",
+	}}}
+	created, err := shared.admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := corev1.ResourceList{
+		corev1.ResourceCPU:    resource.MustParse("64"),
+		corev1.ResourceMemory: resource.MustParse("512Gi"),
+		corev1.ResourcePods:   resource.MustParse("1000"),
+		api.ResourceGPU:       *resource.NewQuantity(int64(gpus), resource.DecimalSI),
+	}
+	created.Status.Capacity, created.Status.Allocatable = res, res
+	created.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady"}}
+	if ready {
+		created.Status.Conditions = append(created.Status.Conditions, corev1.NodeCondition{
+			Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"})
+	}
+	if _, err := shared.admin.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = shared.admin.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+}
+
+// namespace creates a namespace for one test.
+func namespace(t *testing.T, name string) string {
+	t.Helper()
+	if _, err := shared.admin.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+// workload is a pod for the scheduler under test, pinned to a scenario's
+// nodes.
+func workload(ns, name, schedulerName, scenario string, annotations map[string]string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
+		Spec: corev1.PodSpec{
+			SchedulerName: schedulerName,
+			NodeSelector:  map[string]string{"scenario": scenario},
+			Containers: []corev1.Container{{Name: "main", Image: "cuda", Resources: corev1.ResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m")},
+			}}},
+		},
+	}
+}
+
+func create(t *testing.T, pod *corev1.Pod) {
+	t.Helper()
+	if _, err := shared.alice.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create pod %s: %v", pod.Name, err)
+	}
+}
+
+// placed waits until the pod is bound and carries its devices.
+func placed(t *testing.T, ns, name string) *corev1.Pod {
+	t.Helper()
+	var pod *corev1.Pod
+	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		p, err := shared.admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pod = p
+		return p.Spec.NodeName != "", nil
+	})
+	if err != nil {
+		t.Fatalf("pod %s/%s not bound: %v (annotations %v)", ns, name, err, pod.Annotations)
+	}
+	return pod
+}
+
+// devices returns the GPUs written on a placed pod's container main.
+func devices(pod *corev1.Pod) []string {
+	return api.SplitList(pod.Annotations[api.ContainerKey("main", api.SuffixDevices)])
+}
+
+// reservationPods lists the reservation pods on the given nodes.
+func reservationPods(t *testing.T, nodes ...string) []corev1.Pod {
+	t.Helper()
+	list, err := shared.admin.CoreV1().Pods(reservationNS).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return !slices.Contains(nodes, p.Spec.NodeName) })
+}
+
+// audit runs `gpufrac audit` and fails the test on any violation.
+func (e *schedEnv) audit(t *testing.T) {
+	t.Helper()
+	var out bytes.Buffer
+	cmd := exec.Command(gpufracBinary(t), "audit", "--kubeconfig", e.adminKubeconfig, "--orphan-grace", "0s")
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("gpufrac audit: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "audit: clean") {
+		t.Fatalf("gpufrac audit said:\n%s", out.String())
+	}
+}

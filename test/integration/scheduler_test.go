@@ -1,0 +1,338 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"math/rand"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+func fraction(f string) map[string]string { return map[string]string{api.KeyFraction: f} }
+
+// cleanUp deletes a scenario's pods and its nodes' reservation pods, so
+// that the next scenario audits a clean cluster.
+func cleanUp(t *testing.T, ns string, nodes ...string) {
+	t.Cleanup(func() {
+		ctx := context.Background()
+		now := metav1.DeleteOptions{GracePeriodSeconds: new(int64)}
+		_ = shared.admin.CoreV1().Pods(ns).DeleteCollection(ctx, now, metav1.ListOptions{})
+		for _, r := range reservationPods(t, nodes...) {
+			_ = shared.admin.CoreV1().Pods(r.Namespace).Delete(ctx, r.Name, now)
+		}
+	})
+}
+
+func wholeGPUPod(ns, name, schedulerName, scenario string, n int64) *corev1.Pod {
+	p := workload(ns, name, schedulerName, scenario, nil)
+	q := *resource.NewQuantity(n, resource.DecimalSI)
+	p.Spec.Containers[0].Resources.Limits = corev1.ResourceList{api.ResourceGPU: q}
+	return p
+}
+
+// pending asserts that a pod stays unscheduled and returns the message
+// of its FailedScheduling event.
+func pending(t *testing.T, ns, name string) string {
+	t.Helper()
+	var msg string
+	err := wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		pod, err := shared.admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		if pod.Spec.NodeName != "" {
+			return false, fmt.Errorf("pod %s was bound to %s", name, pod.Spec.NodeName)
+		}
+		events, err := shared.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("involvedObject.name", name).String()})
+		if err != nil {
+			return false, err
+		}
+		for _, e := range events.Items {
+			if e.Reason == "FailedScheduling" {
+				msg = e.Message
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		t.Fatalf("pod %s/%s: want Pending with a FailedScheduling event: %v", ns, name, err)
+	}
+	return msg
+}
+
+// Two halves share one GPU and one reservation pod; a third half opens
+// the second GPU. Deleting a GPU's last tenant deletes its reservation pod
+// and gives the GPU back, whole.
+func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, schedulerName, nil)
+	ns := namespace(t, "sched-pack")
+	gpuNode(t, "pack-0", "pack", 2, 81920, true)
+	cleanUp(t, ns, "pack-0")
+
+	var pods []*corev1.Pod
+	for i := range 3 {
+		create(t, workload(ns, fmt.Sprintf("half-%d", i), schedulerName, "pack", fraction("0.5")))
+		pods = append(pods, placed(t, ns, fmt.Sprintf("half-%d", i)))
+	}
+	d0, d1, d2 := devices(pods[0]), devices(pods[1]), devices(pods[2])
+	if len(d0) != 1 || !slices.Equal(d0, d1) || slices.Equal(d0, d2) || len(d2) != 1 {
+		t.Fatalf("devices: %v %v %v; want the first two on one GPU and the third on another", d0, d1, d2)
+	}
+	for _, p := range pods {
+		a := p.Annotations
+		if a[api.ContainerKey("main", api.SuffixMemoryRequest)] != "40960Mi" || a[api.ContainerKey("main", api.SuffixMemoryLimit)] != "40960Mi" ||
+			a[api.ContainerKey("main", api.SuffixComputeMode)] != string(api.TimeSlicing) || a[api.GPUGroupsAnnotation] == "" {
+			t.Errorf("pod %s decision annotations: %v", p.Name, a)
+		}
+		if _, ok := a[api.ContainerKey("main", api.SuffixComputePortion)]; ok {
+			t.Errorf("pod %s: time-slicing pod got a compute portion", p.Name)
+		}
+	}
+	if r := reservationPods(t, "pack-0"); len(r) != 2 {
+		t.Fatalf("%d reservation pods on pack-0, want 2 (one per shared GPU)", len(r))
+	}
+	e.audit(t)
+
+	del := func(name string) {
+		if err := shared.admin.CoreV1().Pods(ns).Delete(context.Background(), name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	del("half-0")
+	del("half-2")
+	waitReservations(t, 1, "pack-0")
+	if r := reservationPods(t, "pack-0"); r[0].Annotations[api.ReservedGPUAnnotation] != d1[0] {
+		t.Fatalf("the reservation pod left holds %s, want the GPU of half-1 (%s)", r[0].Annotations[api.ReservedGPUAnnotation], d1[0])
+	}
+	create(t, wholeGPUPod(ns, "whole-1", schedulerName, "pack", 1))
+	placed(t, ns, "whole-1")
+	del("half-1")
+	waitReservations(t, 0, "pack-0")
+	create(t, wholeGPUPod(ns, "whole-2", schedulerName, "pack", 1))
+	placed(t, ns, "whole-2")
+	e.audit(t)
+}
+
+func waitReservations(t *testing.T, want int, nodes ...string) {
+	t.Helper()
+	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return len(reservationPods(t, nodes...)) == want, nil
+	})
+	if err != nil {
+		t.Fatalf("reservation pods on %v: %d, want %d", nodes, len(reservationPods(t, nodes...)), want)
+	}
+}
+
+// With the spread policy two halves take a GPU each.
+func TestSchedulerSpreadPolicy(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, "gpufrac-spread", map[string]any{"policy": "spread"})
+	ns := namespace(t, "sched-spread")
+	gpuNode(t, "spread-0", "spread", 2, 81920, true)
+	cleanUp(t, ns, "spread-0")
+	var got [][]string
+	for i := range 3 {
+		create(t, workload(ns, fmt.Sprintf("half-%d", i), "gpufrac-spread", "spread", fraction("0.5")))
+		got = append(got, devices(placed(t, ns, fmt.Sprintf("half-%d", i))))
+	}
+	if slices.Equal(got[0], got[1]) || (!slices.Equal(got[2], got[0]) && !slices.Equal(got[2], got[1])) {
+		t.Fatalf("devices %v: want the first two on different GPUs and the third sharing one", got)
+	}
+	e.audit(t)
+}
+
+// time-slicing and sm-sharing share a node but never a GPU; sm-sharing
+// pods get a compute portion and share with each other.
+func TestSchedulerKeepsComputeModesApart(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, schedulerName, nil)
+	ns := namespace(t, "sched-modes")
+	gpuNode(t, "modes-0", "modes", 2, 81920, true)
+	cleanUp(t, ns, "modes-0")
+	sm := func(f string) map[string]string {
+		return map[string]string{api.KeyFraction: f, api.KeyComputeSharingMode: string(api.SMSharing)}
+	}
+	create(t, workload(ns, "ts", schedulerName, "modes", fraction("0.25")))
+	ts := placed(t, ns, "ts")
+	create(t, workload(ns, "sm-1", schedulerName, "modes", sm("0.25")))
+	sm1 := placed(t, ns, "sm-1")
+	create(t, workload(ns, "sm-2", schedulerName, "modes", sm("0.5")))
+	sm2 := placed(t, ns, "sm-2")
+	if ts.Spec.NodeName != sm1.Spec.NodeName || slices.Equal(devices(ts), devices(sm1)) || slices.Equal(devices(ts), devices(sm2)) {
+		t.Fatalf("time-slicing on %v, sm-sharing on %v and %v: want one node, different GPUs", devices(ts), devices(sm1), devices(sm2))
+	}
+	if p := sm1.Annotations[api.ContainerKey("main", api.SuffixComputePortion)]; p != "0.25" {
+		t.Errorf("sm-1 compute portion %q, want 0.25", p)
+	}
+	if p := sm2.Annotations[api.ContainerKey("main", api.SuffixComputePortion)]; p != "0.5" {
+		t.Errorf("sm-2 compute portion %q, want 0.5", p)
+	}
+	e.audit(t)
+}
+
+// gpu-fraction-num-devices: 2 lands on two distinct GPUs of one node, each
+// held by its own reservation pod.
+func TestSchedulerMultiDevice(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, schedulerName, nil)
+	ns := namespace(t, "sched-multi")
+	gpuNode(t, "multi-0", "multi", 4, 81920, true)
+	cleanUp(t, ns, "multi-0")
+	create(t, workload(ns, "two", schedulerName, "multi", map[string]string{api.KeyFraction: "0.5", api.KeyNumDevices: "2"}))
+	pod := placed(t, ns, "two")
+	d := devices(pod)
+	if len(d) != 2 || d[0] == d[1] {
+		t.Fatalf("devices %v: want two distinct GPUs", d)
+	}
+	if groups := api.SplitList(pod.Annotations[api.GPUGroupsAnnotation]); len(groups) != 2 {
+		t.Fatalf("GPU groups %v, want two", groups)
+	}
+	if r := reservationPods(t, "multi-0"); len(r) != 2 {
+		t.Fatalf("%d reservation pods, want 2", len(r))
+	}
+	e.audit(t)
+}
+
+// A request no GPU can take stays Pending, and the event says why, per
+// kind of node.
+func TestSchedulerExplainsUnschedulable(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, schedulerName, nil)
+	ns := namespace(t, "sched-why")
+	gpuNode(t, "why-small-0", "why", 1, 16384, true)
+	gpuNode(t, "why-small-1", "why", 1, 16384, true)
+	gpuNode(t, "why-cold-0", "why", 1, 81920, false)
+	cleanUp(t, ns, "why-small-0", "why-small-1", "why-cold-0")
+	create(t, workload(ns, "big", schedulerName, "why", map[string]string{api.KeyMemory: "30000"}))
+	msg := pending(t, ns, "big")
+	for _, want := range []string{
+		"0/", "2 NotEnoughGPUMemory: fewer than 1 GPU(s) with 30000Mi of memory free",
+		"1 node does not report the condition gpu-fractioning.nvidia.com/Ready",
+	} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("FailedScheduling message %q lacks %q", msg, want)
+		}
+	}
+	e.audit(t)
+}
+
+// A whole-GPU pod never gets a shared GPU, and fractions never land on a
+// whole-GPU pod's GPU.
+func TestSchedulerWholeGPUsAndFractionsNeverShare(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, schedulerName, nil)
+	ns := namespace(t, "sched-whole")
+	gpuNode(t, "whole-0", "whole", 2, 81920, true)
+	cleanUp(t, ns, "whole-0")
+	create(t, workload(ns, "half", schedulerName, "whole", fraction("0.5")))
+	placed(t, ns, "half")
+	create(t, wholeGPUPod(ns, "whole-1", schedulerName, "whole", 1))
+	placed(t, ns, "whole-1")
+	create(t, workload(ns, "big-share", schedulerName, "whole", fraction("0.6")))
+	if msg := pending(t, ns, "big-share"); !strings.Contains(msg, "NotEnoughGPUMemory") {
+		t.Errorf("big-share: %s", msg)
+	}
+	create(t, wholeGPUPod(ns, "whole-2", schedulerName, "whole", 1))
+	if msg := pending(t, ns, "whole-2"); !strings.Contains(msg, "nvidia.com/gpu") && !strings.Contains(msg, "NotEnoughIdleGPUs") {
+		t.Errorf("whole-2: %s", msg)
+	}
+	e.audit(t)
+}
+
+// Kill the scheduler during a burst of 300 fractional pods and start it
+// again: it rebuilds every GPU's tenants from the API, every pod binds
+// once, and the audit is clean.
+func TestSchedulerRestartDuringBurst(t *testing.T) {
+	e := schedulerEnv(t)
+	first := e.startScheduler(t, schedulerName, nil)
+	ns := namespace(t, "sched-burst")
+	var nodes []string
+	for i := range 30 {
+		nodes = append(nodes, fmt.Sprintf("burst-%02d", i))
+		gpuNode(t, nodes[i], "burst", 8, 81920, true)
+	}
+	cleanUp(t, ns, nodes...)
+	rng := rand.New(rand.NewSource(7))
+	shapes := []map[string]string{
+		fraction("0.1"), fraction("0.25"), fraction("0.5"), fraction("0.3"), fraction("0.75"),
+		{api.KeyMemory: "20000"},
+		{api.KeyFraction: "0.25", api.KeyComputeSharingMode: string(api.SMSharing)},
+		{api.KeyFraction: "0.5", api.KeyComputeSharingMode: string(api.SMSharing)},
+		{api.KeyFraction: "0.2", api.KeyNumDevices: "2"},
+	}
+	const total = 300
+	names := make([]string, total)
+	work := make(chan *corev1.Pod)
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for p := range work {
+				create(t, p)
+			}
+		})
+	}
+	for i := range total {
+		names[i] = fmt.Sprintf("burst-%03d", i)
+		work <- workload(ns, names[i], schedulerName, "burst", shapes[rng.Intn(len(shapes))])
+		if i == total/3 {
+			// Let the scheduler get well into the burst, then kill it.
+			waitBound(t, ns, 50)
+			first.kill()
+		}
+	}
+	close(work)
+	wg.Wait()
+	e.startScheduler(t, schedulerName, nil)
+	waitBound(t, ns, total)
+	list, err := shared.admin.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	groups := map[string]bool{}
+	for _, p := range list.Items {
+		if len(devices(&p)) == 0 {
+			t.Errorf("pod %s bound without devices", p.Name)
+		}
+		for _, g := range api.SplitList(p.Annotations[api.GPUGroupsAnnotation]) {
+			groups[p.Spec.NodeName+"/"+g] = true
+		}
+	}
+	// Reservation pods of binds the kill interrupted are collected.
+	waitReservations(t, len(groups), nodes...)
+	e.audit(t)
+}
+
+// waitBound waits until at least n pods of the namespace are bound.
+func waitBound(t *testing.T, ns string, n int) {
+	t.Helper()
+	bound := 0
+	err := wait.PollUntilContextTimeout(context.Background(), 200*time.Millisecond, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
+		list, err := shared.admin.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		bound = 0
+		for _, p := range list.Items {
+			if p.Spec.NodeName != "" {
+				bound++
+			}
+		}
+		return bound >= n, nil
+	})
+	if err != nil {
+		t.Fatalf("%d pods bound in %s, want %d", bound, ns, n)
+	}
+}
