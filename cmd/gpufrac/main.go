@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"syscall"
 
 	"github.com/gpufrac/gpufrac/internal/cli"
@@ -16,8 +17,10 @@ import (
 func main() {
 	// SIGINT/SIGTERM cancel the context so servers shut down cleanly.
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	stopProfile := profile(os.Getenv("GPUFRAC_CPU_PROFILE"))
 	err := cli.NewRootCommand().ExecuteContext(ctx)
 	stop()
+	stopProfile()
 	if err == nil {
 		return
 	}
@@ -30,4 +33,25 @@ func main() {
 	}
 	fmt.Fprintln(os.Stderr, "error:", err)
 	os.Exit(2)
+}
+
+// profile writes a CPU profile of the whole run to path, for performance
+// work on any subcommand (the scheduler serves no pprof without its secure
+// port); it returns the function that finishes it.
+func profile(path string) func() {
+	if path == "" {
+		return func() {}
+	}
+	f, err := os.Create(path)
+	if err == nil {
+		err = pprof.StartCPUProfile(f)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error: GPUFRAC_CPU_PROFILE:", err)
+		os.Exit(2)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+	}
 }

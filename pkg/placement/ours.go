@@ -3,6 +3,7 @@ package placement
 import (
 	"hash/fnv"
 	"math"
+	"slices"
 	"sync"
 
 	"github.com/gpufrac/gpufrac/pkg/gpu"
@@ -87,7 +88,15 @@ func (p Ours) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	if r.Devices == 1 {
 		one := make([]int, 1)
 		best, at := math.Inf(-1), -1
+		var tried []gpuState
 		for _, i := range fit {
+			// The metric is a sum over GPUs, so GPUs in the same state
+			// (idle ones, mostly) score alike: rate each state once.
+			st := gpuState{v.free[i], v.full[i], v.models[i]}
+			if slices.Contains(tried, st) {
+				continue
+			}
+			tried = append(tried, st)
 			one[0] = i
 			if s := score(one); s > best {
 				best, at = s, i
@@ -98,6 +107,12 @@ func (p Ours) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	}
 	devices := bestFitDevices(n, r, fit)
 	return Choice{Score: score(devices), Devices: devices}
+}
+
+// gpuState is what a GPU contributes to a node's metric.
+type gpuState struct {
+	free, full int64
+	model      string
 }
 
 // rank is the node's fixed priority in [0, 1), from its name.

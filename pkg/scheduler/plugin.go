@@ -11,6 +11,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -31,6 +32,10 @@ type Plugin struct {
 	args   Args
 	handle fwk.Handle
 	cache  *Cache
+
+	mu      sync.Mutex
+	current placement.Policy
+	built   time.Time
 }
 
 var (
@@ -168,9 +173,24 @@ func (p *Plugin) policy() (placement.Policy, error) {
 	if p.args.Policy == PolicySpread {
 		return placement.Spread{}, nil
 	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	// The workload's shapes drift slowly, and gpufrac's policy builds a
+	// table per shape set: rebuild at most every policyTTL.
+	if p.current != nil && time.Since(p.built) < policyTTL {
+		return p.current, nil
+	}
 	shapes, capacity := p.cache.Shapes()
-	return placement.New(p.args.Policy, shapes, capacity, nil)
+	policy, err := placement.New(p.args.Policy, shapes, capacity, nil)
+	if err != nil {
+		return nil, err
+	}
+	p.current, p.built = policy, time.Now()
+	return policy, nil
 }
+
+// policyTTL is how long a policy built from the workload's shapes is used.
+const policyTTL = time.Second
 
 // PreFilterExtensions implements fwk.PreFilterPlugin: the plugin keeps its
 // own ledger, so preemption's what-if removals do not apply to it.

@@ -86,7 +86,7 @@ var (
 	schedErr  error
 )
 
-func schedulerEnv(t *testing.T) *schedEnv {
+func schedulerEnv(t testing.TB) *schedEnv {
 	t.Helper()
 	schedOnce.Do(func() { sched, schedErr = setUpScheduler() })
 	if schedErr != nil {
@@ -231,6 +231,11 @@ func runDevicePlugin(ctx context.Context, client kubernetes.Interface) {
 			}
 		}
 		slices.SortFunc(all, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
+		// Assign in one pass, then write in parallel, as one node agent
+		// per node would.
+		var mu sync.Mutex
+		var writes sync.WaitGroup
+		limit := make(chan struct{}, 16)
 		for _, p := range all {
 			if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Annotations[api.ReservedGPUAnnotation] != "" || given[p.UID] != "" {
 				continue
@@ -241,11 +246,19 @@ func runDevicePlugin(ctx context.Context, client kubernetes.Interface) {
 					break
 				}
 			}
-			patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, api.ReservedGPUAnnotation, uuid)
-			if _, err := client.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err == nil {
-				given[p.UID], held[uuid] = uuid, true
-			}
+			given[p.UID], held[uuid] = uuid, true
+			limit <- struct{}{}
+			writes.Go(func() {
+				defer func() { <-limit }()
+				patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, api.ReservedGPUAnnotation, uuid)
+				if _, err := client.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+					mu.Lock()
+					delete(given, p.UID) // try again on the next event
+					mu.Unlock()
+				}
+			})
 		}
+		writes.Wait()
 	}
 }
 
@@ -259,7 +272,7 @@ type schedulerProcess struct {
 // startScheduler runs the scheduler with deploy/scheduler/config.yaml,
 // adjusted for a test: its kubeconfig, no leader election, a schedulerName
 // and plugin args of the test's.
-func (e *schedEnv) startScheduler(t *testing.T, name string, args map[string]any) *schedulerProcess {
+func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any) *schedulerProcess {
 	t.Helper()
 	root, err := testenv.RepoRoot()
 	if err != nil {
@@ -296,6 +309,9 @@ func (e *schedEnv) startScheduler(t *testing.T, name string, args map[string]any
 	}
 	p.cmd = exec.Command(gpufracBinary(t), "scheduler", "--config", path, "--secure-port", "0", "-v", "2")
 	p.cmd.Stdout, p.cmd.Stderr = logFile, logFile
+	if dir := os.Getenv("GPUFRAC_PROFILE_DIR"); dir != "" {
+		p.cmd.Env = append(os.Environ(), "GPUFRAC_CPU_PROFILE="+filepath.Join(dir, fmt.Sprintf("scheduler-%s-%d.pprof", name, time.Now().UnixNano())))
+	}
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -332,7 +348,7 @@ func (p *schedulerProcess) stop() {
 	}
 }
 
-func (p *schedulerProcess) dumpLog(t *testing.T) {
+func (p *schedulerProcess) dumpLog(t testing.TB) {
 	raw, _ := os.ReadFile(p.log)
 	lines := strings.Split(string(raw), "\n")
 	if len(lines) > 80 {
@@ -342,9 +358,17 @@ func (p *schedulerProcess) dumpLog(t *testing.T) {
 }
 
 // gpuNode creates a node with GPUs, as the device plugin and the node
-// agent would report it, in a scenario of its own (label scenario=<s>).
-func gpuNode(t *testing.T, name, scenario string, gpus int, memMiB int64, ready bool) {
+// agent would report it, in a scenario of its own (label scenario=<s>),
+// and deletes it when the test ends.
+func gpuNode(t testing.TB, name, scenario string, gpus int, memMiB int64, ready bool) {
 	t.Helper()
+	if err := makeGPUNode(name, scenario, gpus, memMiB, ready); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = shared.admin.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+}
+
+func makeGPUNode(name, scenario string, gpus int, memMiB int64, ready bool) error {
 	ctx := context.Background()
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
 		"scenario":          scenario,
@@ -354,7 +378,7 @@ func gpuNode(t *testing.T, name, scenario string, gpus int, memMiB int64, ready 
 	}}}
 	created, err := shared.admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	res := corev1.ResourceList{
 		corev1.ResourceCPU:    resource.MustParse("64"),
@@ -368,14 +392,12 @@ func gpuNode(t *testing.T, name, scenario string, gpus int, memMiB int64, ready 
 		created.Status.Conditions = append(created.Status.Conditions, corev1.NodeCondition{
 			Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"})
 	}
-	if _, err := shared.admin.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = shared.admin.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	_, err = shared.admin.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{})
+	return err
 }
 
 // namespace creates a namespace for one test.
-func namespace(t *testing.T, name string) string {
+func namespace(t testing.TB, name string) string {
 	t.Helper()
 	if _, err := shared.admin.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -429,7 +451,7 @@ func devices(pod *corev1.Pod) []string {
 }
 
 // reservationPods lists the reservation pods on the given nodes.
-func reservationPods(t *testing.T, nodes ...string) []corev1.Pod {
+func reservationPods(t testing.TB, nodes ...string) []corev1.Pod {
 	t.Helper()
 	list, err := shared.admin.CoreV1().Pods(reservationNS).List(context.Background(), metav1.ListOptions{})
 	if err != nil {

@@ -126,7 +126,7 @@ func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 	e.audit(t)
 }
 
-func waitReservations(t *testing.T, want int, nodes ...string) {
+func waitReservations(t testing.TB, want int, nodes ...string) {
 	t.Helper()
 	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
 		return len(reservationPods(t, nodes...)) == want, nil
