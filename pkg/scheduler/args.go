@@ -107,7 +107,11 @@ func rawArgs(obj runtime.Object) ([]byte, error) {
 		return nil, fmt.Errorf("GPUFractions args: want runtime.Unknown, got %T", obj)
 	}
 	if u.ContentType == runtime.ContentTypeYAML {
-		return yaml.YAMLToJSON(u.Raw)
+		raw, err := yaml.YAMLToJSON(u.Raw)
+		if err != nil {
+			return nil, fmt.Errorf("GPUFractions args: %w", err)
+		}
+		return raw, nil
 	}
 	return u.Raw, nil
 }

@@ -87,6 +87,9 @@ func (c *Cache) Filter(node string, ask Ask) Verdict {
 func explain(reason gpu.Reason, r gpu.Request) string {
 	n := r.Devices
 	switch reason {
+	case gpu.ReasonModel:
+		// The plugin asks for no model: the node has too few GPUs.
+		return fmt.Sprintf("NotEnoughGPUs: the node has fewer than %d GPUs", n)
 	case gpu.ReasonGPUs:
 		return fmt.Sprintf("%s: fewer than %d GPU(s) with %dMi of memory free", reason, n, r.Share.Request)
 	case gpu.ReasonMode:

@@ -1,0 +1,112 @@
+package audit
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+const resNS = "gpufrac-reservations"
+
+var now = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
+
+func gpuNode(name string, gpus int64) corev1.Node {
+	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{api.LabelGPUMemory: "80000", api.LabelGPUProduct: "H100"}}}
+	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(gpus, resource.DecimalSI)}
+	return n
+}
+
+func reservation(node, group, uuid string) corev1.Pod {
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{
+		Name: "gpufrac-" + node + "-" + group, Namespace: resNS, CreationTimestamp: metav1.NewTime(now.Add(-time.Hour)),
+		Labels: map[string]string{api.GPUGroupLabel: group}, Annotations: map[string]string{api.ReservedGPUAnnotation: uuid},
+	}}
+	p.Spec.NodeName = node
+	p.Spec.Containers = []corev1.Container{{Name: "reserve", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}}}}
+	return p
+}
+
+func tenant(name, node string, mib int64, mode api.ComputeMode, portion, group string, uuids ...string) corev1.Pod {
+	a := map[string]string{
+		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
+		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
+		api.ContainerKey("main", api.SuffixDevices):       strings.Join(uuids, ","),
+		api.GPUGroupsAnnotation:                           group,
+	}
+	if portion != "" {
+		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+	}
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", Annotations: a}}
+	p.Spec.NodeName = node
+	p.Spec.Containers = []corev1.Container{{Name: "main"}}
+	return p
+}
+
+func check(nodes []corev1.Node, pods ...corev1.Pod) []Violation {
+	return Check(nodes, pods, Options{ReservationNamespace: resNS, OrphanGrace: time.Minute, Now: now})
+}
+
+func TestCleanCluster(t *testing.T) {
+	nodes := []corev1.Node{gpuNode("n1", 2)}
+	got := check(nodes,
+		reservation("n1", "ga", "GPU-a"),
+		tenant("p1", "n1", 40000, api.TimeSlicing, "", "ga", "GPU-a"),
+		tenant("p2", "n1", 40000, api.TimeSlicing, "", "ga", "GPU-a"),
+		reservation("n1", "gb", "GPU-b"),
+		tenant("p3", "n1", 20000, api.SMSharing, "0.25", "gb", "GPU-b"),
+	)
+	if len(got) != 0 {
+		t.Fatalf("clean cluster reported: %v", got)
+	}
+}
+
+func TestEveryViolationIsFound(t *testing.T) {
+	nodes := []corev1.Node{gpuNode("n1", 3), gpuNode("n2", 1)}
+	unannotated := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "bare", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
+	unannotated.Spec.NodeName = "n1"
+	unannotated.Spec.Containers = []corev1.Container{{Name: "main"}}
+	young := reservation("n2", "gy", "GPU-y")
+	young.CreationTimestamp = metav1.NewTime(now.Add(-time.Second))
+	whole := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "whole", Namespace: "team"}}
+	whole.Spec.NodeName = "n2"
+	whole.Spec.Containers = []corev1.Container{{Name: "main", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}}}}
+	got := check(nodes,
+		reservation("n1", "ga", "GPU-a"),
+		tenant("big1", "n1", 50000, api.TimeSlicing, "", "ga", "GPU-a"),
+		tenant("big2", "n1", 40000, api.SMSharing, "0.6", "ga", "GPU-a"),
+		reservation("n1", "gb", "GPU-b"),
+		tenant("sm1", "n1", 10000, api.SMSharing, "0.6", "gb", "GPU-b"),
+		tenant("sm2", "n1", 10000, api.SMSharing, "0.6", "gb", "GPU-b"),
+		tenant("stray", "n1", 1000, api.TimeSlicing, "", "gz", "GPU-z"),
+		unannotated,
+		reservation("n1", "gc", "GPU-c"), // no tenant
+		young,                            // no tenant yet, within the grace
+		whole,                            // with young: 2 GPUs on a 1-GPU node
+	)
+	var kinds []string
+	for _, v := range got {
+		kinds = append(kinds, string(v.Kind)+" "+v.Object)
+		if strings.Contains(v.String(), "\n") {
+			t.Errorf("violation on several lines: %q", v)
+		}
+	}
+	want := []string{
+		"ComputePortionOverOne n1/GPU-b",
+		"DeviceWithoutReservation team/stray",
+		"FractionWithoutDevices team/bare",
+		"GPUOverCommitted n1/GPU-a",
+		"MixedComputeModes n1/GPU-a",
+		"NodeGPUsOverCommitted n2",
+		"OrphanReservationPod gpufrac-reservations/gpufrac-n1-gc",
+	}
+	if strings.Join(kinds, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("violations:\n%s\nwant:\n%s\n(full: %v)", strings.Join(kinds, "\n"), strings.Join(want, "\n"), got)
+	}
+}

@@ -1,0 +1,62 @@
+package scheduler
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/runtime"
+)
+
+func TestDecodeArgs(t *testing.T) {
+	a, err := DecodeArgs(nil)
+	if err != nil || a.Policy != "gpufrac" || a.ReservationNamespace != DefaultReservationNamespace || a.BindTimeout.Duration != DefaultBindTimeout {
+		t.Fatalf("defaults: %+v, %v", a, err)
+	}
+	a, err = DecodeArgs(&runtime.Unknown{Raw: []byte("policy: spread\ngpuMemoryReserveMiB: 512\ngpuMemoryReserveMiBByModel: {H100: 1024}\nbindTimeout: 30s\n"), ContentType: runtime.ContentTypeYAML})
+	if err != nil || a.Policy != "spread" || a.Reserve("H100") != 1024 || a.Reserve("A100") != 512 || a.BindTimeout.Duration != 30*time.Second {
+		t.Fatalf("YAML args: %+v, %v", a, err)
+	}
+	for raw, want := range map[string]string{
+		`{"policy":"best"}`:                                `policy "best" is not known: use one of gpufrac, fgd, bestfit, gpupacking, dotprod, spread`,
+		`{"polcy":"fgd"}`:                                  `unknown field "polcy"`,
+		`{"gpuMemoryReserveMiB":-1}`:                       "gpuMemoryReserveMiB -1 must be 0 or more",
+		`{"gpuMemoryReserveMiBByModel":{"A100":-5}}`:       `gpuMemoryReserveMiBByModel["A100"] -5 must be 0 or more`,
+		`{"reservationNamespace":"Bad_NS"}`:                `reservationNamespace "Bad_NS" is not a namespace name`,
+		`{"bindTimeout":"soon"}`:                           `time: invalid duration "soon"`,
+		`{"bindTimeout":"10ms"}`:                           "bindTimeout 10ms must be at least 1s",
+		`{"reservationImage":"pause 3"}`:                   `reservationImage "pause 3" must be an image reference without spaces`,
+		`{"policy":"random"}`:                              `policy "random" is not known`,
+		`{"policy":"gpufrac","gpuMemoryReserveMiB":"1Gi"}`: "cannot unmarshal string",
+	} {
+		_, err := DecodeArgs(&runtime.Unknown{Raw: []byte(raw)})
+		if err == nil || !strings.Contains(err.Error(), want) || !strings.HasPrefix(err.Error(), "GPUFractions args: ") || strings.Contains(err.Error(), "\n") {
+			t.Errorf("DecodeArgs(%s) = %v, want one line containing %q", raw, err, want)
+		}
+	}
+}
+
+// FuzzDecodeArgs: any input is either valid arguments or one clear error,
+// never a panic.
+func FuzzDecodeArgs(f *testing.F) {
+	for _, seed := range []string{`{}`, `{"policy":"spread","bindTimeout":"1m"}`, `policy: fgd`, `{"gpuMemoryReserveMiBByModel":{"x":1}}`, `[`, `null`} {
+		f.Add([]byte(seed), true)
+		f.Add([]byte(seed), false)
+	}
+	f.Fuzz(func(t *testing.T, raw []byte, yaml bool) {
+		u := &runtime.Unknown{Raw: raw}
+		if yaml {
+			u.ContentType = runtime.ContentTypeYAML
+		}
+		a, err := DecodeArgs(u)
+		if err != nil {
+			if !strings.HasPrefix(err.Error(), "GPUFractions args: ") {
+				t.Fatalf("error without the plugin's name: %v", err)
+			}
+			return
+		}
+		if err := a.Validate(); err != nil {
+			t.Fatalf("decoded args fail validation: %v", err)
+		}
+	})
+}

@@ -1,0 +1,41 @@
+package scheduler
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// BenchmarkFilterScore is the plugin's work per node and pod: Filter and
+// Score of a 0.3 share on an 8-GPU node with half its GPUs partly used,
+// under each policy, against the Filter of a whole-GPU pod as baseline.
+func BenchmarkFilterScore(b *testing.B) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 8, 81920, true))
+	for i := range 4 {
+		g := fmt.Sprintf("g%d", i)
+		c.SetPod(reservationPod("n1", g, "GPU-"+g))
+		c.SetPod(placedPod("p"+g, "n1", int64(10000*(i+1)), api.TimeSlicing, "", []string{g}, []string{"GPU-" + g}))
+	}
+	share := ask("new", 24576, api.TimeSlicing, 1)
+	b.Run("whole/filter", func(b *testing.B) {
+		for b.Loop() {
+			c.Filter("n1", Ask{UID: "w", Whole: 1})
+		}
+	})
+	for _, name := range PolicyNames() {
+		p, err := placementFor(name, c)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run("share/"+name, func(b *testing.B) {
+			for b.Loop() {
+				if !c.Filter("n1", share).Fits {
+					b.Fatal("does not fit")
+				}
+				c.Score("n1", share, p)
+			}
+		})
+	}
+}

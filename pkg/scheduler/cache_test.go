@@ -1,0 +1,333 @@
+package scheduler
+
+import (
+	"fmt"
+	"math/rand"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/placement"
+)
+
+func testArgs() Args {
+	var a Args
+	a.Default()
+	return a
+}
+
+func node(name string, gpus int, memMiB int64, ready bool) *corev1.Node {
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
+		api.LabelGPUCount: fmt.Sprint(gpus), api.LabelGPUMemory: fmt.Sprint(memMiB), api.LabelGPUProduct: "H100",
+	}}}
+	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(int64(gpus), resource.DecimalSI)}
+	status := corev1.ConditionTrue
+	if !ready {
+		status = corev1.ConditionFalse
+	}
+	n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: status, Reason: "Test"}}
+	return n
+}
+
+func pod(name, nodeName string, annotations map[string]string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", UID: types.UID("uid-" + name), Annotations: annotations},
+		Spec:       corev1.PodSpec{NodeName: nodeName, Containers: []corev1.Container{{Name: "main"}}},
+	}
+}
+
+// placedPod is a pod as the scheduler leaves it: bound, with its decision.
+func placedPod(name, nodeName string, mib int64, mode api.ComputeMode, portion string, groups []string, uuids []string) *corev1.Pod {
+	a := map[string]string{
+		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
+		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
+		api.ContainerKey("main", api.SuffixDevices):       strings.Join(uuids, ","),
+		api.GPUGroupsAnnotation:                           strings.Join(groups, ","),
+	}
+	if portion != "" {
+		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+	}
+	return pod(name, nodeName, a)
+}
+
+func wholePod(name, nodeName string, n int64) *corev1.Pod {
+	p := pod(name, nodeName, nil)
+	p.Spec.Containers[0].Resources.Limits = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(n, resource.DecimalSI)}
+	return p
+}
+
+func reservationPod(nodeName, group, uuid string) *corev1.Pod {
+	p := ReservationPod(testArgs(), nodeName, group)
+	p.UID = types.UID("uid-" + p.Name)
+	if uuid != "" {
+		p.Annotations = map[string]string{api.ReservedGPUAnnotation: uuid}
+	}
+	return p
+}
+
+// summary describes a node's GPUs independently of slot numbering: per GPU
+// group its charged memory, compute and tenant count, plus the counts of
+// idle and whole-owned GPUs.
+func summary(c *Cache, name string) string {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	ns := c.nodes[name]
+	if ns == nil || ns.ledger == nil {
+		return "no ledger"
+	}
+	var parts []string
+	idle, whole := 0, 0
+	for i, d := range ns.ledger.Devices {
+		switch {
+		case d.Idle():
+			idle++
+			continue
+		case d.Whole() != "" && !strings.HasPrefix(d.Whole(), "reservation/"):
+			whole++
+			continue
+		}
+		group := "?"
+		for g, s := range ns.groups {
+			if s == i {
+				group = g
+			}
+		}
+		parts = append(parts, fmt.Sprintf("%s:%dMi/%d‰/%d/%s", group, d.Charged(), d.Portion(), len(d.Shares()), d.Whole()))
+	}
+	slices.Sort(parts)
+	return fmt.Sprintf("idle=%d whole=%d conflicts=%d %s", idle, whole, len(ns.conflicts), strings.Join(parts, " "))
+}
+
+// The cache is the same whatever order the informers deliver the objects
+// in: the restart promise rests on this.
+func TestCacheRebuildIsOrderIndependent(t *testing.T) {
+	objects := []any{
+		node("n1", 4, 80000, true),
+		reservationPod("n1", "ga", "GPU-a"),
+		reservationPod("n1", "gb", "GPU-b"),
+		reservationPod("n1", "gc", "GPU-c"), // no tenant: an orphan holding its GPU
+		placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
+		placedPod("p2", "n1", 30000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
+		placedPod("p3", "n1", 40000, api.SMSharing, "0.5", []string{"gb"}, []string{"GPU-b"}),
+		wholePod("w1", "n1", 1),
+		wholePod("pending-whole", "", 1), // not bound: holds nothing
+	}
+	want := ""
+	for seed := range 40 {
+		order := slices.Clone(objects)
+		rand.New(rand.NewSource(int64(seed))).Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+		c := NewCache(testArgs())
+		for _, o := range order {
+			switch o := o.(type) {
+			case *corev1.Node:
+				c.SetNode(o)
+			case *corev1.Pod:
+				c.SetPod(o)
+			}
+		}
+		got := summary(c, "n1")
+		if seed == 0 {
+			want = got
+			if want != "idle=0 whole=1 conflicts=0 ga:50000Mi/0‰/2/ gb:40000Mi/500‰/1/ gc:0Mi/0‰/0/reservation/gc" {
+				t.Fatalf("cache after replay: %s", want)
+			}
+		}
+		if got != want {
+			t.Fatalf("seed %d: order changed the cache:\n got  %s\n want %s", seed, got, want)
+		}
+		if o := c.Orphans(); len(o) != 1 || o[0].Name != ReservationName("n1", "gc") {
+			t.Fatalf("orphans %v, want the reservation pod of gc", o)
+		}
+	}
+}
+
+// A fractional pod bound without a decision (by hand, or by a scheduler
+// that crashed) is charged where it fits, so the node is never
+// over-committed meanwhile.
+func TestCacheChargesBoundPodWithoutDecision(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 1, 80000, true))
+	c.SetPod(pod("bare", "n1", map[string]string{api.KeyFraction: "0.5"}))
+	if got := summary(c, "n1"); !strings.Contains(got, ":40000Mi/0‰/1/") {
+		t.Fatalf("bound pod without decision not charged: %s", got)
+	}
+	v := c.Filter("n1", Ask{UID: "x", Fraction: &api.Request{Container: "main", Memory: api.Amount{MiB: 50000}, Limit: api.Amount{MiB: 50000}, Mode: api.TimeSlicing, Devices: 1}})
+	if v.Fits {
+		t.Fatal("a 50000Mi share fits a GPU with 40000Mi free")
+	}
+	c.DeletePod(pod("bare", "n1", nil))
+	if got := summary(c, "n1"); got != "idle=1 whole=0 conflicts=0 " {
+		t.Fatalf("after delete: %s", got)
+	}
+}
+
+func ask(uid string, mib int64, mode api.ComputeMode, devices int) Ask {
+	return Ask{UID: types.UID(uid), Fraction: &api.Request{Container: "main", Memory: api.Amount{MiB: mib}, Limit: api.Amount{MiB: mib}, Mode: mode, Devices: devices}}
+}
+
+// Reserve and Unreserve are exact inverses, and a reserved pod confirmed
+// by the API is not charged twice.
+func TestReserveUnreserve(t *testing.T) {
+	for _, policy := range PolicyNames() {
+		t.Run(policy, func(t *testing.T) {
+			c := NewCache(testArgs())
+			c.SetNode(node("n1", 4, 80000, true))
+			c.SetPod(reservationPod("n1", "ga", "GPU-a"))
+			c.SetPod(placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}))
+			before := summary(c, "n1")
+			p, err := placementFor(policy, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Reserve("n1", "default", "p2", ask("uid-p2", 30000, api.TimeSlicing, 2), p); err != nil {
+				t.Fatal(err)
+			}
+			d, ok := c.Decision("uid-p2")
+			if !ok || len(d.Groups) != 2 || d.Groups[0] == d.Groups[1] || d.Resolved.RequestMiB != 30000 {
+				t.Fatalf("decision %+v", d)
+			}
+			c.Unreserve("uid-p2")
+			if got := summary(c, "n1"); got != before {
+				t.Fatalf("after Unreserve:\n got  %s\n want %s", got, before)
+			}
+			// Reserve again, then the API shows the pod bound with that
+			// decision: nothing changes.
+			if err := c.Reserve("n1", "default", "p2", ask("uid-p2", 30000, api.TimeSlicing, 1), p); err != nil {
+				t.Fatal(err)
+			}
+			reserved := summary(c, "n1")
+			d, _ = c.Decision("uid-p2")
+			bound := placedPod("p2", "n1", 30000, api.TimeSlicing, "", d.Groups, []string{"GPU-x"})
+			c.SetPod(bound)
+			if got := summary(c, "n1"); got != reserved {
+				t.Fatalf("confirmed pod charged again:\n got  %s\n want %s", got, reserved)
+			}
+			c.Unreserve("uid-p2") // bound now: not ours to roll back
+			if got := summary(c, "n1"); got != reserved {
+				t.Fatalf("Unreserve released a bound pod:\n got  %s\n want %s", got, reserved)
+			}
+		})
+	}
+}
+
+func placementFor(name string, c *Cache) (placement.Policy, error) {
+	p := &Plugin{args: testArgs(), cache: c}
+	p.args.Policy = name
+	return p.policy()
+}
+
+func TestFilterReasons(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("cold", 1, 80000, false))
+	noLabels := node("bare", 1, 80000, true)
+	delete(noLabels.Labels, api.LabelGPUMemory)
+	c.SetNode(noLabels)
+	c.SetNode(node("ts", 1, 80000, true))
+	c.SetPod(placedPod("p1", "ts", 40000, api.TimeSlicing, "", []string{"g1"}, []string{"GPU-1"}))
+	c.SetNode(node("sm", 1, 80000, true))
+	c.SetPod(placedPod("p2", "sm", 10000, api.SMSharing, "0.9", []string{"g2"}, []string{"GPU-2"}))
+	for _, tc := range []struct {
+		node string
+		ask  Ask
+		want string
+	}{
+		{"cold", ask("a", 1000, api.TimeSlicing, 1), "node condition gpu-fractioning.nvidia.com/Ready is False"},
+		{"bare", ask("a", 1000, api.TimeSlicing, 1), "node has no nvidia.com/gpu.memory label"},
+		{"nowhere", ask("a", 1000, api.TimeSlicing, 1), "node has not reported its GPUs"},
+		{"ts", ask("a", 50000, api.TimeSlicing, 1), "NotEnoughGPUMemory: fewer than 1 GPU(s) with 50000Mi of memory free"},
+		{"ts", ask("a", 1000, api.SMSharing, 1), "ComputeModeConflict"},
+		{"ts", ask("a", 1000, api.TimeSlicing, 2), "NotEnoughGPUs: the node has fewer than 2 GPUs"},
+		{"sm", ask("a", 20000, api.SMSharing, 1), "ComputePortionExceeded"},
+		{"ts", Ask{UID: "w", Whole: 1}, "NotEnoughIdleGPUs"},
+	} {
+		v := c.Filter(tc.node, tc.ask)
+		if v.Fits || !strings.Contains(v.Reason, tc.want) {
+			t.Errorf("Filter(%s, %+v) = %+v, want a rejection containing %q", tc.node, tc.ask, v, tc.want)
+		}
+	}
+	if v := c.Filter("ts", ask("a", 40000, api.TimeSlicing, 1)); !v.Fits {
+		t.Errorf("40000Mi share on a GPU with 40000Mi free: %+v", v)
+	}
+	if v := c.Filter("cold", Ask{UID: "w", Whole: 1}); !v.Fits {
+		t.Errorf("whole GPU on a node not ready for fractions: %+v", v)
+	}
+}
+
+// Whole-GPU pods count against a node's GPUs however they arrive, and a
+// pod the ledger cannot place (bound by another scheduler past capacity)
+// stops fractions on that node until it leaves.
+func TestConflictsCloseTheNode(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 2, 80000, true))
+	c.SetPod(wholePod("w1", "n1", 2))
+	c.SetPod(placedPod("p1", "n1", 1000, api.TimeSlicing, "", []string{"g"}, []string{"GPU-1"}))
+	v := c.Filter("n1", ask("a", 1000, api.TimeSlicing, 1))
+	if v.Fits || !strings.Contains(v.Reason, "cannot account for") {
+		t.Fatalf("node with an unplaceable pod: %+v", v)
+	}
+	c.DeletePod(wholePod("w1", "n1", 2))
+	if got := summary(c, "n1"); got != "idle=1 whole=0 conflicts=0 g:1000Mi/0‰/1/" {
+		t.Fatalf("after the whole pod left: %s", got)
+	}
+}
+
+func TestReservationName(t *testing.T) {
+	if got := ReservationName("node-1", "abc"); got != "gpufrac-node-1-abc" {
+		t.Errorf("ReservationName = %q", got)
+	}
+	long := strings.Repeat("n", 250)
+	a, b := ReservationName(long, "abc"), ReservationName(long+"x", "abc")
+	if len(a) > 253 || a == b || len(validation.IsDNS1123Subdomain(a)) > 0 {
+		t.Errorf("long names: %q (%d), %q", a, len(a), b)
+	}
+}
+
+func TestPortion(t *testing.T) {
+	for in, want := range map[int64]string{250: "0.25", 1000: "1", 1: "0.001", 333: "0.333", 500: "0.5", 0: "0.001", 2000: "1"} {
+		if got := Portion(in); got != want {
+			t.Errorf("Portion(%d) = %q, want %q", in, got, want)
+		}
+		if f, err := api.ParseFraction(Portion(in)); err != nil || f.IsZero() {
+			t.Errorf("Portion(%d) = %q does not parse as a fraction: %v", in, Portion(in), err)
+		}
+	}
+}
+
+// A pod the scheduler annotated but did not bind (it crashed in between)
+// is read for what its author asked, not rejected for carrying
+// scheduler-owned keys.
+func TestRescheduledPodKeepsItsRequest(t *testing.T) {
+	for _, annotations := range []map[string]string{
+		{api.KeyFraction: "0.5", api.KeyFractionLimit: "0.75"},
+		{api.KeyMemory: "20000"},
+		{api.ContainerKey("main", api.SuffixMemoryRequest): "10Gi", api.KeyComputeSharingMode: "sm-sharing"},
+	} {
+		orig := pod("p", "", annotations)
+		want, err := api.Parse(orig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		patched := orig.DeepCopy()
+		resolved, err := want[0].Resolve(80000, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: want[0].Mode, Portion: 500}
+		for k, v := range DecisionAnnotations(d, []string{"GPU-1"}) {
+			if v != nil {
+				patched.Annotations[k] = v.(string)
+			}
+		}
+		got, err := api.Parse(withoutDecision(patched))
+		if err != nil || len(got) != 1 || got[0].String() != want[0].String() {
+			t.Errorf("annotations %v: re-read as %v (%v), want %v", annotations, got, err, want)
+		}
+	}
+}
