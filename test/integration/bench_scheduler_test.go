@@ -38,7 +38,9 @@ func BenchmarkSchedulerThroughput(b *testing.B) {
 		}
 	})
 	b.Cleanup(func() {
-		parallel(nodes, func(i int) { _ = shared.admin.CoreV1().Nodes().Delete(context.Background(), names[i], metav1.DeleteOptions{}) })
+		parallel(nodes, func(i int) {
+			_ = shared.admin.CoreV1().Nodes().Delete(context.Background(), names[i], metav1.DeleteOptions{})
+		})
 	})
 	if b.Failed() {
 		b.FailNow()
