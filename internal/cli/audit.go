@@ -7,6 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -20,6 +21,7 @@ func newAuditCommand() *cobra.Command {
 		namespace   string
 		reserve     int64
 		orphanGrace time.Duration
+		selector    string
 	)
 	cmd := &cobra.Command{
 		Use:   "audit",
@@ -51,13 +53,19 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 			}
 			ctx, cancel := context.WithTimeout(cmd.Context(), 2*time.Minute)
 			defer cancel()
-			nodes, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+			if _, err := labels.Parse(selector); err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("audit: --node-selector %q: %w", selector, err)}
+			}
+			nodes, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: selector})
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("audit: list nodes: %w", err)}
 			}
 			pods, err := client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("audit: list pods: %w", err)}
+			}
+			if selector != "" {
+				pods.Items = audit.OnNodes(pods.Items, nodes.Items)
 			}
 			found := audit.Check(nodes.Items, pods.Items, audit.Options{
 				ReservationNamespace: namespace,
@@ -80,6 +88,7 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&namespace, "reservation-namespace", scheduler.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.Int64Var(&reserve, "gpu-memory-reserve-mib", 0, "per-GPU memory the scheduler keeps back (its gpuMemoryReserveMiB)")
+	f.StringVar(&selector, "node-selector", "", "audit only the nodes with these labels (e.g. pool=gpu-a), and the pods on them")
 	f.DurationVar(&orphanGrace, "orphan-grace", time.Minute, "spare reservation pods younger than this (the scheduler creates one just before it binds)")
 	return cmd
 }

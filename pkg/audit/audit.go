@@ -184,6 +184,22 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 	return out
 }
 
+// OnNodes keeps the pods bound to one of the nodes, for an audit of part
+// of a cluster.
+func OnNodes(pods []corev1.Pod, nodes []corev1.Node) []corev1.Pod {
+	names := map[string]bool{}
+	for _, n := range nodes {
+		names[n.Name] = true
+	}
+	var out []corev1.Pod
+	for _, p := range pods {
+		if names[p.Spec.NodeName] {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 func terminated(pod *corev1.Pod) bool {
 	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed || pod.DeletionTimestamp != nil
 }

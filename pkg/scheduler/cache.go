@@ -492,10 +492,10 @@ func newGroup(uid types.UID, i int) string {
 // its author asked. The resolved memory keys are dropped too when a
 // shorthand asked for the memory: those values came from the scheduler.
 func withoutDecision(pod *corev1.Pod) *corev1.Pod {
-	if !hasDecision(pod) {
-		if _, ok := hasAny(pod.Annotations, api.SuffixDevices, api.SuffixComputePortion); !ok {
-			return pod
-		}
+	_, written := hasAny(pod.Annotations, api.SuffixDevices, api.SuffixComputePortion)
+	decided := written || hasDecision(pod)
+	if !decided {
+		return pod
 	}
 	out := pod.DeepCopy()
 	_, shorthand := out.Annotations[api.KeyFraction]
@@ -511,7 +511,7 @@ func withoutDecision(pod *corev1.Pod) *corev1.Pod {
 		switch {
 		case suffix == api.SuffixDevices || suffix == api.SuffixComputePortion:
 			delete(out.Annotations, k)
-		case shorthand && hasDecision(pod) && (suffix == api.SuffixMemoryRequest || suffix == api.SuffixMemoryLimit):
+		case shorthand && (suffix == api.SuffixMemoryRequest || suffix == api.SuffixMemoryLimit):
 			delete(out.Annotations, k)
 		}
 	}

@@ -460,11 +460,12 @@ func reservationPods(t testing.TB, nodes ...string) []corev1.Pod {
 	return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return !slices.Contains(nodes, p.Spec.NodeName) })
 }
 
-// audit runs `gpufrac audit` and fails the test on any violation.
-func (e *schedEnv) audit(t *testing.T) {
+// audit runs `gpufrac audit` on a scenario's nodes and fails the test on
+// any violation.
+func (e *schedEnv) audit(t *testing.T, scenario string) {
 	t.Helper()
 	var out bytes.Buffer
-	cmd := exec.Command(gpufracBinary(t), "audit", "--kubeconfig", e.adminKubeconfig, "--orphan-grace", "0s")
+	cmd := exec.Command(gpufracBinary(t), "audit", "--kubeconfig", e.adminKubeconfig, "--orphan-grace", "0s", "--node-selector", "scenario="+scenario)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("gpufrac audit: %v\n%s", err, out.String())

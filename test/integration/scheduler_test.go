@@ -19,6 +19,11 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
+// testScheduler is the name the scenarios' scheduler answers to: not the
+// webhook's default (gpufrac), so that pods other tests leave pending are
+// not placed on the scenarios' nodes.
+const testScheduler = "gpufrac-test"
+
 func fraction(f string) map[string]string { return map[string]string{api.KeyFraction: f} }
 
 // cleanUp deletes a scenario's pods and its nodes' reservation pods, so
@@ -34,8 +39,8 @@ func cleanUp(t *testing.T, ns string, nodes ...string) {
 	})
 }
 
-func wholeGPUPod(ns, name, schedulerName, scenario string, n int64) *corev1.Pod {
-	p := workload(ns, name, schedulerName, scenario, nil)
+func wholeGPUPod(ns, name, testScheduler, scenario string, n int64) *corev1.Pod {
+	p := workload(ns, name, testScheduler, scenario, nil)
 	q := *resource.NewQuantity(n, resource.DecimalSI)
 	p.Spec.Containers[0].Resources.Limits = corev1.ResourceList{api.ResourceGPU: q}
 	return p
@@ -77,14 +82,14 @@ func pending(t *testing.T, ns, name string) string {
 // and gives the GPU back, whole.
 func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 	e := schedulerEnv(t)
-	e.startScheduler(t, schedulerName, nil)
+	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-pack")
 	gpuNode(t, "pack-0", "pack", 2, 81920, true)
 	cleanUp(t, ns, "pack-0")
 
 	var pods []*corev1.Pod
 	for i := range 3 {
-		create(t, workload(ns, fmt.Sprintf("half-%d", i), schedulerName, "pack", fraction("0.5")))
+		create(t, workload(ns, fmt.Sprintf("half-%d", i), testScheduler, "pack", fraction("0.5")))
 		pods = append(pods, placed(t, ns, fmt.Sprintf("half-%d", i)))
 	}
 	d0, d1, d2 := devices(pods[0]), devices(pods[1]), devices(pods[2])
@@ -104,7 +109,7 @@ func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 	if r := reservationPods(t, "pack-0"); len(r) != 2 {
 		t.Fatalf("%d reservation pods on pack-0, want 2 (one per shared GPU)", len(r))
 	}
-	e.audit(t)
+	e.audit(t, "pack")
 
 	del := func(name string) {
 		if err := shared.admin.CoreV1().Pods(ns).Delete(context.Background(), name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
@@ -117,13 +122,13 @@ func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 	if r := reservationPods(t, "pack-0"); r[0].Annotations[api.ReservedGPUAnnotation] != d1[0] {
 		t.Fatalf("the reservation pod left holds %s, want the GPU of half-1 (%s)", r[0].Annotations[api.ReservedGPUAnnotation], d1[0])
 	}
-	create(t, wholeGPUPod(ns, "whole-1", schedulerName, "pack", 1))
+	create(t, wholeGPUPod(ns, "whole-1", testScheduler, "pack", 1))
 	placed(t, ns, "whole-1")
 	del("half-1")
 	waitReservations(t, 0, "pack-0")
-	create(t, wholeGPUPod(ns, "whole-2", schedulerName, "pack", 1))
+	create(t, wholeGPUPod(ns, "whole-2", testScheduler, "pack", 1))
 	placed(t, ns, "whole-2")
-	e.audit(t)
+	e.audit(t, "pack")
 }
 
 func waitReservations(t testing.TB, want int, nodes ...string) {
@@ -151,25 +156,25 @@ func TestSchedulerSpreadPolicy(t *testing.T) {
 	if slices.Equal(got[0], got[1]) || (!slices.Equal(got[2], got[0]) && !slices.Equal(got[2], got[1])) {
 		t.Fatalf("devices %v: want the first two on different GPUs and the third sharing one", got)
 	}
-	e.audit(t)
+	e.audit(t, "spread")
 }
 
 // time-slicing and sm-sharing share a node but never a GPU; sm-sharing
 // pods get a compute portion and share with each other.
 func TestSchedulerKeepsComputeModesApart(t *testing.T) {
 	e := schedulerEnv(t)
-	e.startScheduler(t, schedulerName, nil)
+	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-modes")
 	gpuNode(t, "modes-0", "modes", 2, 81920, true)
 	cleanUp(t, ns, "modes-0")
 	sm := func(f string) map[string]string {
 		return map[string]string{api.KeyFraction: f, api.KeyComputeSharingMode: string(api.SMSharing)}
 	}
-	create(t, workload(ns, "ts", schedulerName, "modes", fraction("0.25")))
+	create(t, workload(ns, "ts", testScheduler, "modes", fraction("0.25")))
 	ts := placed(t, ns, "ts")
-	create(t, workload(ns, "sm-1", schedulerName, "modes", sm("0.25")))
+	create(t, workload(ns, "sm-1", testScheduler, "modes", sm("0.25")))
 	sm1 := placed(t, ns, "sm-1")
-	create(t, workload(ns, "sm-2", schedulerName, "modes", sm("0.5")))
+	create(t, workload(ns, "sm-2", testScheduler, "modes", sm("0.5")))
 	sm2 := placed(t, ns, "sm-2")
 	if ts.Spec.NodeName != sm1.Spec.NodeName || slices.Equal(devices(ts), devices(sm1)) || slices.Equal(devices(ts), devices(sm2)) {
 		t.Fatalf("time-slicing on %v, sm-sharing on %v and %v: want one node, different GPUs", devices(ts), devices(sm1), devices(sm2))
@@ -180,18 +185,18 @@ func TestSchedulerKeepsComputeModesApart(t *testing.T) {
 	if p := sm2.Annotations[api.ContainerKey("main", api.SuffixComputePortion)]; p != "0.5" {
 		t.Errorf("sm-2 compute portion %q, want 0.5", p)
 	}
-	e.audit(t)
+	e.audit(t, "modes")
 }
 
 // gpu-fraction-num-devices: 2 lands on two distinct GPUs of one node, each
 // held by its own reservation pod.
 func TestSchedulerMultiDevice(t *testing.T) {
 	e := schedulerEnv(t)
-	e.startScheduler(t, schedulerName, nil)
+	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-multi")
 	gpuNode(t, "multi-0", "multi", 4, 81920, true)
 	cleanUp(t, ns, "multi-0")
-	create(t, workload(ns, "two", schedulerName, "multi", map[string]string{api.KeyFraction: "0.5", api.KeyNumDevices: "2"}))
+	create(t, workload(ns, "two", testScheduler, "multi", map[string]string{api.KeyFraction: "0.5", api.KeyNumDevices: "2"}))
 	pod := placed(t, ns, "two")
 	d := devices(pod)
 	if len(d) != 2 || d[0] == d[1] {
@@ -203,20 +208,20 @@ func TestSchedulerMultiDevice(t *testing.T) {
 	if r := reservationPods(t, "multi-0"); len(r) != 2 {
 		t.Fatalf("%d reservation pods, want 2", len(r))
 	}
-	e.audit(t)
+	e.audit(t, "multi")
 }
 
 // A request no GPU can take stays Pending, and the event says why, per
 // kind of node.
 func TestSchedulerExplainsUnschedulable(t *testing.T) {
 	e := schedulerEnv(t)
-	e.startScheduler(t, schedulerName, nil)
+	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-why")
 	gpuNode(t, "why-small-0", "why", 1, 16384, true)
 	gpuNode(t, "why-small-1", "why", 1, 16384, true)
 	gpuNode(t, "why-cold-0", "why", 1, 81920, false)
 	cleanUp(t, ns, "why-small-0", "why-small-1", "why-cold-0")
-	create(t, workload(ns, "big", schedulerName, "why", map[string]string{api.KeyMemory: "30000"}))
+	create(t, workload(ns, "big", testScheduler, "why", map[string]string{api.KeyMemory: "30000"}))
 	msg := pending(t, ns, "big")
 	for _, want := range []string{
 		"0/", "2 NotEnoughGPUMemory: fewer than 1 GPU(s) with 30000Mi of memory free",
@@ -226,30 +231,30 @@ func TestSchedulerExplainsUnschedulable(t *testing.T) {
 			t.Errorf("FailedScheduling message %q lacks %q", msg, want)
 		}
 	}
-	e.audit(t)
+	e.audit(t, "why")
 }
 
 // A whole-GPU pod never gets a shared GPU, and fractions never land on a
 // whole-GPU pod's GPU.
 func TestSchedulerWholeGPUsAndFractionsNeverShare(t *testing.T) {
 	e := schedulerEnv(t)
-	e.startScheduler(t, schedulerName, nil)
+	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-whole")
 	gpuNode(t, "whole-0", "whole", 2, 81920, true)
 	cleanUp(t, ns, "whole-0")
-	create(t, workload(ns, "half", schedulerName, "whole", fraction("0.5")))
+	create(t, workload(ns, "half", testScheduler, "whole", fraction("0.5")))
 	placed(t, ns, "half")
-	create(t, wholeGPUPod(ns, "whole-1", schedulerName, "whole", 1))
+	create(t, wholeGPUPod(ns, "whole-1", testScheduler, "whole", 1))
 	placed(t, ns, "whole-1")
-	create(t, workload(ns, "big-share", schedulerName, "whole", fraction("0.6")))
+	create(t, workload(ns, "big-share", testScheduler, "whole", fraction("0.6")))
 	if msg := pending(t, ns, "big-share"); !strings.Contains(msg, "NotEnoughGPUMemory") {
 		t.Errorf("big-share: %s", msg)
 	}
-	create(t, wholeGPUPod(ns, "whole-2", schedulerName, "whole", 1))
+	create(t, wholeGPUPod(ns, "whole-2", testScheduler, "whole", 1))
 	if msg := pending(t, ns, "whole-2"); !strings.Contains(msg, "nvidia.com/gpu") && !strings.Contains(msg, "NotEnoughIdleGPUs") {
 		t.Errorf("whole-2: %s", msg)
 	}
-	e.audit(t)
+	e.audit(t, "whole")
 }
 
 // Kill the scheduler during a burst of 300 fractional pods and start it
@@ -257,7 +262,7 @@ func TestSchedulerWholeGPUsAndFractionsNeverShare(t *testing.T) {
 // once, and the audit is clean.
 func TestSchedulerRestartDuringBurst(t *testing.T) {
 	e := schedulerEnv(t)
-	first := e.startScheduler(t, schedulerName, nil)
+	first := e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-burst")
 	var nodes []string
 	for i := range 30 {
@@ -286,7 +291,7 @@ func TestSchedulerRestartDuringBurst(t *testing.T) {
 	}
 	for i := range total {
 		names[i] = fmt.Sprintf("burst-%03d", i)
-		work <- workload(ns, names[i], schedulerName, "burst", shapes[rng.Intn(len(shapes))])
+		work <- workload(ns, names[i], testScheduler, "burst", shapes[rng.Intn(len(shapes))])
 		if i == total/3 {
 			// Let the scheduler get well into the burst, then kill it.
 			waitBound(t, ns, 50)
@@ -295,7 +300,7 @@ func TestSchedulerRestartDuringBurst(t *testing.T) {
 	}
 	close(work)
 	wg.Wait()
-	e.startScheduler(t, schedulerName, nil)
+	e.startScheduler(t, testScheduler, nil)
 	waitBound(t, ns, total)
 	list, err := shared.admin.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{})
 	if err != nil {
@@ -312,7 +317,7 @@ func TestSchedulerRestartDuringBurst(t *testing.T) {
 	}
 	// Reservation pods of binds the kill interrupted are collected.
 	waitReservations(t, len(groups), nodes...)
-	e.audit(t)
+	e.audit(t, "burst")
 }
 
 // waitBound waits until at least n pods of the namespace are bound.
