@@ -107,7 +107,7 @@ bench-webhook: $(KUBE_STAMP) ## admission latency: handler ns/op, and p50/p99 of
 
 .PHONY: bench-scheduler
 bench-scheduler: $(KUBE_STAMP) $(BENCHSTAT) ## scheduler: Filter+Score ns/op per node, and pods/s of 2,000 fractional vs 2,000 whole-GPU pods on 1,000 nodes x 8 GPUs
-	$(GO) test -run '^$$' -bench FilterScore -benchmem -count 5 ./pkg/scheduler/ | tee $(BIN)/bench-scheduler.txt
+	$(GO) test -run '^$$' -bench FilterScore -benchmem -count 6 ./pkg/scheduler/ | tee $(BIN)/bench-scheduler.txt
 	$(GO) test -run '^$$' -bench SchedulerThroughput -benchtime 1x -count 3 -timeout 60m ./test/integration/ | tee -a $(BIN)/bench-scheduler.txt
 	$(BENCHSTAT) $(BIN)/bench-scheduler.txt
 

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -33,6 +34,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -458,6 +460,20 @@ func reservationPods(t testing.TB, nodes ...string) []corev1.Pod {
 		t.Fatal(err)
 	}
 	return slices.DeleteFunc(list.Items, func(p corev1.Pod) bool { return !slices.Contains(nodes, p.Spec.NodeName) })
+}
+
+// top runs `gpufrac top -o json` and returns the view.
+func (e *schedEnv) top(t *testing.T) clusterview.View {
+	t.Helper()
+	out, err := exec.Command(gpufracBinary(t), "top", "--kubeconfig", e.adminKubeconfig, "-o", "json").Output()
+	if err != nil {
+		t.Fatalf("gpufrac top: %v", err)
+	}
+	var v clusterview.View
+	if err := json.Unmarshal(out, &v); err != nil {
+		t.Fatalf("gpufrac top -o json: %v\n%s", err, out)
+	}
+	return v
 }
 
 // audit runs `gpufrac audit` on a scenario's nodes and fails the test on

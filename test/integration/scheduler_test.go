@@ -110,6 +110,14 @@ func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 		t.Fatalf("%d reservation pods on pack-0, want 2 (one per shared GPU)", len(r))
 	}
 	e.audit(t, "pack")
+	for _, n := range e.top(t).Nodes {
+		if n.Name != "pack-0" {
+			continue
+		}
+		if len(n.Shared) != 2 || n.Idle != 0 || n.Shared[0].FreeMiB+n.Shared[1].FreeMiB != 40960 {
+			t.Fatalf("gpufrac top shows pack-0 as %+v", n)
+		}
+	}
 
 	del := func(name string) {
 		if err := shared.admin.CoreV1().Pods(ns).Delete(context.Background(), name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {

@@ -1,0 +1,74 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/spf13/cobra"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
+	"github.com/gpufrac/gpufrac/pkg/scheduler"
+)
+
+func newTopCommand() *cobra.Command {
+	var (
+		kubeconfig string
+		namespace  string
+		output     string
+	)
+	cmd := &cobra.Command{
+		Use:   "top",
+		Short: "Show every GPU: its mode, fractional tenants (request, limit, compute), free memory, whole-GPU pods",
+		Long: `Show the cluster's GPUs as gpufrac sees them: per node and per shared GPU,
+the compute mode, the fractional tenants with their memory request and limit and
+sm-sharing compute portion, and the free memory; the whole-GPU pods and idle GPUs;
+and a summary line with the GPU memory allocated and the share of free memory
+stranded on shared GPUs.
+
+As a kubectl plugin: put a link named kubectl-gpufrac to this binary on your
+PATH, then run "kubectl gpufrac top".`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if output != "" && output != "json" {
+				return &ExitError{Code: 2, Err: fmt.Errorf("top: -o %q: the only output format is json", output)}
+			}
+			rules := clientcmd.NewDefaultClientConfigLoadingRules()
+			rules.ExplicitPath = kubeconfig
+			config, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, nil).ClientConfig()
+			if err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
+			}
+			client, err := kubernetes.NewForConfig(config)
+			if err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), time.Minute)
+			defer cancel()
+			nodes, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("top: list nodes: %w", err)}
+			}
+			pods, err := client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("top: list pods: %w", err)}
+			}
+			view := clusterview.Build(nodes.Items, pods.Items, namespace)
+			if output == "json" {
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				return enc.Encode(view)
+			}
+			return clusterview.Render(cmd.OutOrStdout(), view)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
+	f.StringVar(&namespace, "reservation-namespace", scheduler.DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringVarP(&output, "output", "o", "", "json for machines")
+	return cmd
+}

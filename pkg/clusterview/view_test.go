@@ -1,0 +1,122 @@
+package clusterview
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+func gpuNode(name string, gpus int64, ready bool) corev1.Node {
+	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{api.LabelGPUMemory: "81920", api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3"}}}
+	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(gpus, resource.DecimalSI)}
+	if ready {
+		n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue}}
+	}
+	return n
+}
+
+func tenant(name, node string, mib int64, mode api.ComputeMode, portion, uuid string) corev1.Pod {
+	a := map[string]string{
+		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
+		api.ContainerKey("main", api.SuffixMemoryLimit):   fmt.Sprintf("%dMi", 2*mib),
+		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
+		api.ContainerKey("main", api.SuffixDevices):       uuid,
+	}
+	if portion != "" {
+		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+	}
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", Annotations: a}}
+	p.Spec.NodeName = node
+	p.Spec.Containers = []corev1.Container{{Name: "main"}}
+	return p
+}
+
+func whole(name, node string, n int64) corev1.Pod {
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team"}}
+	p.Spec.NodeName = node
+	p.Spec.Containers = []corev1.Container{{Name: "main", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(n, resource.DecimalSI)}}}}
+	return p
+}
+
+func reservation(node, group string) corev1.Pod {
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "gpufrac-" + node + "-" + group, Namespace: "gpufrac-reservations"}}
+	p.Spec.NodeName = node
+	return p
+}
+
+func cluster() View {
+	pending := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
+	pending.Spec.Containers = []corev1.Container{{Name: "main"}}
+	return Build(
+		[]corev1.Node{gpuNode("n1", 4, true), gpuNode("cpu-only", 0, false), gpuNode("n0", 2, false)},
+		[]corev1.Pod{
+			reservation("n1", "ga"), reservation("n1", "gb"),
+			tenant("big", "n1", 40960, api.TimeSlicing, "", "GPU-a"),
+			tenant("small", "n1", 20480, api.TimeSlicing, "", "GPU-a"),
+			tenant("mps-with-a-very-long-pod-name-that-will-not-fit-in-eighty-columns", "n1", 10240, api.SMSharing, "0.125", "GPU-b"),
+			whole("trainer", "n1", 1),
+			pending,
+		},
+		"gpufrac-reservations")
+}
+
+func TestBuild(t *testing.T) {
+	v := cluster()
+	if len(v.Nodes) != 2 || v.Nodes[0].Name != "n0" || v.Nodes[1].Name != "n1" {
+		t.Fatalf("nodes: %+v", v.Nodes)
+	}
+	n1 := v.Nodes[1]
+	if !n1.Ready || n1.Idle != 1 || len(n1.Whole) != 1 || len(n1.Shared) != 2 {
+		t.Fatalf("n1: %+v", n1)
+	}
+	a, b := n1.Shared[0], n1.Shared[1]
+	if a.UUID != "GPU-a" || a.FreeMiB != 20480 || len(a.Tenants) != 2 || a.Tenants[0].Pod != "team/big" || a.Tenants[0].LimitMiB != 81920 {
+		t.Errorf("GPU-a: %+v", a)
+	}
+	if b.Mode != api.SMSharing || b.FreeMiB != 71680 || b.Tenants[0].Portion != "0.125" {
+		t.Errorf("GPU-b: %+v", b)
+	}
+	// Held: 61440 + 10240 on the shared GPUs, 81920 whole, of 6 × 81920.
+	// Free: 20480 + 71680 stranded on shared GPUs, 81920 on n1's idle GPU
+	// and 2 × 81920 on n0.
+	want := Summary{GPUs: 6, AllocationPct: 31.3, FragmentationPct: 27.3, Pending: 1}
+	if v.Summary != want {
+		t.Errorf("summary %+v, want %+v", v.Summary, want)
+	}
+}
+
+func TestRenderFitsEightyColumns(t *testing.T) {
+	var out bytes.Buffer
+	if err := Render(&out, cluster()); err != nil {
+		t.Fatal(err)
+	}
+	text := out.String()
+	for _, line := range strings.Split(strings.TrimSuffix(text, "\n"), "\n") {
+		if n := utf8.RuneCountInString(line); n > 80 {
+			t.Errorf("line of %d columns: %q", n, line)
+		}
+	}
+	for _, want := range []string{"n0  2 × NVIDIA-H100-80GB-HBM3 80Gi  NOT READY", "GPU GPU-a", "time-slicing", "team/big", "compute 0.125",
+		"whole team/trainer", "idle GPUs: 1", "6 GPUs · allocated 31.3% · fragmented 27.3% of free · 1 fraction(s) pending"} {
+		if !strings.Contains(text, want) {
+			t.Errorf("view lacks %q:\n%s", want, text)
+		}
+	}
+	raw, err := json.Marshal(cluster())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back View
+	if err := json.Unmarshal(raw, &back); err != nil || back.Summary != cluster().Summary {
+		t.Errorf("JSON round trip: %v %+v", err, back.Summary)
+	}
+}
