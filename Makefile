@@ -33,8 +33,8 @@ shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for frac
 	$(GO) run ./shim/cmd/build-shim $(BIN)/shim
 
 .PHONY: demo
-demo: build ## the main job: validate the shipped examples and print their normalised requests
-	$(BIN)/gpufrac validate examples/
+demo: build $(KUBE_STAMP) ## the main job: a local GPU-fraction cluster places examples/, shows every GPU, refuses a bad pod, stops
+	$(BIN)/gpufrac up --demo
 
 .PHONY: test
 test: verify unit ## the whole suite: formatting, vet, lint, then every test

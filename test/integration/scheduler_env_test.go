@@ -1,13 +1,10 @@
 package integration
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,19 +16,18 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	toolscache "k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/yaml"
 
+	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
@@ -109,7 +105,7 @@ func setUpScheduler() (*schedEnv, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := applyRBAC(ctx, admin, filepath.Join(root, "deploy", "scheduler", "scheduler.yaml")); err != nil {
+	if err := localcluster.ApplyRBAC(ctx, admin, filepath.Join(root, "deploy", "scheduler", "scheduler.yaml")); err != nil {
 		return nil, err
 	}
 	dir, err := os.MkdirTemp("", "gpufrac-sched-")
@@ -136,63 +132,6 @@ func setUpScheduler() (*schedEnv, error) {
 	}
 	go runDevicePlugin(context.Background(), admin)
 	return e, nil
-}
-
-// applyRBAC creates the RBAC objects of a manifest.
-func applyRBAC(ctx context.Context, c *kubernetes.Clientset, path string) error {
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	dec := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
-	for {
-		doc, err := dec.Read()
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		var meta metav1.TypeMeta
-		if err := yaml.Unmarshal(doc, &meta); err != nil {
-			return err
-		}
-		create := func(obj any, do func() error) error {
-			if err := yaml.Unmarshal(doc, obj); err != nil {
-				return err
-			}
-			if err := do(); err != nil && !apierrors.IsAlreadyExists(err) {
-				return fmt.Errorf("%s: %w", meta.Kind, err)
-			}
-			return nil
-		}
-		switch meta.Kind {
-		case "ClusterRole":
-			o := &rbacv1.ClusterRole{}
-			err = create(o, func() error { _, err := c.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{}); return err })
-		case "ClusterRoleBinding":
-			o := &rbacv1.ClusterRoleBinding{}
-			err = create(o, func() error {
-				_, err := c.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
-				return err
-			})
-		case "Role":
-			o := &rbacv1.Role{}
-			err = create(o, func() error {
-				_, err := c.RbacV1().Roles(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
-				return err
-			})
-		case "RoleBinding":
-			o := &rbacv1.RoleBinding{}
-			err = create(o, func() error {
-				_, err := c.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
-				return err
-			})
-		}
-		if err != nil {
-			return err
-		}
-	}
 }
 
 // runDevicePlugin plays the kubelet's device plugin and the node agent for

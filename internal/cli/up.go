@@ -1,0 +1,125 @@
+package cli
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpufrac/gpufrac/internal/localcluster"
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+func newUpCommand() *cobra.Command {
+	var (
+		nodes   int
+		machine string
+		demo    bool
+		keep    bool
+		dir     string
+	)
+	cmd := &cobra.Command{
+		Use:   "up",
+		Short: "Run a local GPU-fraction cluster: etcd, kube-apiserver, webhook, scheduler, simulated GPU nodes",
+		Long: `Run gpufrac's whole stack on this machine, on loopback, until Ctrl-C (or
+gpufrac down): the real etcd and kube-apiserver (bin/kube, built by make
+kube-binaries) with RBAC and admission, the admission webhook with a generated
+CA, gpufrac scheduler as the gpufrac profile, and a node agent per node in
+GPU-simulation mode (go-nvml's mock machines). No kubelet runs: pods are
+placed, bound and annotated, not started.
+
+With --demo it applies the Pods of examples/, waits for them to be placed,
+prints the cluster view and an invalid pod's refusal, then stops (or stays up
+with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if nodes < 1 || nodes > 100 {
+				return fmt.Errorf("--nodes %d: must be between 1 and 100", nodes)
+			}
+			if !slices.Contains(inventory.Machines, machine) {
+				return fmt.Errorf("--gpus %q: must be one of %s", machine, strings.Join(inventory.Machines, ", "))
+			}
+			root, err := testenv.RepoRoot()
+			if err != nil {
+				return fmt.Errorf("gpufrac up runs from a gpufrac checkout (it uses deploy/ and bin/kube): %w", err)
+			}
+			self, err := os.Executable()
+			if err != nil {
+				return err
+			}
+			if dir == "" {
+				dir = filepath.Join(root, ".gpufrac")
+			}
+			// A closed terminal or pipe must not kill this process before
+			// it has stopped the ones it started.
+			signal.Ignore(syscall.SIGPIPE, syscall.SIGHUP)
+			out := cmd.OutOrStdout()
+			start := time.Now()
+			fmt.Fprintf(out, "gpufrac up: %d node(s) × %s, state in %s\n", nodes, machine, dir)
+			cluster, err := localcluster.Up(cmd.Context(), localcluster.Options{
+				Dir: dir, Nodes: nodes, Machine: machine, Binary: self, Root: root, Progress: out,
+			})
+			if err != nil {
+				return err
+			}
+			defer func() {
+				fmt.Fprintln(out, "gpufrac up: stopping scheduler, node agents, webhook, kube-apiserver and etcd …")
+				cluster.Down()
+				fmt.Fprintln(out, "gpufrac up: stopped; no process left")
+			}()
+			fmt.Fprintf(out, "gpufrac up: ready in %.1fs\n  export KUBECONFIG=%s\n  kubectl get nodes; bin/gpufrac top\n",
+				time.Since(start).Seconds(), cluster.Kubeconfig)
+			if demo {
+				if err := cluster.Demo(cmd.Context(), filepath.Join(root, "examples"), out); err != nil {
+					return err
+				}
+				fmt.Fprintf(out, "\ngpufrac up --demo: done in %.1fs\n", time.Since(start).Seconds())
+				if !keep {
+					return nil
+				}
+			}
+			fmt.Fprintln(out, "gpufrac up: running; Ctrl-C or `gpufrac down` stops it")
+			<-cmd.Context().Done()
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.IntVar(&nodes, "nodes", 4, "simulated GPU nodes")
+	f.StringVar(&machine, "gpus", "dgxh100", "each node's GPUs, a go-nvml mock machine: "+strings.Join(inventory.Machines, ", "))
+	f.BoolVar(&demo, "demo", false, "apply examples/, show the placements and a refusal, then stop")
+	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
+	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	return cmd
+}
+
+func newDownCommand() *cobra.Command {
+	var dir string
+	cmd := &cobra.Command{
+		Use:   "down",
+		Short: "Stop the local cluster gpufrac up started",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if dir == "" {
+				root, err := testenv.RepoRoot()
+				if err != nil {
+					return err
+				}
+				dir = filepath.Join(root, ".gpufrac")
+			}
+			if err := localcluster.Stop(dir, 15*time.Second); err != nil {
+				return err
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), "gpufrac down: stopped")
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	return cmd
+}

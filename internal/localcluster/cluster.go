@@ -1,0 +1,443 @@
+// Package localcluster runs gpufrac's whole stack on this machine, on
+// loopback: the real etcd and kube-apiserver (with RBAC and admission),
+// the admission webhook with a generated CA, `gpufrac scheduler` and one
+// `gpufrac node-agent` per node in GPU-simulation mode. No kubelet runs:
+// nodes are Node objects, so pods are placed, bound and annotated, but not
+// started.
+package localcluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/textlogger"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/yaml"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/admission"
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+// Options say what cluster to run.
+type Options struct {
+	// Dir holds the kubeconfig, logs, state and the pid file (.gpufrac).
+	Dir string
+	// Nodes is how many GPU nodes to simulate.
+	Nodes int
+	// Machine is the go-nvml mock machine each node has (dgxh100, ...).
+	Machine string
+	// Binary is the gpufrac binary the scheduler and agents run from.
+	Binary string
+	// Root is the repository, for deploy/ and bin/kube.
+	Root string
+	// Progress receives one line per step, with its time.
+	Progress io.Writer
+}
+
+// Cluster is a running local cluster.
+type Cluster struct {
+	opts       Options
+	env        *envtest.Environment
+	Admin      kubernetes.Interface
+	Kubeconfig string
+	procs      []*process
+	stopHook   context.CancelFunc
+	hookDone   chan error
+}
+
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	done chan error
+}
+
+const (
+	schedulerUser = admission.DefaultSchedulerUser
+	agentUser     = "system:serviceaccount:gpufrac-system:gpufrac-node-agent"
+)
+
+// Up starts everything, in order, and returns once every node reports
+// itself ready for fractions. On error it stops what it started.
+func Up(ctx context.Context, opts Options) (c *Cluster, err error) {
+	c = &Cluster{opts: opts}
+	defer func() {
+		if err != nil {
+			c.Down()
+		}
+	}()
+	if err := os.MkdirAll(filepath.Join(opts.Dir, "logs"), 0o755); err != nil {
+		return nil, err
+	}
+	lib, err := inventory.Simulated(opts.Machine)
+	if err != nil {
+		return nil, err
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		return nil, err
+	}
+	gpus := len(inv.GPUs)
+	if err := c.step("control plane: etcd and kube-apiserver (RBAC, admission)", c.startControlPlane); err != nil {
+		return nil, err
+	}
+	if err := c.step("admission webhook (generated CA, both configurations registered)", func() error { return c.startWebhook(ctx) }); err != nil {
+		return nil, err
+	}
+	if err := c.step("identities and RBAC from deploy/", func() error { return c.applyRBAC(ctx) }); err != nil {
+		return nil, err
+	}
+	if err := c.step(fmt.Sprintf("%d nodes of %d simulated %s GPUs, one node agent each", opts.Nodes, gpus, opts.Machine), func() error { return c.startNodes(ctx, gpus) }); err != nil {
+		return nil, err
+	}
+	if err := c.step("scheduler (kube-scheduler + GPUFractions, profile gpufrac)", c.startScheduler); err != nil {
+		return nil, err
+	}
+	if err := c.step("waiting for the nodes to report gpu-fractioning.nvidia.com/Ready", func() error { return c.waitReady(ctx) }); err != nil {
+		return nil, err
+	}
+	// The pid file names this process first, then its children (etcd and
+	// kube-apiserver included), so that `gpufrac down` can clean up even
+	// after this process was killed outright.
+	pids := append([]int{os.Getpid()}, children(os.Getpid())...)
+	var lines []string
+	for _, p := range pids {
+		lines = append(lines, strconv.Itoa(p))
+	}
+	if err := os.WriteFile(filepath.Join(opts.Dir, "up.pid"), []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// children lists the processes whose parent is pid.
+func children(pid int) []int {
+	var out []int
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		child, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		status, err := os.ReadFile(filepath.Join("/proc", d.Name(), "status"))
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(status), "\n") {
+			if ppid, ok := strings.CutPrefix(line, "PPid:"); ok && strings.TrimSpace(ppid) == strconv.Itoa(pid) {
+				out = append(out, child)
+			}
+		}
+	}
+	return out
+}
+
+// step runs one step and reports it with its duration.
+func (c *Cluster) step(what string, do func() error) error {
+	start := time.Now()
+	fmt.Fprintf(c.opts.Progress, "  %-70s ", what+" …")
+	if err := do(); err != nil {
+		fmt.Fprintln(c.opts.Progress, "failed")
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	fmt.Fprintf(c.opts.Progress, "%5.1fs\n", time.Since(start).Seconds())
+	return nil
+}
+
+func (c *Cluster) startControlPlane() error {
+	env, err := testenv.New()
+	if err != nil {
+		return err
+	}
+	env.WebhookInstallOptions.Paths = []string{filepath.Join(c.opts.Root, "deploy", "webhook")}
+	if _, err := env.Start(); err != nil {
+		return err
+	}
+	c.env = env
+	kc, err := testenv.KubeConfig(env, "gpufrac-admin", "system:masters")
+	if err != nil {
+		return err
+	}
+	c.Kubeconfig = filepath.Join(c.opts.Dir, "kubeconfig")
+	if err := os.WriteFile(c.Kubeconfig, kc, 0o600); err != nil {
+		return err
+	}
+	admin, _, err := testenv.User(env, "gpufrac-admin", "system:masters")
+	c.Admin = admin
+	return err
+}
+
+func (c *Cluster) startWebhook(ctx context.Context) error {
+	o := c.env.WebhookInstallOptions
+	srv := admission.NewServer(admission.ServerOptions{
+		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
+		Identity: admission.Identity{Users: []string{schedulerUser}}, SchedulerName: "gpufrac",
+	})
+	// The webhook runs in this process; its log goes to a file like the
+	// other components', not over the progress lines.
+	logFile, err := os.Create(filepath.Join(c.opts.Dir, "logs", "webhook.log"))
+	if err != nil {
+		return err
+	}
+	logger := textlogger.NewLogger(textlogger.NewConfig(textlogger.Output(logFile)))
+	ctrllog.SetLogger(logger)
+	hookCtx, cancel := context.WithCancel(klog.NewContext(ctx, logger))
+	c.stopHook, c.hookDone = cancel, make(chan error, 1)
+	go func() { c.hookDone <- srv.Start(hookCtx); _ = logFile.Close() }()
+	return wait.PollUntilContextTimeout(hookCtx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return srv.StartedChecker()(nil) == nil, nil
+	})
+}
+
+func (c *Cluster) applyRBAC(ctx context.Context) error {
+	for _, f := range []string{"node-agent/node-agent.yaml", "scheduler/scheduler.yaml"} {
+		if err := ApplyRBAC(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", f)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// kubeconfigFor writes a kubeconfig for a component's identity: its
+// service account, with only deploy/'s RBAC.
+func (c *Cluster) kubeconfigFor(name, user string) (string, error) {
+	kc, err := testenv.KubeConfig(c.env, user, "system:serviceaccounts", "system:serviceaccounts:gpufrac-system", "system:authenticated")
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(c.opts.Dir, name+".kubeconfig")
+	return path, os.WriteFile(path, kc, 0o600)
+}
+
+// startNodes creates the Node objects (what a kubelet and the device
+// plugin would report) and starts one node agent per node.
+func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
+	kc, err := c.kubeconfigFor("node-agent", agentUser)
+	if err != nil {
+		return err
+	}
+	for i := 1; i <= c.opts.Nodes; i++ {
+		name := fmt.Sprintf("gpu-node-%d", i)
+		if err := createNode(ctx, c.Admin, name, gpus); err != nil {
+			return err
+		}
+		state := filepath.Join(c.opts.Dir, "nodes", name)
+		if err := os.MkdirAll(state, 0o755); err != nil {
+			return err
+		}
+		if err := c.start("node-agent-"+name, "node-agent", "--node-name", name, "--kubeconfig", kc,
+			"--simulate-gpus", c.opts.Machine, "--publish-gpu-labels", "--state-dir", state,
+			"--health-addr", "", "--resync-period", "2s", "--hook-path", ""); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func createNode(ctx context.Context, client kubernetes.Interface, name string, gpus int) error {
+	node, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
+		Labels: map[string]string{"kubernetes.io/hostname": name, "gpufrac.io/simulated": "true"}}}, metav1.CreateOptions{})
+	if err != nil {
+		return err
+	}
+	res := corev1.ResourceList{
+		corev1.ResourceCPU:    resource.MustParse("64"),
+		corev1.ResourceMemory: resource.MustParse("512Gi"),
+		corev1.ResourcePods:   resource.MustParse("110"),
+		api.ResourceGPU:       *resource.NewQuantity(int64(gpus), resource.DecimalSI),
+	}
+	node.Status.Capacity, node.Status.Allocatable = res, res
+	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "Simulated",
+		Message: "gpufrac up: a Node object with no kubelet", LastHeartbeatTime: metav1.Now()}}
+	_, err = client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{})
+	return err
+}
+
+func (c *Cluster) startScheduler() error {
+	kc, err := c.kubeconfigFor("scheduler", schedulerUser)
+	if err != nil {
+		return err
+	}
+	raw, err := os.ReadFile(filepath.Join(c.opts.Root, "deploy", "scheduler", "config.yaml"))
+	if err != nil {
+		return err
+	}
+	var cfg map[string]any
+	if err := yaml.Unmarshal(raw, &cfg); err != nil {
+		return err
+	}
+	cfg["clientConnection"] = map[string]any{"kubeconfig": kc}
+	cfg["leaderElection"] = map[string]any{"leaderElect": false}
+	out, err := yaml.Marshal(cfg)
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(c.opts.Dir, "scheduler-config.yaml")
+	if err := os.WriteFile(path, out, 0o600); err != nil {
+		return err
+	}
+	return c.start("scheduler", "scheduler", "--config", path, "--secure-port", "0")
+}
+
+// start runs a gpufrac subcommand as a child process, logging to
+// logs/<name>.log.
+func (c *Cluster) start(name string, args ...string) error {
+	logFile, err := os.Create(filepath.Join(c.opts.Dir, "logs", name+".log"))
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(c.opts.Binary, args...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// Its own process group: a Ctrl-C reaches the parent, which stops the
+	// children in order.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+	if err := cmd.Start(); err != nil {
+		_ = logFile.Close()
+		return err
+	}
+	p := &process{name: name, cmd: cmd, done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait(); _ = logFile.Close() }()
+	c.procs = append(c.procs, p)
+	return nil
+}
+
+func (c *Cluster) waitReady(ctx context.Context) error {
+	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		for _, p := range c.procs {
+			select {
+			case err := <-p.done:
+				p.done <- err
+				return false, fmt.Errorf("%s exited: %w (see %s)", p.name, err, filepath.Join(c.opts.Dir, "logs", p.name+".log"))
+			default:
+			}
+		}
+		nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: "gpufrac.io/simulated=true"})
+		if err != nil {
+			return false, err
+		}
+		ready := 0
+		for _, n := range nodes.Items {
+			for _, cond := range n.Status.Conditions {
+				if string(cond.Type) == api.ConditionFractioningReady && cond.Status == corev1.ConditionTrue {
+					ready++
+				}
+			}
+		}
+		return ready == c.opts.Nodes, nil
+	})
+}
+
+// Down stops everything in reverse order: the scheduler and node agents
+// (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
+// etcd. No process is left behind.
+func (c *Cluster) Down() {
+	for i := len(c.procs) - 1; i >= 0; i-- {
+		p := c.procs[i]
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	for _, p := range c.procs {
+		// Their exit status says nothing here: they were told to stop.
+		select {
+		case err := <-p.done:
+			_ = err
+		case <-time.After(10 * time.Second):
+			_ = p.cmd.Process.Kill()
+			err := <-p.done
+			_ = err
+		}
+	}
+	c.procs = nil
+	if c.stopHook != nil {
+		c.stopHook()
+		if err := <-c.hookDone; err != nil {
+			fmt.Fprintf(c.opts.Progress, "  webhook: %v\n", err)
+		}
+		c.stopHook = nil
+	}
+	if c.env != nil {
+		_ = c.env.Stop()
+		c.env = nil
+	}
+	_ = os.Remove(filepath.Join(c.opts.Dir, "up.pid"))
+}
+
+// Stop asks the `gpufrac up` recorded in dir to stop and waits until it
+// has; if it is gone already (killed outright), it stops the processes it
+// had started that are still running.
+func Stop(dir string, timeout time.Duration) error {
+	path := filepath.Join(dir, "up.pid")
+	raw, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("no local cluster is running (no %s)", path)
+	}
+	if err != nil {
+		return err
+	}
+	var pids []int
+	for _, f := range strings.Fields(string(raw)) {
+		pid, err := strconv.Atoi(f)
+		if err != nil {
+			return fmt.Errorf("%s: %q is not a process id", path, f)
+		}
+		pids = append(pids, pid)
+	}
+	if len(pids) == 0 {
+		return fmt.Errorf("%s is empty", path)
+	}
+	targets := pids[:1]
+	if !alive(pids[0]) {
+		targets = pids[1:] // up is gone: stop what it left behind
+	}
+	running := func() []int {
+		var out []int
+		for _, pid := range targets {
+			if alive(pid) {
+				out = append(out, pid)
+			}
+		}
+		return out
+	}
+	// SIGTERM, then SIGKILL for what has not stopped within the timeout.
+	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGKILL} {
+		for _, pid := range running() {
+			_ = syscall.Kill(pid, sig)
+		}
+		_ = wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
+			return len(running()) == 0, nil
+		})
+	}
+	if left := running(); len(left) > 0 {
+		return fmt.Errorf("processes %v still running", left)
+	}
+	_ = os.Remove(path)
+	return nil
+}
+
+// alive reports whether a process runs: it exists and is not a zombie
+// (a child whose parent was killed may wait a while to be reaped).
+func alive(pid int) bool {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	rest := string(stat[strings.LastIndexByte(string(stat), ')')+1:])
+	fields := strings.Fields(rest)
+	return len(fields) > 0 && fields[0] != "Z" && fields[0] != "X"
+}
