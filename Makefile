@@ -49,6 +49,10 @@ unit: $(KUBE_STAMP) ## every test: with the race detector, then the trace replay
 	$(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
 	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
 
+.PHONY: e2e
+e2e: $(KUBE_STAMP) ## end to end on a local cluster (gpufrac up): examples, a forged key, crashes during a burst of 500 (also in make test)
+	$(GO) test -count=1 -v ./test/e2e/
+
 .PHONY: kube-binaries
 kube-binaries: $(KUBE_STAMP) ## build kube-apiserver and etcd from source into bin/kube (cold: ~10 min)
 

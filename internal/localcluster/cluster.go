@@ -65,6 +65,7 @@ type Cluster struct {
 
 type process struct {
 	name string
+	args []string
 	cmd  *exec.Cmd
 	done chan error
 }
@@ -283,7 +284,12 @@ func (c *Cluster) startScheduler() error {
 	if err := yaml.Unmarshal(raw, &cfg); err != nil {
 		return err
 	}
-	cfg["clientConnection"] = map[string]any{"kubeconfig": kc}
+	conn, _ := cfg["clientConnection"].(map[string]any)
+	if conn == nil {
+		conn = map[string]any{}
+	}
+	conn["kubeconfig"] = kc
+	cfg["clientConnection"] = conn
 	cfg["leaderElection"] = map[string]any{"leaderElect": false}
 	out, err := yaml.Marshal(cfg)
 	if err != nil {
@@ -299,7 +305,7 @@ func (c *Cluster) startScheduler() error {
 // start runs a gpufrac subcommand as a child process, logging to
 // logs/<name>.log.
 func (c *Cluster) start(name string, args ...string) error {
-	logFile, err := os.Create(filepath.Join(c.opts.Dir, "logs", name+".log"))
+	logFile, err := os.OpenFile(filepath.Join(c.opts.Dir, "logs", name+".log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
 		return err
 	}
@@ -312,10 +318,42 @@ func (c *Cluster) start(name string, args ...string) error {
 		_ = logFile.Close()
 		return err
 	}
-	p := &process{name: name, cmd: cmd, done: make(chan error, 1)}
+	p := &process{name: name, args: args, cmd: cmd, done: make(chan error, 1)}
 	go func() { p.done <- cmd.Wait(); _ = logFile.Close() }()
+	for i, old := range c.procs {
+		if old.name == name {
+			c.procs[i] = p
+			return nil
+		}
+	}
 	c.procs = append(c.procs, p)
 	return nil
+}
+
+// Components lists the child processes by name: scheduler,
+// node-agent-<node>.
+func (c *Cluster) Components() []string {
+	var names []string
+	for _, p := range c.procs {
+		names = append(names, p.name)
+	}
+	return names
+}
+
+// Crash kills a component outright (SIGKILL, as an OOM kill or a node
+// reboot would) and starts it again with the same arguments, as its
+// Deployment or DaemonSet would.
+func (c *Cluster) Crash(name string) error {
+	for _, p := range c.procs {
+		if p.name != name {
+			continue
+		}
+		_ = p.cmd.Process.Kill()
+		err := <-p.done
+		p.done <- err
+		return c.start(name, p.args...)
+	}
+	return fmt.Errorf("no component %q: one of %v", name, c.Components())
 }
 
 func (c *Cluster) waitReady(ctx context.Context) error {

@@ -159,3 +159,49 @@ func splitDevices(raw string) (devices []string, bad string) {
 	}
 	return devices, ""
 }
+
+// Intent returns the pod without the keys a scheduler writes when it
+// places it, so that a placed pod, or one whose binding failed after it
+// was annotated, is read by Parse for what its author asked. The resolved
+// memory keys go too when a shorthand asked for the memory: their values
+// came from the scheduler.
+func Intent(pod *corev1.Pod) *corev1.Pod {
+	_, written := hasAny(pod.Annotations, SuffixDevices, SuffixComputePortion)
+	decided := written || hasGroups(pod)
+	if !decided {
+		return pod
+	}
+	out := pod.DeepCopy()
+	_, shorthand := out.Annotations[KeyFraction]
+	if _, mem := out.Annotations[KeyMemory]; mem {
+		shorthand = true
+	}
+	delete(out.Annotations, GPUGroupsAnnotation)
+	for k := range out.Annotations {
+		_, suffix, ok := SplitContainerKey(k)
+		if !ok {
+			continue
+		}
+		switch {
+		case suffix == SuffixDevices || suffix == SuffixComputePortion:
+			delete(out.Annotations, k)
+		case shorthand && (suffix == SuffixMemoryRequest || suffix == SuffixMemoryLimit):
+			delete(out.Annotations, k)
+		}
+	}
+	return out
+}
+
+func hasAny(annotations map[string]string, suffixes ...string) (string, bool) {
+	for k := range annotations {
+		if _, suffix, ok := SplitContainerKey(k); ok && slices.Contains(suffixes, suffix) {
+			return k, true
+		}
+	}
+	return "", false
+}
+
+func hasGroups(pod *corev1.Pod) bool {
+	_, ok := pod.Annotations[GPUGroupsAnnotation]
+	return ok
+}

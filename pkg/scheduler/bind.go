@@ -114,8 +114,13 @@ func Portion(thousandths int64) string {
 // but a sleep, and on a node without a kubelet (a simulated one) a
 // graceful deletion would never finish.
 func deleteReservation(ctx context.Context, client kubernetes.Interface, o Orphan) error {
-	err := client.CoreV1().Pods(o.Namespace).Delete(ctx, o.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
-	if err != nil && !apierrors.IsNotFound(err) {
+	// The UID precondition: never a pod of the same name made since.
+	opts := metav1.DeleteOptions{GracePeriodSeconds: new(int64)}
+	if o.UID != "" {
+		opts.Preconditions = &metav1.Preconditions{UID: &o.UID}
+	}
+	err := client.CoreV1().Pods(o.Namespace).Delete(ctx, o.Name, opts)
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
 		return err
 	}
 	return nil

@@ -2,7 +2,8 @@ package scheduler
 
 import (
 	"fmt"
-	"hash/fnv"
+	"crypto/rand"
+	"encoding/binary"
 	"slices"
 	"strconv"
 	"strings"
@@ -67,6 +68,7 @@ type nodeState struct {
 // reservation is a reservation pod.
 type reservation struct {
 	name string
+	uid  types.UID
 	uuid string // the physical GPU, once the node agent has written it
 	// failed is set when the kubelet refused the pod.
 	failed string
@@ -432,7 +434,7 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 		}
 		return t, nil
 	}
-	reqs, err := api.Parse(withoutDecision(pod))
+	reqs, err := api.Parse(api.Intent(pod))
 	if err != nil || len(reqs) == 0 {
 		return nil, err
 	}
@@ -450,10 +452,10 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 	if unfit != nil {
 		return nil, fmt.Errorf("pod %s/%s is bound without a GPU decision and does not fit: %w", pod.Namespace, pod.Name, unfit)
 	}
-	for i, slot := range fit[:t.request.Devices] {
+	for _, slot := range fit[:t.request.Devices] {
 		g := groupAt(ns, slot)
 		if g == "" {
-			g = newGroup(pod.UID, i)
+			g = newGroup()
 		}
 		t.groups = append(t.groups, g)
 	}
@@ -478,53 +480,16 @@ func groupAt(ns *nodeState, slot int) string {
 	return ""
 }
 
-// newGroup names a new GPU group: short, lowercase, derived from the pod
-// that opens it and the device's position.
-func newGroup(uid types.UID, i int) string {
-	h := fnv.New64a()
-	_, _ = h.Write([]byte(uid))
-	_, _ = h.Write([]byte{byte(i)})
-	return strconv.FormatUint(h.Sum64(), 36)
-}
-
-// withoutDecision returns the pod without the keys a scheduler writes, so
-// that a pod whose binding failed after it was annotated is read for what
-// its author asked. The resolved memory keys are dropped too when a
-// shorthand asked for the memory: those values came from the scheduler.
-func withoutDecision(pod *corev1.Pod) *corev1.Pod {
-	_, written := hasAny(pod.Annotations, api.SuffixDevices, api.SuffixComputePortion)
-	decided := written || hasDecision(pod)
-	if !decided {
-		return pod
+// newGroup names a new GPU group: short, lowercase and never used before.
+// Never reused, so that a new group can never be mistaken for an old one
+// whose reservation pod is still being collected: a pod that is placed
+// again after a failed bind gets a new reservation pod, not the leftover.
+func newGroup() string {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(fmt.Sprintf("crypto/rand: %v", err)) // the runtime guarantees it does not fail
 	}
-	out := pod.DeepCopy()
-	_, shorthand := out.Annotations[api.KeyFraction]
-	if _, mem := out.Annotations[api.KeyMemory]; mem {
-		shorthand = true
-	}
-	delete(out.Annotations, api.GPUGroupsAnnotation)
-	for k := range out.Annotations {
-		_, suffix, ok := api.SplitContainerKey(k)
-		if !ok {
-			continue
-		}
-		switch {
-		case suffix == api.SuffixDevices || suffix == api.SuffixComputePortion:
-			delete(out.Annotations, k)
-		case shorthand && (suffix == api.SuffixMemoryRequest || suffix == api.SuffixMemoryLimit):
-			delete(out.Annotations, k)
-		}
-	}
-	return out
-}
-
-func hasAny(annotations map[string]string, suffixes ...string) (string, bool) {
-	for k := range annotations {
-		if _, suffix, ok := api.SplitContainerKey(k); ok && slices.Contains(suffixes, suffix) {
-			return k, true
-		}
-	}
-	return "", false
+	return strconv.FormatUint(binary.BigEndian.Uint64(b[:]), 36)
 }
 
 // shareOn resolves a request on the node's GPUs: its memory in MiB and,

@@ -329,10 +329,47 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 		kai := patched.DeepCopy()
 		delete(kai.Annotations, api.GPUGroupsAnnotation)
 		for _, p := range []*corev1.Pod{patched, kai} {
-			got, err := api.Parse(withoutDecision(p))
+			got, err := api.Parse(api.Intent(p))
 			if err != nil || len(got) != 1 || got[0].String() != want[0].String() {
 				t.Errorf("annotations %v: re-read as %v (%v), want %v", p.Annotations, got, err, want)
 			}
 		}
+	}
+}
+
+// A reservation pod left without tenants (its pod's bind failed, or the
+// scheduler died mid-bind) stays an orphan whatever is placed next: a new
+// pod on that node opens a group of its own, never the orphan's, so the
+// collector can delete it without taking a GPU from under a tenant.
+func TestOrphanIsNeverRevived(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 2, 80000, true))
+	c.SetPod(reservationPod("n1", "old", "GPU-a"))
+	orphans := c.Orphans()
+	if len(orphans) != 1 {
+		t.Fatalf("orphans %v", orphans)
+	}
+	p, err := placementFor("gpufrac", c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		uid := fmt.Sprintf("uid-%d", i)
+		if err := c.Reserve("n1", "default", uid, ask(uid, 1000, api.TimeSlicing, 1), p); err != nil {
+			t.Fatal(err)
+		}
+		if d, _ := c.Decision(types.UID(uid)); slices.Contains(d.Groups, "old") {
+			t.Fatalf("pod joined the orphan's group: %+v", d)
+		}
+		if !c.StillOrphan(orphans[0]) {
+			t.Fatal("the orphan gained a tenant")
+		}
+	}
+	if err := c.Reserve("n1", "default", "uid-9", ask("uid-9", 1000, api.TimeSlicing, 1), p); err != nil {
+		t.Fatal(err)
+	}
+	// Only the second GPU was free; the orphan's stays held until it is gone.
+	if got := summary(c, "n1"); !strings.Contains(got, "old:0Mi/0‰/0/reservation/old") {
+		t.Fatalf("the orphan's GPU was given away: %s", got)
 	}
 }

@@ -153,11 +153,11 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 	t := &tenant{uid: ask.UID, namespace: namespace, name: name, node: node, request: r, resolved: resolved, assumed: true}
 	if ask.Fraction != nil {
 		t.container = ask.Fraction.Container
-		for i, slot := range choice.Devices {
+		for _, slot := range choice.Devices {
 			g := groupAt(ns, slot)
 			if g == "" {
 				// A new group opens on the GPU the policy chose.
-				g = newGroup(ask.UID, i)
+				g = newGroup()
 				ns.groups[g] = slot
 			}
 			t.groups = append(t.groups, g)
@@ -230,7 +230,11 @@ func (c *Cache) ReservationState(node, group string) (known bool, uuid, failed s
 }
 
 // Orphan is a reservation pod whose GPU group has no tenant.
-type Orphan struct{ Namespace, Name string }
+type Orphan struct {
+	Namespace, Name string
+	UID             types.UID
+	node, group     string
+}
 
 // Orphans lists the reservation pods whose GPU group has no tenant, so
 // that their GPUs go back to the device plugin.
@@ -238,16 +242,35 @@ func (c *Cache) Orphans() []Orphan {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	var out []Orphan
-	for _, ns := range c.nodes {
+	for name, ns := range c.nodes {
 		for g, r := range ns.reservations {
-			slot, ok := ns.groups[g]
-			live := ok && ns.ledger != nil && len(ns.ledger.Devices[slot].Shares()) > 0
-			if !live {
-				out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name})
+			if !c.live(ns, g) {
+				out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, node: name, group: g})
 			}
 		}
 	}
 	return out
+}
+
+// StillOrphan says whether an orphan still has no tenant: checked again
+// just before it is deleted. A group never gains a tenant once empty
+// (new pods only join groups with tenants, and group names are never
+// reused), so the answer cannot change after this.
+func (c *Cache) StillOrphan(o Orphan) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	ns, ok := c.nodes[o.node]
+	if !ok {
+		return true
+	}
+	r, ok := ns.reservations[o.group]
+	return !ok || r.uid != o.UID || !c.live(ns, o.group)
+}
+
+// live says whether a GPU group has a tenant.
+func (c *Cache) live(ns *nodeState, g string) bool {
+	slot, ok := ns.groups[g]
+	return ok && ns.ledger != nil && len(ns.ledger.Devices[slot].Shares()) > 0
 }
 
 // Shapes returns the workload's typical shapes from the GPU tenants the

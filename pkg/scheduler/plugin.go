@@ -36,6 +36,9 @@ type Plugin struct {
 	mu      sync.Mutex
 	current placement.Policy
 	built   time.Time
+	// synced says whether the cache has seen every pod and node the API
+	// held when the scheduler started.
+	synced []toolscache.InformerSynced
 }
 
 var (
@@ -59,22 +62,29 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	p := &Plugin{args: args, handle: h, cache: NewCache(args)}
 	pods := h.SharedInformerFactory().Core().V1().Pods().Informer()
 	nodes := h.SharedInformerFactory().Core().V1().Nodes().Informer()
-	if _, err := pods.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+	podEvents, err := pods.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.onPod(obj, false) },
 		UpdateFunc: func(_, obj any) { p.onPod(obj, false) },
 		DeleteFunc: func(obj any) { p.onPod(obj, true) },
-	}); err != nil {
+	})
+	if err != nil {
 		return nil, err
 	}
-	if _, err := nodes.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+	nodeEvents, err := nodes.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.onNode(obj, false) },
 		UpdateFunc: func(_, obj any) { p.onNode(obj, false) },
 		DeleteFunc: func(obj any) { p.onNode(obj, true) },
-	}); err != nil {
+	})
+	if err != nil {
 		return nil, err
 	}
+	// The informers' own HasSynced says their stores are full, not that
+	// this plugin's handlers have seen every object: only the handler
+	// registrations say that. Until they do, the cache may lack tenants,
+	// and a GPU that looks empty is not.
+	p.synced = []toolscache.InformerSynced{podEvents.HasSynced, nodeEvents.HasSynced}
 	go func() {
-		if !toolscache.WaitForCacheSync(ctx.Done(), pods.HasSynced, nodes.HasSynced) {
+		if !toolscache.WaitForCacheSync(ctx.Done(), p.synced...) {
 			return
 		}
 		p.collect(ctx)
@@ -145,12 +155,15 @@ func readCycle(state fwk.CycleState) (*cycle, bool) {
 // PreFilter reads the pod's request once. A pod that asks for no GPU is
 // skipped by every later extension point; an invalid one is unschedulable
 // until its author fixes it.
-func (p *Plugin) PreFilter(_ context.Context, state fwk.CycleState, pod *corev1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+	if !p.waitSynced(ctx) {
+		return nil, fwk.NewStatus(fwk.Error, "gpufrac's GPU cache has not caught up with the API yet")
+	}
 	ask := Ask{UID: pod.UID}
 	if n := api.WholeGPUs(&pod.Spec); n > 0 {
 		ask.Whole = n
 	}
-	reqs, err := api.Parse(withoutDecision(pod))
+	reqs, err := api.Parse(api.Intent(pod))
 	switch {
 	case err != nil:
 		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, err.Error())
@@ -166,6 +179,22 @@ func (p *Plugin) PreFilter(_ context.Context, state fwk.CycleState, pod *corev1.
 	state.Write(stateKey, &cycle{ask: ask, policy: policy})
 	return nil, nil
 }
+
+// waitSynced waits, at most syncTimeout, until the cache has seen the
+// API's state: at start-up only, so the first cycles never place on GPUs
+// whose tenants the cache has not been told about yet.
+func (p *Plugin) waitSynced(ctx context.Context) bool {
+	for _, s := range p.synced {
+		if !s() {
+			ctx, cancel := context.WithTimeout(ctx, syncTimeout)
+			defer cancel()
+			return toolscache.WaitForCacheSync(ctx.Done(), p.synced...)
+		}
+	}
+	return true
+}
+
+const syncTimeout = 30 * time.Second
 
 // policy builds the placement policy for one pod: the FGD-like ones weigh
 // the workload's typical shapes as the cache sees them now.
@@ -318,6 +347,9 @@ func (p *Plugin) collect(ctx context.Context) {
 	for {
 		dirty := p.cache.Dirty()
 		for _, o := range p.cache.Orphans() {
+			if !p.cache.StillOrphan(o) {
+				continue
+			}
 			if err := deleteReservation(ctx, p.handle.ClientSet(), o); err != nil {
 				logger.Error(err, "Could not delete an empty reservation pod; retrying later", "pod", klog.KRef(o.Namespace, o.Name))
 			} else {

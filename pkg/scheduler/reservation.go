@@ -89,7 +89,7 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(pod.Spec.NodeName)
-	r := &reservation{name: pod.Name, uuid: pod.Annotations[api.ReservedGPUAnnotation]}
+	r := &reservation{name: pod.Name, uid: pod.UID, uuid: pod.Annotations[api.ReservedGPUAnnotation]}
 	if pod.Status.Phase == corev1.PodFailed {
 		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}

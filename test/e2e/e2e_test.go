@@ -1,0 +1,210 @@
+// Package e2e runs gpufrac's whole stack as `gpufrac up` starts it (real
+// etcd and kube-apiserver, webhook, scheduler binary, node agents
+// simulating GPUs) and checks the product's promises end to end.
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/gpufrac/gpufrac/internal/localcluster"
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/audit"
+	"github.com/gpufrac/gpufrac/pkg/scheduler"
+)
+
+// up builds the gpufrac binary and starts a local cluster of n nodes.
+func up(t *testing.T, nodes int) *localcluster.Cluster {
+	t.Helper()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "gpufrac")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/gpufrac")
+	build.Dir = root
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	dir := t.TempDir()
+	c, err := localcluster.Up(context.Background(), localcluster.Options{
+		Dir: dir, Nodes: nodes, Machine: "dgxh100", Binary: bin, Root: root, Progress: io.Discard,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, name := range c.Components() {
+				raw, _ := os.ReadFile(filepath.Join(dir, "logs", name+".log"))
+				lines := strings.Split(string(raw), "\n")
+				t.Logf("%s log (last lines):\n%s", name, strings.Join(lines[max(len(lines)-30, 0):], "\n"))
+			}
+		}
+	})
+	return c
+}
+
+// checkAudit fails the test on any violation of SPEC §2.
+func checkAudit(t *testing.T, c *localcluster.Cluster) {
+	t.Helper()
+	ctx := context.Background()
+	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pods, err := c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := audit.Check(nodes.Items, pods.Items, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()}); len(v) > 0 {
+		// Who holds the GPUs involved, to explain the violation.
+		for _, p := range pods.Items {
+			for _, x := range v {
+				uuid := x.Object[strings.LastIndexByte(x.Object, '/')+1:]
+				a := p.Annotations
+				if strings.Contains(a[api.ReservedGPUAnnotation], uuid) || strings.Contains(a[api.ContainerKey("main", api.SuffixDevices)], uuid) {
+					t.Logf("%s/%s node=%s created=%s groups=%q devices=%q reserved=%q label=%q", p.Namespace, p.Name, p.Spec.NodeName,
+						p.CreationTimestamp.Format("15:04:05"), a[api.GPUGroupsAnnotation], a[api.ContainerKey("main", api.SuffixDevices)],
+						a[api.ReservedGPUAnnotation], p.Labels[api.GPUGroupLabel])
+					break
+				}
+			}
+		}
+		t.Fatalf("audit: %v", v)
+	}
+}
+
+func TestEndToEnd(t *testing.T) {
+	c := up(t, 8)
+	ctx := context.Background()
+
+	t.Run("examples land as SPEC §2 says", func(t *testing.T) {
+		root, _ := testenv.RepoRoot()
+		if err := c.Demo(ctx, filepath.Join(root, "examples"), io.Discard); err != nil {
+			t.Fatal(err)
+		}
+		pods, err := c.Admin.CoreV1().Pods("default").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range pods.Items {
+			reqs, err := api.Parse(api.Intent(&p))
+			if err != nil || len(reqs) == 0 {
+				t.Fatalf("pod %s: %v", p.Name, err)
+			}
+			a, err := api.ParseAssignments(p.Annotations, &p.Spec)
+			if err != nil || len(a) != 1 {
+				t.Fatalf("pod %s: decision %v, %v", p.Name, a, err)
+			}
+			if len(a[0].Devices) != reqs[0].Devices || a[0].Mode != reqs[0].Mode || a[0].RequestMiB <= 0 || a[0].LimitMiB < a[0].RequestMiB ||
+				(a[0].Mode == api.SMSharing) != !a[0].Portion.IsZero() {
+				t.Errorf("pod %s asked %v, got %+v", p.Name, reqs[0], a[0])
+			}
+		}
+		checkAudit(t, c)
+	})
+
+	t.Run("a forged .gpus.devices is denied to a normal user", func(t *testing.T) {
+		p := pod("forged", map[string]string{api.KeyFraction: "0.5", api.ContainerKey("main", api.SuffixDevices): "GPU-stolen"})
+		_, err := c.Admin.CoreV1().Pods("default").Create(ctx, p, metav1.CreateOptions{})
+		if err == nil || !strings.Contains(err.Error(), "is written by the scheduler and cannot be set in a manifest") {
+			t.Fatalf("forged devices: %v", err)
+		}
+	})
+
+	t.Run("scheduler and a node agent crash during a burst of 500", func(t *testing.T) {
+		if _, err := c.Admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "burst"}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		shapes := []map[string]string{
+			{api.KeyFraction: "0.05"}, {api.KeyFraction: "0.1"}, {api.KeyMemory: "4096"},
+			{api.KeyFraction: "0.125", api.KeyComputeSharingMode: string(api.SMSharing)},
+		}
+		const total = 500
+		work := make(chan int)
+		var wg sync.WaitGroup
+		errs := make(chan error, total)
+		for range 8 {
+			wg.Go(func() {
+				for i := range work {
+					p := pod(fmt.Sprintf("p-%03d", i), shapes[i%len(shapes)])
+					if _, err := c.Admin.CoreV1().Pods("burst").Create(ctx, p, metav1.CreateOptions{}); err != nil {
+						errs <- err
+					}
+				}
+			})
+		}
+		for i := range total {
+			work <- i
+			switch i {
+			case total / 3:
+				if err := c.Crash("scheduler"); err != nil {
+					t.Fatal(err)
+				}
+			case total / 2:
+				if err := c.Crash("node-agent-gpu-node-1"); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		close(work)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+		var bound int
+		err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 4*time.Minute, true, func(ctx context.Context) (bool, error) {
+			list, err := c.Admin.CoreV1().Pods("burst").List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			bound = 0
+			for _, p := range list.Items {
+				if p.Spec.NodeName != "" && p.Annotations[api.ContainerKey("main", api.SuffixDevices)] != "" {
+					bound++
+				}
+			}
+			return bound == total, nil
+		})
+		if err != nil {
+			t.Fatalf("%d of %d pods bound with their devices", bound, total)
+		}
+		// Reservation pods of binds the crash interrupted are collected.
+		err = wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+			nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			pods, err := c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			return len(audit.Check(nodes.Items, pods.Items, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()})) == 0, nil
+		})
+		if err != nil {
+			checkAudit(t, c)
+		}
+	})
+}
+
+func pod(name string, annotations map[string]string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: annotations},
+		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
+	}
+}
