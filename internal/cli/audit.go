@@ -41,13 +41,7 @@ scheduler's guarantees (SPEC §2), one per line:
 Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			rules := clientcmd.NewDefaultClientConfigLoadingRules()
-			rules.ExplicitPath = kubeconfig
-			config, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, nil).ClientConfig()
-			if err != nil {
-				return &ExitError{Code: 2, Err: fmt.Errorf("audit: %w", err)}
-			}
-			client, err := kubernetes.NewForConfig(config)
+			client, err := clusterClient(kubeconfig)
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("audit: %w", err)}
 			}
@@ -91,4 +85,16 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 	f.StringVar(&selector, "node-selector", "", "audit only the nodes with these labels (e.g. pool=gpu-a), and the pods on them")
 	f.DurationVar(&orphanGrace, "orphan-grace", time.Minute, "spare reservation pods younger than this (the scheduler creates one just before it binds)")
 	return cmd
+}
+
+// clusterClient connects as a person's tools do: --kubeconfig, else
+// $KUBECONFIG, ~/.kube/config, or in-cluster.
+func clusterClient(kubeconfig string) (kubernetes.Interface, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	config, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, nil).ClientConfig()
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(config)
 }

@@ -8,8 +8,6 @@ import (
 
 	"github.com/spf13/cobra"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
@@ -37,13 +35,7 @@ PATH, then run "kubectl gpufrac top".`,
 			if output != "" && output != "json" {
 				return &ExitError{Code: 2, Err: fmt.Errorf("top: -o %q: the only output format is json", output)}
 			}
-			rules := clientcmd.NewDefaultClientConfigLoadingRules()
-			rules.ExplicitPath = kubeconfig
-			config, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, nil).ClientConfig()
-			if err != nil {
-				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
-			}
-			client, err := kubernetes.NewForConfig(config)
+			client, err := clusterClient(kubeconfig)
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
 			}

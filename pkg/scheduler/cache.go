@@ -1,9 +1,9 @@
 package scheduler
 
 import (
-	"fmt"
 	"crypto/rand"
 	"encoding/binary"
+	"fmt"
 	"slices"
 	"strconv"
 	"strings"
