@@ -358,9 +358,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 		return
 	}
 	if known && old.node == pod.Spec.NodeName {
-		if old.assumed && hasDecision(pod) {
-			old.assumed = false // bound as reserved: nothing else changes
-		}
+		old.assumed = false // bound where it was reserved: nothing else changes
 		return
 	}
 	if known {
@@ -398,11 +396,6 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 		delete(ns.conflicts, pod.UID)
 		delete(ns.waiting, pod.UID)
 	}
-}
-
-func hasDecision(pod *corev1.Pod) bool {
-	_, ok := pod.Annotations[api.GPUGroupsAnnotation]
-	return ok
 }
 
 // tenantOf says what a bound pod holds on its node: whole GPUs, the shares
