@@ -47,6 +47,7 @@ func up(t *testing.T, nodes int) *localcluster.Cluster {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
+		defer c.Down() // etcd and kube-apiserver would outlive the test otherwise
 		if t.Failed() {
 			for _, name := range c.Components() {
 				raw, _ := os.ReadFile(filepath.Join(dir, "logs", name+".log"))
