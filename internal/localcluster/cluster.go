@@ -236,7 +236,8 @@ func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
 	}
 	for i := 1; i <= c.opts.Nodes; i++ {
 		name := fmt.Sprintf("gpu-node-%d", i)
-		if err := createNode(ctx, c.Admin, name, gpus); err != nil {
+		labels := map[string]string{"kubernetes.io/hostname": name, "gpufrac.io/simulated": "true"}
+		if err := CreateNode(ctx, c.Admin, name, gpus, labels); err != nil {
 			return err
 		}
 		state := filepath.Join(c.opts.Dir, "nodes", name)
@@ -252,9 +253,12 @@ func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
 	return nil
 }
 
-func createNode(ctx context.Context, client kubernetes.Interface, name string, gpus int) error {
-	node, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
-		Labels: map[string]string{"kubernetes.io/hostname": name, "gpufrac.io/simulated": "true"}}}, metav1.CreateOptions{})
+// CreateNode creates a Node object as a kubelet with the device plugin
+// would report it, with no kubelet behind it: Ready, 64 CPUs, 512Gi, 110
+// pods and gpus nvidia.com/gpu, with the given labels and any further
+// conditions (what a node agent would publish).
+func CreateNode(ctx context.Context, client kubernetes.Interface, name string, gpus int, labels map[string]string, conditions ...corev1.NodeCondition) error {
+	node, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
 	if err != nil {
 		return err
 	}
@@ -265,8 +269,8 @@ func createNode(ctx context.Context, client kubernetes.Interface, name string, g
 		api.ResourceGPU:       *resource.NewQuantity(int64(gpus), resource.DecimalSI),
 	}
 	node.Status.Capacity, node.Status.Allocatable = res, res
-	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "Simulated",
-		Message: "gpufrac up: a Node object with no kubelet", LastHeartbeatTime: metav1.Now()}}
+	node.Status.Conditions = append([]corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "Simulated",
+		Message: "a Node object with no kubelet", LastHeartbeatTime: metav1.Now()}}, conditions...)
 	_, err = client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{})
 	return err
 }

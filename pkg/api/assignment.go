@@ -166,9 +166,7 @@ func splitDevices(raw string) (devices []string, bad string) {
 // memory keys go too when a shorthand asked for the memory: their values
 // came from the scheduler.
 func Intent(pod *corev1.Pod) *corev1.Pod {
-	_, written := hasAny(pod.Annotations, SuffixDevices, SuffixComputePortion)
-	decided := written || hasGroups(pod)
-	if !decided {
+	if !HasContainerKey(pod.Annotations, SuffixDevices, SuffixComputePortion) && !hasGroups(pod) {
 		return pod
 	}
 	out := pod.DeepCopy()
@@ -192,13 +190,15 @@ func Intent(pod *corev1.Pod) *corev1.Pod {
 	return out
 }
 
-func hasAny(annotations map[string]string, suffixes ...string) (string, bool) {
+// HasContainerKey says whether a per-container key with one of the
+// suffixes is set, for any container.
+func HasContainerKey(annotations map[string]string, suffixes ...string) bool {
 	for k := range annotations {
 		if _, suffix, ok := SplitContainerKey(k); ok && slices.Contains(suffixes, suffix) {
-			return k, true
+			return true
 		}
 	}
-	return "", false
+	return false
 }
 
 func hasGroups(pod *corev1.Pod) bool {

@@ -93,7 +93,9 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 		}
 	}
 	used := map[gpuKey]*gpuUse{}
-	usedGroups := map[string]bool{}
+	// A reservation pod is used when a tenant names its group (node/group)
+	// or its GPU (namespace/name of the reservation pod).
+	usedGroups, usedReservations := map[string]bool{}, map[string]bool{}
 	for i := range pods {
 		pod := &pods[i]
 		if pod.Namespace == o.ReservationNamespace || pod.Spec.NodeName == "" || terminated(pod) {
@@ -102,7 +104,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 		name := pod.Namespace + "/" + pod.Name
 		assignments, err := api.ParseAssignments(pod.Annotations, &pod.Spec)
 		if err != nil {
-			if _, hasDevices := devicesKey(pod); !hasDevices {
+			if !api.HasContainerKey(pod.Annotations, api.SuffixDevices) {
 				add(NoDevices, name, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", pod.Spec.NodeName, api.SuffixDevices)
 			} else {
 				add(BadDecision, name, "%v", err)
@@ -119,8 +121,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 				if !ok {
 					add(NoReservation, name, "uses GPU %s on %s, which no reservation pod on that node holds: the device plugin may give it to another pod", uuid, pod.Spec.NodeName)
 				} else {
-					usedGroups[pod.Spec.NodeName+"/"+r.Labels[api.GPUGroupLabel]] = true
-					usedGroups[r.Namespace+"/"+r.Name] = true
+					usedReservations[r.Namespace+"/"+r.Name] = true
 				}
 				u := used[k]
 				if u == nil {
@@ -155,18 +156,17 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 			add(ComputeOverOne, object, "sm-sharing portions sum to %d/1000: %v", u.portion, u.tenants)
 		}
 	}
-	for k, r := range reserved {
-		if !usedGroups[r.Namespace+"/"+r.Name] && !usedGroups[k.node+"/"+r.Labels[api.GPUGroupLabel]] && o.Now.Sub(r.CreationTimestamp.Time) >= o.OrphanGrace {
-			add(OrphanReserve, r.Namespace+"/"+r.Name, "holds GPU %s on %s for no pod: the GPU is lost to the cluster until it is deleted", k.uuid, k.node)
-		}
-	}
 	for i := range pods {
 		r := &pods[i]
-		if r.Namespace != o.ReservationNamespace || r.Spec.NodeName == "" || terminated(r) || r.Annotations[api.ReservedGPUAnnotation] != "" {
+		name := r.Namespace + "/" + r.Name
+		if r.Namespace != o.ReservationNamespace || r.Spec.NodeName == "" || terminated(r) ||
+			usedReservations[name] || usedGroups[r.Spec.NodeName+"/"+r.Labels[api.GPUGroupLabel]] || o.Now.Sub(r.CreationTimestamp.Time) < o.OrphanGrace {
 			continue
 		}
-		if !usedGroups[r.Spec.NodeName+"/"+r.Labels[api.GPUGroupLabel]] && o.Now.Sub(r.CreationTimestamp.Time) >= o.OrphanGrace {
-			add(OrphanReserve, r.Namespace+"/"+r.Name, "holds a GPU on %s for no pod, and has not been told which", r.Spec.NodeName)
+		if uuid := r.Annotations[api.ReservedGPUAnnotation]; uuid != "" {
+			add(OrphanReserve, name, "holds GPU %s on %s for no pod: the GPU is lost to the cluster until it is deleted", uuid, r.Spec.NodeName)
+		} else {
+			add(OrphanReserve, name, "holds a GPU on %s for no pod, and has not been told which", r.Spec.NodeName)
 		}
 	}
 	for name, n := range gpusOnNode {
@@ -202,13 +202,4 @@ func OnNodes(pods []corev1.Pod, nodes []corev1.Node) []corev1.Pod {
 
 func terminated(pod *corev1.Pod) bool {
 	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed || pod.DeletionTimestamp != nil
-}
-
-func devicesKey(pod *corev1.Pod) (string, bool) {
-	for k := range pod.Annotations {
-		if _, suffix, ok := api.SplitContainerKey(k); ok && suffix == api.SuffixDevices {
-			return k, true
-		}
-	}
-	return "", false
 }

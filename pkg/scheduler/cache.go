@@ -1,9 +1,11 @@
 package scheduler
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -35,7 +37,7 @@ type Cache struct {
 	// dirty is closed and replaced whenever a GPU group may have become
 	// empty, so that the collector looks for reservation pods to delete.
 	dirty chan struct{}
-	// shapeKeys counts the resolved shapes of the GPU tenants, for the
+	// shapes counts the resolved shapes of the GPU tenants, for the
 	// placement policies that weigh the workload's typical shapes.
 	shapes map[shapeKey]int
 }
@@ -87,7 +89,7 @@ type tenant struct {
 	container string
 	// assumed is set from Reserve until the API shows the pod bound.
 	assumed bool
-	// decision is the resolved assignment, for PreBind.
+	// resolved is the memory in MiB that PreBind writes.
 	resolved api.Resolved
 }
 
@@ -161,20 +163,14 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 		}
 		ns.ledger = gpu.NewNode(name, 0, 0, devices...)
 	}
-	tenants := slices.SortedFunc(func(yield func(*tenant) bool) {
-		for _, t := range ns.tenants {
-			if !yield(t) {
-				return
-			}
-		}
-	}, func(a, b *tenant) int {
-		// Shares first, so whole-GPU pods take the slots left over.
-		return cmpBool(a.request.Whole > 0, b.request.Whole > 0)
+	// Shares first, so whole-GPU pods take the slots left over.
+	tenants := slices.SortedFunc(maps.Values(ns.tenants), func(a, b *tenant) int {
+		return cmp.Compare(a.request.Whole, b.request.Whole)
 	})
 	for _, t := range tenants {
 		c.place(ns, t)
 	}
-	for _, g := range slices.Sorted(mapKeys(ns.reservations)) {
+	for _, g := range slices.Sorted(maps.Keys(ns.reservations)) {
 		c.holdIfEmpty(ns, g)
 	}
 	for uid, pod := range ns.waiting {
@@ -184,26 +180,6 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 			delete(ns.waiting, uid)
 			if t != nil {
 				c.add(ns, t)
-			}
-		}
-	}
-}
-
-func cmpBool(a, b bool) int {
-	switch {
-	case a == b:
-		return 0
-	case a:
-		return 1
-	}
-	return -1
-}
-
-func mapKeys[V any](m map[string]V) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
 			}
 		}
 	}
@@ -315,10 +291,16 @@ func (c *Cache) remove(ns *nodeState, t *tenant) {
 	}
 }
 
+// add records a tenant and places it on the node's ledger.
 func (c *Cache) add(ns *nodeState, t *tenant) {
+	c.register(ns, t)
+	c.place(ns, t)
+}
+
+// register records a tenant already on the ledger (or not to be placed).
+func (c *Cache) register(ns *nodeState, t *tenant) {
 	ns.tenants[t.uid] = t
 	c.pods[t.uid] = t
-	c.place(ns, t)
 	c.shapes[t.shape()]++
 }
 
@@ -464,14 +446,19 @@ func groupOfUUID(ns *nodeState, uuid string) string {
 	return "uuid-" + strings.ToLower(uuid)
 }
 
+// groupAt is the live GPU group on a slot, or "".
 func groupAt(ns *nodeState, slot int) string {
 	for g, s := range ns.groups {
-		if s == slot && len(ns.ledger.Devices[slot].Shares()) > 0 {
+		if s == slot && shared(ns.ledger.Devices[slot]) {
 			return g
 		}
 	}
 	return ""
 }
+
+// shared says whether a GPU has fractional tenants (each charges a
+// request above 0, so their sum says it without copying the shares).
+func shared(d *gpu.Device) bool { return d.Charged() > 0 }
 
 // newGroup names a new GPU group: short, lowercase and never used before.
 // Never reused, so that a new group can never be mistaken for an old one

@@ -151,28 +151,24 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 	}
 	r, resolved, _ := c.request(ns, ask)
 	t := &tenant{uid: ask.UID, namespace: namespace, name: name, node: node, request: r, resolved: resolved, assumed: true}
-	if ask.Fraction != nil {
-		t.container = ask.Fraction.Container
-		for _, slot := range choice.Devices {
-			g := groupAt(ns, slot)
-			if g == "" {
-				// A new group opens on the GPU the policy chose.
-				g = newGroup()
-				ns.groups[g] = slot
-			}
-			t.groups = append(t.groups, g)
-		}
-	} else {
-		t.request.Whole = ask.Whole
-	}
 	if ask.Fraction == nil {
-		// Place whole GPUs where the policy chose.
+		// Whole GPUs go where the policy chose (place would take the
+		// lowest idle ones).
 		if err := ns.ledger.Assign(r, choice.Devices); err != nil {
 			return err
 		}
-		ns.tenants[t.uid], c.pods[t.uid] = t, t
-		c.shapes[t.shape()]++
+		c.register(ns, t)
 		return nil
+	}
+	t.container = ask.Fraction.Container
+	for _, slot := range choice.Devices {
+		g := groupAt(ns, slot)
+		if g == "" {
+			// A new group opens on the GPU the policy chose.
+			g = newGroup()
+			ns.groups[g] = slot
+		}
+		t.groups = append(t.groups, g)
 	}
 	c.add(ns, t)
 	if why, conflict := ns.conflicts[t.uid]; conflict {
@@ -270,17 +266,16 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 // live says whether a GPU group has a tenant.
 func (c *Cache) live(ns *nodeState, g string) bool {
 	slot, ok := ns.groups[g]
-	return ok && ns.ledger != nil && len(ns.ledger.Devices[slot].Shares()) > 0
+	return ok && ns.ledger != nil && shared(ns.ledger.Devices[slot])
 }
 
 // Shapes returns the workload's typical shapes from the GPU tenants the
-// cache holds, plus extra (the pod being scheduled), as the FGD-like
-// policies weigh them; and the largest node's GPU memory, for the
-// policies that normalise by it.
-func (c *Cache) Shapes(extra ...placement.Key) ([]placement.Shape, placement.Capacity) {
+// cache holds, as the FGD-like policies weigh them; and the largest
+// node's GPU memory, for the policies that normalise by it.
+func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	keys := append([]placement.Key(nil), extra...)
+	var keys []placement.Key
 	for k, n := range c.shapes {
 		key := placement.Key{NumGPU: k.whole, Share: k.request}
 		if k.whole == 0 {

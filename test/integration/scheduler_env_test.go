@@ -310,31 +310,17 @@ func gpuNode(t testing.TB, name, scenario string, gpus int, memMiB int64, ready 
 }
 
 func makeGPUNode(name, scenario string, gpus int, memMiB int64, ready bool) error {
-	ctx := context.Background()
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
+	labels := map[string]string{
 		"scenario":          scenario,
 		api.LabelGPUCount:   fmt.Sprint(gpus),
 		api.LabelGPUMemory:  fmt.Sprint(memMiB),
 		api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3",
-	}}}
-	created, err := shared.admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
-	if err != nil {
-		return err
 	}
-	res := corev1.ResourceList{
-		corev1.ResourceCPU:    resource.MustParse("64"),
-		corev1.ResourceMemory: resource.MustParse("512Gi"),
-		corev1.ResourcePods:   resource.MustParse("1000"),
-		api.ResourceGPU:       *resource.NewQuantity(int64(gpus), resource.DecimalSI),
-	}
-	created.Status.Capacity, created.Status.Allocatable = res, res
-	created.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady"}}
+	var conditions []corev1.NodeCondition
 	if ready {
-		created.Status.Conditions = append(created.Status.Conditions, corev1.NodeCondition{
-			Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"})
+		conditions = append(conditions, corev1.NodeCondition{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"})
 	}
-	_, err = shared.admin.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{})
-	return err
+	return localcluster.CreateNode(context.Background(), shared.admin, name, gpus, labels, conditions...)
 }
 
 // namespace creates a namespace for one test.
