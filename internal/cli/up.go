@@ -29,11 +29,12 @@ func newUpCommand() *cobra.Command {
 		Use:   "up",
 		Short: "Run a local GPU-fraction cluster: etcd, kube-apiserver, webhook, scheduler, simulated GPU nodes",
 		Long: `Run gpufrac's whole stack on this machine, on loopback, until Ctrl-C (or
-gpufrac down): the real etcd and kube-apiserver (bin/kube, built by make
-kube-binaries) with RBAC and admission, the admission webhook with a generated
-CA, gpufrac scheduler as the gpufrac profile, and a node agent per node in
-GPU-simulation mode (go-nvml's mock machines). No kubelet runs: pods are
-placed, bound and annotated, not started.
+gpufrac down): the real etcd and kube-apiserver with RBAC and admission, the
+admission webhook with a generated CA, gpufrac scheduler as the gpufrac
+profile, a node agent per node in GPU-simulation mode (go-nvml's mock
+machines), and KWOK as the nodes' kubelets: bound pods become Running (no
+container runs) and deleted pods go away. kube-apiserver, etcd and KWOK are
+built from source into bin/ the first time (make kube-binaries kwok).
 
 With --demo it applies the Pods of examples/, waits for them to be placed,
 prints the cluster view and an invalid pod's refusal, then stops (or stays up
@@ -48,7 +49,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 			}
 			root, err := testenv.RepoRoot()
 			if err != nil {
-				return fmt.Errorf("gpufrac up runs from a gpufrac checkout (it uses deploy/ and bin/kube): %w", err)
+				return fmt.Errorf("gpufrac up runs from a gpufrac checkout (it uses deploy/ and bin/): %w", err)
 			}
 			self, err := os.Executable()
 			if err != nil {
@@ -70,7 +71,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 				return err
 			}
 			defer func() {
-				fmt.Fprintln(out, "gpufrac up: stopping scheduler, node agents, webhook, kube-apiserver and etcd …")
+				fmt.Fprintln(out, "gpufrac up: stopping scheduler, KWOK, node agents, webhook, kube-apiserver and etcd …")
 				cluster.Down()
 				fmt.Fprintln(out, "gpufrac up: stopped; no process left")
 			}()

@@ -1,13 +1,14 @@
 // Package localcluster runs gpufrac's whole stack on this machine, on
 // loopback: the real etcd and kube-apiserver (with RBAC and admission),
 // the admission webhook with a generated CA, `gpufrac scheduler` and one
-// `gpufrac node-agent` per node in GPU-simulation mode. No kubelet runs:
-// nodes are Node objects, so pods are placed, bound and annotated, but not
-// started.
+// `gpufrac node-agent` per node in GPU-simulation mode, and KWOK as the
+// nodes' kubelets: bound pods become Running (no container runs) and
+// deleted pods go away.
 package localcluster
 
 import (
 	"context"
+	_ "embed"
 	"errors"
 	"fmt"
 	"io"
@@ -65,6 +66,7 @@ type Cluster struct {
 
 type process struct {
 	name string
+	bin  string
 	args []string
 	cmd  *exec.Cmd
 	done chan error
@@ -77,8 +79,10 @@ const (
 
 // Up starts everything, in order, and returns once every node reports
 // itself ready for fractions. On error it stops what it started.
-func Up(ctx context.Context, opts Options) (c *Cluster, err error) {
-	c = &Cluster{opts: opts}
+func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
+	// Not a named result: a failed step returns nil, and the deferred
+	// Down must still see what was started.
+	c := &Cluster{opts: opts}
 	defer func() {
 		if err != nil {
 			c.Down()
@@ -96,6 +100,9 @@ func Up(ctx context.Context, opts Options) (c *Cluster, err error) {
 		return nil, err
 	}
 	gpus := len(inv.GPUs)
+	if err := c.ensureTools(); err != nil {
+		return nil, err
+	}
 	if err := c.step("control plane: etcd and kube-apiserver (RBAC, admission)", c.startControlPlane); err != nil {
 		return nil, err
 	}
@@ -108,24 +115,31 @@ func Up(ctx context.Context, opts Options) (c *Cluster, err error) {
 	if err := c.step(fmt.Sprintf("%d nodes of %d simulated %s GPUs, one node agent each", opts.Nodes, gpus, opts.Machine), func() error { return c.startNodes(ctx, gpus) }); err != nil {
 		return nil, err
 	}
+	if err := c.step("fake kubelets (KWOK): bound pods become Running", c.startKwok); err != nil {
+		return nil, err
+	}
 	if err := c.step("scheduler (kube-scheduler + GPUFractions, profile gpufrac)", c.startScheduler); err != nil {
 		return nil, err
 	}
 	if err := c.step("waiting for the nodes to report gpu-fractioning.nvidia.com/Ready", func() error { return c.waitReady(ctx) }); err != nil {
 		return nil, err
 	}
-	// The pid file names this process first, then its children (etcd and
-	// kube-apiserver included), so that `gpufrac down` can clean up even
-	// after this process was killed outright.
+	if err := c.writePIDs(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// writePIDs writes the pid file: this process first, then its children
+// (etcd and kube-apiserver included), so that `gpufrac down` can clean up
+// even after this process was killed outright.
+func (c *Cluster) writePIDs() error {
 	pids := append([]int{os.Getpid()}, children(os.Getpid())...)
 	var lines []string
 	for _, p := range pids {
 		lines = append(lines, strconv.Itoa(p))
 	}
-	if err := os.WriteFile(filepath.Join(opts.Dir, "up.pid"), []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
-		return nil, err
-	}
-	return c, nil
+	return os.WriteFile(filepath.Join(c.opts.Dir, "up.pid"), []byte(strings.Join(lines, "\n")+"\n"), 0o644)
 }
 
 // children lists the processes whose parent is pid.
@@ -160,6 +174,34 @@ func (c *Cluster) step(what string, do func() error) error {
 	}
 	fmt.Fprintf(c.opts.Progress, "%5.1fs\n", time.Since(start).Seconds())
 	return nil
+}
+
+// kwokBinary is where `make kwok` puts KWOK.
+func (c *Cluster) kwokBinary() string { return filepath.Join(c.opts.Root, "bin", "kwok") }
+
+// ensureTools builds kube-apiserver, etcd and KWOK from source (through
+// the Go module proxy, into bin/) when one is missing; afterwards they are
+// reused as they are.
+func (c *Cluster) ensureTools() error {
+	_, kubeErr := testenv.AssetsDir()
+	_, kwokErr := os.Stat(c.kwokBinary())
+	if kubeErr == nil && kwokErr == nil {
+		return nil
+	}
+	log := filepath.Join(c.opts.Dir, "logs", "build.log")
+	return c.step("building kube-apiserver, etcd and KWOK from source (once; cold ~11 min)", func() error {
+		out, err := os.Create(log)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = out.Close() }()
+		cmd := exec.Command("make", "-C", c.opts.Root, "kube-binaries", "kwok")
+		cmd.Stdout, cmd.Stderr = out, out
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("make kube-binaries kwok: %w (see %s)", err, log)
+		}
+		return nil
+	})
 }
 
 func (c *Cluster) startControlPlane() error {
@@ -275,6 +317,20 @@ func CreateNode(ctx context.Context, client kubernetes.Interface, name string, g
 	return err
 }
 
+//go:embed kwok.yaml
+var kwokStages []byte
+
+// startKwok runs KWOK as the kubelet of every simulated node. It acts as
+// the cluster admin: it stands in for the kubelets, which are trusted.
+func (c *Cluster) startKwok() error {
+	stages := filepath.Join(c.opts.Dir, "kwok.yaml")
+	if err := os.WriteFile(stages, kwokStages, 0o644); err != nil {
+		return err
+	}
+	return c.startBinary(c.kwokBinary(), "kwok", "--kubeconfig", c.Kubeconfig, "--config", stages,
+		"--manage-nodes-with-label-selector", "gpufrac.io/simulated=true", "--node-lease-duration-seconds", "40")
+}
+
 func (c *Cluster) startScheduler() error {
 	kc, err := c.kubeconfigFor("scheduler", schedulerUser)
 	if err != nil {
@@ -309,11 +365,17 @@ func (c *Cluster) startScheduler() error {
 // start runs a gpufrac subcommand as a child process, logging to
 // logs/<name>.log.
 func (c *Cluster) start(name string, args ...string) error {
+	return c.startBinary(c.opts.Binary, name, args...)
+}
+
+// startBinary runs bin as the child process name, logging to
+// logs/<name>.log; a process of that name is replaced.
+func (c *Cluster) startBinary(bin, name string, args ...string) error {
 	logFile, err := os.OpenFile(filepath.Join(c.opts.Dir, "logs", name+".log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(c.opts.Binary, args...)
+	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// Its own process group: a Ctrl-C reaches the parent, which stops the
 	// children in order.
@@ -322,7 +384,7 @@ func (c *Cluster) start(name string, args ...string) error {
 		_ = logFile.Close()
 		return err
 	}
-	p := &process{name: name, args: args, cmd: cmd, done: make(chan error, 1)}
+	p := &process{name: name, bin: bin, args: args, cmd: cmd, done: make(chan error, 1)}
 	go func() { p.done <- cmd.Wait(); _ = logFile.Close() }()
 	for i, old := range c.procs {
 		if old.name == name {
@@ -334,7 +396,7 @@ func (c *Cluster) start(name string, args ...string) error {
 	return nil
 }
 
-// Components lists the child processes by name: scheduler,
+// Components lists the child processes by name: kwok, scheduler,
 // node-agent-<node>.
 func (c *Cluster) Components() []string {
 	var names []string
@@ -355,7 +417,10 @@ func (c *Cluster) Crash(name string) error {
 		_ = p.cmd.Process.Kill()
 		err := <-p.done
 		p.done <- err
-		return c.start(name, p.args...)
+		if err := c.startBinary(p.bin, name, p.args...); err != nil {
+			return err
+		}
+		return c.writePIDs() // the new process must be stopped by down too
 	}
 	return fmt.Errorf("no component %q: one of %v", name, c.Components())
 }
@@ -386,8 +451,8 @@ func (c *Cluster) waitReady(ctx context.Context) error {
 	})
 }
 
-// Down stops everything in reverse order: the scheduler and node agents
-// (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
+// Down stops everything in reverse order: the scheduler, KWOK and the node
+// agents (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
 // etcd. No process is left behind.
 func (c *Cluster) Down() {
 	for i := len(c.procs) - 1; i >= 0; i-- {

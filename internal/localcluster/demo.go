@@ -21,7 +21,7 @@ import (
 )
 
 // Demo applies the Pods of the examples directory, waits until the
-// scheduler has placed them, prints the cluster view, and shows the
+// scheduler has placed them and their (fake) kubelet runs them, prints the cluster view, and shows the
 // webhook refusing an invalid pod. Kinds that need a controller (a
 // Deployment) are listed, not applied: no controller-manager runs here.
 func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) error {
@@ -55,9 +55,9 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		}
 	}
 	fmt.Fprintf(out, "  applied %d pods from %s; waiting for the scheduler to place them …\n", len(created), examples)
-	var placed int
+	var placed, running int
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		placed = 0
+		placed, running = 0, 0
 		for _, name := range created {
 			p, err := c.Admin.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
 			if err != nil {
@@ -66,11 +66,15 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 			if p.Spec.NodeName != "" {
 				placed++
 			}
+			if p.Status.Phase == corev1.PodRunning {
+				running++
+			}
 		}
-		return placed == len(created), nil
+		return running == len(created), nil
 	})
 	if err != nil {
-		return fmt.Errorf("%d of %d example pods placed: %w (kubectl --kubeconfig %s describe pods)", placed, len(created), err, c.Kubeconfig)
+		return fmt.Errorf("%d of %d example pods placed, %d Running: %w (kubectl --kubeconfig %s describe pods)",
+			placed, len(created), running, err, c.Kubeconfig)
 	}
 	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -80,7 +84,7 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "\n  every pod placed; the cluster as `gpufrac top` shows it:\n\n")
+	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
 	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, scheduler.DefaultReservationNamespace)); err != nil {
 		return err
 	}

@@ -26,8 +26,9 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
-// up builds the gpufrac binary and starts a local cluster of n nodes.
-func up(t *testing.T, nodes int) *localcluster.Cluster {
+// up builds the gpufrac binary and starts a local cluster of n nodes; it
+// returns the cluster and its state directory.
+func up(t *testing.T, nodes int) (*localcluster.Cluster, string) {
 	t.Helper()
 	root, err := testenv.RepoRoot()
 	if err != nil {
@@ -56,7 +57,31 @@ func up(t *testing.T, nodes int) *localcluster.Cluster {
 			}
 		}
 	})
-	return c
+	return c, dir
+}
+
+// running waits until every pod in namespace ns is Running (KWOK's fake
+// kubelets start bound pods) and returns how many there are.
+func running(t *testing.T, c *localcluster.Cluster, ns string) int {
+	t.Helper()
+	var n, notRunning int
+	err := wait.PollUntilContextTimeout(context.Background(), 250*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		list, err := c.Admin.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		n, notRunning = len(list.Items), 0
+		for _, p := range list.Items {
+			if p.Status.Phase != corev1.PodRunning {
+				notRunning++
+			}
+		}
+		return notRunning == 0, nil
+	})
+	if err != nil {
+		t.Fatalf("%d of %d pods in %s not Running: %v", notRunning, n, ns, err)
+	}
+	return n
 }
 
 // checkAudit fails the test on any violation of SPEC §2.
@@ -90,7 +115,7 @@ func checkAudit(t *testing.T, c *localcluster.Cluster) {
 }
 
 func TestEndToEnd(t *testing.T) {
-	c := up(t, 8)
+	c, dir := up(t, 8)
 	ctx := context.Background()
 
 	t.Run("examples land as SPEC §2 says", func(t *testing.T) {
@@ -116,6 +141,9 @@ func TestEndToEnd(t *testing.T) {
 				t.Errorf("pod %s asked %v, got %+v", p.Name, reqs[0], a[0])
 			}
 		}
+		running(t, c, "default")
+		// The reservation pods hold their GPUs like running pods.
+		running(t, c, scheduler.DefaultReservationNamespace)
 		checkAudit(t, c)
 	})
 
@@ -199,6 +227,65 @@ func TestEndToEnd(t *testing.T) {
 		})
 		if err != nil {
 			checkAudit(t, c)
+		}
+		if n := running(t, c, "burst"); n != total {
+			t.Fatalf("%d pods in burst, want %d", n, total)
+		}
+	})
+
+	t.Run("deleted pods free their GPUs", func(t *testing.T) {
+		// A plain delete, with the default grace period: the fake kubelet
+		// stops the pod, the scheduler drops its share and, with the last
+		// tenant of a GPU, the GPU's reservation pod.
+		if err := c.Admin.CoreV1().Pods("burst").DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		var left, reservations int
+		err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+			burst, err := c.Admin.CoreV1().Pods("burst").List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			res, err := c.Admin.CoreV1().Pods(scheduler.DefaultReservationNamespace).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			// What is left is held by the examples in default.
+			def, err := c.Admin.CoreV1().Pods("default").List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			groups := map[string]bool{}
+			for _, p := range def.Items {
+				for _, g := range api.SplitList(p.Annotations[api.GPUGroupsAnnotation]) {
+					groups[g] = true
+				}
+			}
+			left, reservations = len(burst.Items), len(res.Items)
+			return left == 0 && reservations == len(groups), nil
+		})
+		if err != nil {
+			t.Fatalf("after deleting the burst: %d of its pods and %d reservation pods left", left, reservations)
+		}
+		checkAudit(t, c)
+	})
+
+	t.Run("down leaves no process", func(t *testing.T) {
+		raw, err := os.ReadFile(filepath.Join(dir, "up.pid"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The pid file names this test process first, then its children:
+		// etcd, kube-apiserver, the node agents, KWOK and the scheduler.
+		pids := strings.Fields(string(raw))[1:]
+		if len(pids) != 8+4 {
+			t.Errorf("up.pid names %d children, want 12 (etcd, kube-apiserver, 8 node agents, KWOK, scheduler)", len(pids))
+		}
+		c.Down()
+		for _, pid := range pids {
+			if stat, err := os.ReadFile("/proc/" + pid + "/stat"); err == nil && !strings.Contains(string(stat), ") Z ") {
+				t.Errorf("process %s still running after down: %s", pid, stat)
+			}
 		}
 	})
 }

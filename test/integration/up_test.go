@@ -19,7 +19,7 @@ func TestLocalClusterDemo(t *testing.T) {
 		t.Fatalf("gpufrac up --demo: %v\n%s", err, out)
 	}
 	for _, want := range []string{
-		"gpufrac up: ready in", "every pod placed", "gpu-node-1  8 × NVIDIA-H100-80GB-HBM3 80Gi  ready",
+		"gpufrac up: ready in", "every pod placed and Running", "gpu-node-1  8 × NVIDIA-H100-80GB-HBM3 80Gi  ready",
 		"default/fraction-half", "compute 0.25", "0 fraction(s) pending",
 		`denied the request: container "main": gpu-fraction "1.5" must be greater than 0 and less than 1`,
 		"stopped; no process left",
@@ -46,7 +46,7 @@ func TestLocalClusterDown(t *testing.T) {
 	go func() { done <- up.Wait() }()
 	var pids []int
 	deadline := time.Now().Add(2 * time.Minute)
-	for len(pids) < 5 && time.Now().Before(deadline) { // up, etcd, kube-apiserver, an agent, the scheduler
+	for len(pids) < 6 && time.Now().Before(deadline) { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler
 		time.Sleep(200 * time.Millisecond)
 		raw, _ := os.ReadFile(filepath.Join(dir, "up.pid"))
 		pids = pids[:0]
@@ -56,9 +56,9 @@ func TestLocalClusterDown(t *testing.T) {
 			}
 		}
 	}
-	if len(pids) < 5 {
+	if len(pids) < 6 {
 		raw, _ := os.ReadFile(filepath.Join(dir, "up.out"))
-		t.Fatalf("up.pid lists %v, want up and its 4 children\n%s", pids, raw)
+		t.Fatalf("up.pid lists %v, want up and its 5 children\n%s", pids, raw)
 	}
 	if out, err := exec.Command(gpufracBinary(t), "down", "--dir", dir).CombinedOutput(); err != nil {
 		t.Fatalf("gpufrac down: %v\n%s", err, out)
