@@ -13,6 +13,11 @@ KUBE_LDFLAGS  := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) \
                  -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 \
                  -X k8s.io/component-base/version.gitTreeState=clean
 export KUBEBUILDER_ASSETS := $(KUBE_BIN)
+# KWOK, the local cluster's fake kubelets, and Helm, for the chart's lint and
+# render test: each built from source in a module of its own (hack/).
+KWOK          := $(BIN)/kwok
+HELM          := $(BIN)/helm
+CHART         := deploy/helm/gpufrac
 # go-nvml needs cgo; its header marks calls deprecated that it still wraps.
 export CGO_ENABLED := 1
 export CGO_CFLAGS  := -O2 -g -Wno-deprecated-declarations
@@ -33,7 +38,7 @@ shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for frac
 	$(GO) run ./shim/cmd/build-shim $(BIN)/shim
 
 .PHONY: demo
-demo: build $(KUBE_STAMP) ## the main job: a local GPU-fraction cluster places examples/, shows every GPU, refuses a bad pod, stops
+demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster places examples/, shows every GPU, refuses a bad pod, stops
 	$(BIN)/gpufrac up --demo
 
 .PHONY: test
@@ -45,12 +50,12 @@ test: verify unit ## the whole suite: formatting, vet, lint, then every test
 # which would make them ten times slower.
 TRACE_TESTS := ^(TestFidelityToThePublishedStudy|TestQualityOurPolicyBeatsFGD)$$
 
-unit: $(KUBE_STAMP) ## every test: with the race detector, then the trace replays without it
+unit: $(KUBE_STAMP) $(KWOK) $(HELM) ## every test: with the race detector, then the trace replays without it
 	$(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
 	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
 
 .PHONY: e2e
-e2e: $(KUBE_STAMP) ## end to end on a local cluster (gpufrac up): examples, a forged key, crashes during a burst of 500 (also in make test)
+e2e: $(KUBE_STAMP) $(KWOK) ## end to end on a local cluster (gpufrac up): examples, a forged key, crashes during a burst of 500 (also in make test)
 	$(GO) test -count=1 -v ./test/e2e/
 
 .PHONY: kube-binaries
@@ -61,8 +66,28 @@ $(KUBE_STAMP): hack/kube/go.mod hack/kube/go.sum
 	mv -f $(KUBE_BIN)/server $(KUBE_BIN)/etcd
 	@touch $@
 
+.PHONY: kwok
+kwok: $(KWOK) ## build KWOK (the local cluster's fake kubelets) into bin/
+
+$(KWOK): hack/kwok/go.mod hack/kwok/go.sum
+	cd hack/kwok && $(GO) build -o $(BIN)/ tool
+	@touch $@
+
+.PHONY: helm
+helm: $(HELM) ## build Helm into bin/ (for the chart's lint and render test)
+
+$(HELM): hack/helm/go.mod hack/helm/go.sum
+	cd hack/helm && $(GO) build -o $(BIN)/ tool
+	@touch $@
+
+.PHONY: chart-lint
+chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler (its render test is in test/integration)
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART)
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set webhook.certificates.provider=certManager
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set scheduler.enabled=false,nodeAgent.restrictToOwnNode=false
+
 .PHONY: verify
-verify: fmt-check vet lint tidy-check ## static checks only
+verify: fmt-check vet lint tidy-check chart-lint ## static checks only
 
 .PHONY: fmt-check
 fmt-check:

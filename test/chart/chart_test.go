@@ -1,0 +1,495 @@
+// Package chart renders the Helm chart deploy/helm/gpufrac with the real
+// Helm (bin/helm, built by make helm) and checks what it renders: that it
+// says what the reference manifests in deploy/ say, that its certificates
+// are sound, and that the real kube-apiserver accepts all of it and
+// enforces the node agent's bound.
+package chart
+
+import (
+	"bytes"
+	"context"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
+	schedscheme "k8s.io/kubernetes/pkg/scheduler/apis/config/scheme"
+	schedvalidation "k8s.io/kubernetes/pkg/scheduler/apis/config/validation"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/scheduler"
+)
+
+const (
+	release   = "gpufrac"
+	namespace = "gpufrac-system"
+)
+
+// render runs helm template on the chart with extra arguments (--set ...)
+// and returns the objects, or helm's error output.
+func render(t *testing.T, args ...string) ([]*unstructured.Unstructured, error) {
+	t.Helper()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	helm := filepath.Join(root, "bin", "helm")
+	if _, err := os.Stat(helm); err != nil {
+		t.Fatalf("%s not found: run `make helm` (or `make test`, which builds it)", helm)
+	}
+	cmd := exec.Command(helm, append([]string{"template", release, filepath.Join(root, "deploy", "helm", "gpufrac"),
+		"--namespace", namespace, "--kube-version", "1.37.2"}, args...)...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("helm template: %w: %s", err, stderr.String())
+	}
+	return decode(t, out), nil
+}
+
+func mustRender(t *testing.T, args ...string) []*unstructured.Unstructured {
+	t.Helper()
+	objs, err := render(t, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return objs
+}
+
+func decode(t *testing.T, raw []byte) []*unstructured.Unstructured {
+	t.Helper()
+	var objs []*unstructured.Unstructured
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(raw), 4096)
+	for {
+		var m map[string]any
+		err := dec.Decode(&m)
+		if errors.Is(err, io.EOF) {
+			return objs
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m != nil {
+			objs = append(objs, &unstructured.Unstructured{Object: m})
+		}
+	}
+}
+
+func readManifests(t *testing.T, files ...string) []*unstructured.Unstructured {
+	t.Helper()
+	root, _ := testenv.RepoRoot()
+	var objs []*unstructured.Unstructured
+	for _, f := range files {
+		raw, err := os.ReadFile(filepath.Join(root, "deploy", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		objs = append(objs, decode(t, raw)...)
+	}
+	return objs
+}
+
+func find(objs []*unstructured.Unstructured, kind, ns, name string) *unstructured.Unstructured {
+	for _, o := range objs {
+		if o.GetKind() == kind && o.GetNamespace() == ns && o.GetName() == name {
+			return o
+		}
+	}
+	return nil
+}
+
+func kinds(objs []*unstructured.Unstructured) []string {
+	var out []string
+	for _, o := range objs {
+		out = append(out, o.GetKind()+" "+o.GetName())
+	}
+	return out
+}
+
+var spaces = regexp.MustCompile(`\s+`)
+
+// webhooks returns a configuration's webhooks with what may differ between
+// an install and the reference manifest (the CA, the expression's line
+// breaks) taken out.
+func webhooks(t *testing.T, o *unstructured.Unstructured) []any {
+	t.Helper()
+	list, _, _ := unstructured.NestedSlice(o.Object, "webhooks")
+	for _, w := range list {
+		w := w.(map[string]any)
+		unstructured.RemoveNestedField(w, "clientConfig", "caBundle")
+		conds, _, _ := unstructured.NestedSlice(w, "matchConditions")
+		for _, c := range conds {
+			c := c.(map[string]any)
+			c["expression"] = strings.TrimSpace(spaces.ReplaceAllString(c["expression"].(string), " "))
+		}
+		_ = unstructured.SetNestedSlice(w, conds, "matchConditions")
+	}
+	return list
+}
+
+// With its defaults, the chart grants exactly the RBAC of the reference
+// manifests in deploy/, registers the same webhooks, and mounts the same
+// scheduler configuration: one definition of least privilege.
+func TestChartSaysWhatDeploySays(t *testing.T) {
+	chart := mustRender(t)
+	ref := readManifests(t, "scheduler/scheduler.yaml", "node-agent/node-agent.yaml", "webhook/server.yaml", "webhook/configurations.yaml")
+	compared := 0
+	for _, r := range ref {
+		c := find(chart, r.GetKind(), r.GetNamespace(), r.GetName())
+		var fields [][]string
+		switch r.GetKind() {
+		case "ClusterRole", "Role":
+			fields = [][]string{{"rules"}}
+		case "ClusterRoleBinding", "RoleBinding":
+			fields = [][]string{{"roleRef"}, {"subjects"}}
+		case "ServiceAccount", "Service":
+			fields = [][]string{{"automountServiceAccountToken"}, {"spec", "ports"}}
+		case "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration":
+			if c == nil {
+				t.Errorf("the chart has no %s %s", r.GetKind(), r.GetName())
+				continue
+			}
+			if diff := cmp.Diff(webhooks(t, r), webhooks(t, c)); diff != "" {
+				t.Errorf("%s %s: the chart differs from deploy/ (-deploy +chart):\n%s", r.GetKind(), r.GetName(), diff)
+			}
+			compared++
+			continue
+		case "ConfigMap":
+			if c == nil {
+				t.Errorf("the chart has no ConfigMap %s/%s", r.GetNamespace(), r.GetName())
+				continue
+			}
+			var a, b map[string]any
+			ra, _, _ := unstructured.NestedString(r.Object, "data", "config.yaml")
+			rb, _, _ := unstructured.NestedString(c.Object, "data", "config.yaml")
+			if err := utilyaml.Unmarshal([]byte(ra), &a); err != nil {
+				t.Fatal(err)
+			}
+			if err := utilyaml.Unmarshal([]byte(rb), &b); err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff(a, b); diff != "" {
+				t.Errorf("scheduler configuration: the chart differs from deploy/ (-deploy +chart):\n%s", diff)
+			}
+			compared++
+			continue
+		default:
+			continue // workloads differ in image and probes by design
+		}
+		if c == nil {
+			t.Errorf("the chart has no %s %s/%s; it has %v", r.GetKind(), r.GetNamespace(), r.GetName(), kinds(chart))
+			continue
+		}
+		for _, f := range fields {
+			a, _, _ := unstructured.NestedFieldNoCopy(r.Object, f...)
+			b, _, _ := unstructured.NestedFieldNoCopy(c.Object, f...)
+			if diff := cmp.Diff(a, b); diff != "" {
+				t.Errorf("%s %s/%s .%s: the chart differs from deploy/ (-deploy +chart):\n%s", r.GetKind(), r.GetNamespace(), r.GetName(), strings.Join(f, "."), diff)
+			}
+		}
+		compared++
+	}
+	if compared < 20 {
+		t.Fatalf("compared only %d objects", compared)
+	}
+	// And nothing more is granted than deploy/ grants, bar the policy that
+	// narrows the node agent.
+	for _, c := range chart {
+		switch c.GetKind() {
+		case "ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding":
+			if find(ref, c.GetKind(), c.GetNamespace(), c.GetName()) == nil {
+				t.Errorf("the chart grants %s %s/%s, which deploy/ does not", c.GetKind(), c.GetNamespace(), c.GetName())
+			}
+		}
+	}
+}
+
+// The scheduler configuration the chart renders is one kube-scheduler
+// accepts, with arguments the plugin accepts, for the defaults and for
+// every setting the values offer.
+func TestChartSchedulerConfigIsValid(t *testing.T) {
+	for _, set := range []string{
+		"",
+		"scheduler.policy=fgd,scheduler.gpuMemoryReserveMiB=1024,scheduler.gpuMemoryReserveMiBByModel.NVIDIA-H100-80GB-HBM3=2048,scheduler.bindTimeout=30s,scheduler.schedulerName=fractions",
+	} {
+		var args []string
+		if set != "" {
+			args = []string{"--set", set}
+		}
+		cm := find(mustRender(t, args...), "ConfigMap", namespace, "gpufrac-scheduler-config")
+		raw, _, _ := unstructured.NestedString(cm.Object, "data", "config.yaml")
+		obj, _, err := schedscheme.Codecs.UniversalDecoder().Decode([]byte(raw), nil, nil)
+		if err != nil {
+			t.Fatalf("--set %q: kube-scheduler cannot read the configuration: %v\n%s", set, err, raw)
+		}
+		cfg := obj.(*schedconfig.KubeSchedulerConfiguration)
+		if err := schedvalidation.ValidateKubeSchedulerConfiguration(cfg); err != nil {
+			t.Fatalf("--set %q: %v", set, err)
+		}
+		if len(cfg.Profiles) != 1 || len(cfg.Profiles[0].PluginConfig) == 0 {
+			t.Fatalf("--set %q: profiles %+v", set, cfg.Profiles)
+		}
+		var pluginArgs scheduler.Args
+		found := false
+		for _, pc := range cfg.Profiles[0].PluginConfig {
+			if pc.Name == scheduler.Name {
+				found = true
+				pluginArgs, err = scheduler.DecodeArgs(pc.Args)
+				if err != nil {
+					t.Fatalf("--set %q: %v", set, err)
+				}
+			}
+		}
+		if !found {
+			t.Fatalf("--set %q: no %s arguments", set, scheduler.Name)
+		}
+		if set != "" && (pluginArgs.Policy != "fgd" || pluginArgs.GPUMemoryReserveMiB != 1024 ||
+			pluginArgs.GPUMemoryReserveMiBByModel["NVIDIA-H100-80GB-HBM3"] != 2048 || cfg.Profiles[0].SchedulerName != "fractions") {
+			t.Errorf("--set %q: got %+v, profile %s", set, pluginArgs, cfg.Profiles[0].SchedulerName)
+		}
+	}
+}
+
+// Without cert-manager the chart generates a CA and a serving certificate
+// for the webhook's Service name, and both configurations trust that CA;
+// with cert-manager it asks cert-manager for them instead.
+func TestChartCertificates(t *testing.T) {
+	t.Run("generated", func(t *testing.T) {
+		objs := mustRender(t)
+		secret := find(objs, "Secret", namespace, "gpufrac-webhook-tls")
+		if secret == nil {
+			t.Fatalf("no Secret gpufrac-webhook-tls: %v", kinds(objs))
+		}
+		pemOf := func(key string) []byte {
+			s, _, _ := unstructured.NestedString(secret.Object, "data", key)
+			raw, err := base64.StdEncoding.DecodeString(s)
+			if err != nil {
+				t.Fatalf("%s: %v", key, err)
+			}
+			return raw
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pemOf("ca.crt")) {
+			t.Fatal("ca.crt holds no certificate")
+		}
+		block, _ := pem.Decode(pemOf("tls.crt"))
+		if block == nil {
+			t.Fatal("tls.crt holds no certificate")
+		}
+		cert, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cert.Verify(x509.VerifyOptions{DNSName: "gpufrac-webhook.gpufrac-system.svc", Roots: roots}); err != nil {
+			t.Fatalf("the serving certificate does not verify for the Service: %v", err)
+		}
+		if key, _ := pem.Decode(pemOf("tls.key")); key == nil {
+			t.Fatal("tls.key holds no key")
+		}
+		ca, _, _ := unstructured.NestedString(secret.Object, "data", "ca.crt")
+		for _, kind := range []string{"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"} {
+			list, _, _ := unstructured.NestedSlice(find(objs, kind, "", "gpufrac").Object, "webhooks")
+			for _, w := range list {
+				if got, _, _ := unstructured.NestedString(w.(map[string]any), "clientConfig", "caBundle"); got != ca {
+					t.Errorf("%s: a webhook's caBundle is not the generated CA", kind)
+				}
+			}
+		}
+	})
+	for name, args := range map[string][]string{
+		"cert-manager found":  {"--api-versions", "cert-manager.io/v1"},
+		"cert-manager forced": {"--set", "webhook.certificates.provider=certManager"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			objs := mustRender(t, args...)
+			if s := find(objs, "Secret", namespace, "gpufrac-webhook-tls"); s != nil {
+				t.Error("a generated Secret next to cert-manager's")
+			}
+			cert := find(objs, "Certificate", namespace, "gpufrac-webhook")
+			if cert == nil || find(objs, "Issuer", namespace, "gpufrac-webhook") == nil {
+				t.Fatalf("no Certificate and Issuer: %v", kinds(objs))
+			}
+			secretName, _, _ := unstructured.NestedString(cert.Object, "spec", "secretName")
+			dns, _, _ := unstructured.NestedStringSlice(cert.Object, "spec", "dnsNames")
+			if secretName != "gpufrac-webhook-tls" || !slices.Contains(dns, "gpufrac-webhook.gpufrac-system.svc") {
+				t.Errorf("Certificate: secret %q, names %v", secretName, dns)
+			}
+			for _, kind := range []string{"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"} {
+				o := find(objs, kind, "", "gpufrac")
+				if o.GetAnnotations()["cert-manager.io/inject-ca-from"] != "gpufrac-system/gpufrac-webhook" {
+					t.Errorf("%s: no cert-manager CA injection: %v", kind, o.GetAnnotations())
+				}
+			}
+		})
+	}
+	t.Run("a bad provider is refused", func(t *testing.T) {
+		_, err := render(t, "--set", "webhook.certificates.provider=vault")
+		if err == nil || !strings.Contains(err.Error(), `webhook.certificates.provider "vault": must be auto, certManager or generated`) {
+			t.Fatalf("got %v", err)
+		}
+	})
+}
+
+// With scheduler.enabled=false (another scheduler, e.g. KAI's, places the
+// pods) nothing of the scheduler is installed and the webhook no longer
+// redirects pods to it.
+func TestChartWithoutScheduler(t *testing.T) {
+	objs := mustRender(t, "--set", "scheduler.enabled=false", "--set", "webhook.extraSchedulerUsers={system:serviceaccount:kai-scheduler:kai-scheduler}")
+	for _, o := range objs {
+		if strings.Contains(o.GetName(), "scheduler") {
+			t.Errorf("%s %s installed with the scheduler off", o.GetKind(), o.GetName())
+		}
+	}
+	dep := find(objs, "Deployment", namespace, "gpufrac-webhook")
+	containers, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+	args, _, _ := unstructured.NestedStringSlice(containers[0].(map[string]any), "args")
+	if slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "--scheduler-name") }) ||
+		!slices.Contains(args, "--scheduler-user=system:serviceaccount:kai-scheduler:kai-scheduler") {
+		t.Errorf("webhook args: %v", args)
+	}
+}
+
+// The real kube-apiserver accepts every object the chart renders (schemas,
+// CEL expressions, RBAC), and the admission policy keeps each node agent
+// to its own node and that node's pods.
+func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
+	env, err := testenv.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := env.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	admin, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	resources, err := admin.Discovery().ServerPreferredResources()
+	if err != nil {
+		t.Fatal(err)
+	}
+	plural := map[schema.GroupVersionKind]string{}
+	for _, list := range resources {
+		gv, _ := schema.ParseGroupVersion(list.GroupVersion)
+		for _, r := range list.APIResources {
+			plural[gv.WithKind(r.Kind)] = r.Name
+		}
+	}
+	for _, o := range mustRender(t) {
+		gvk := o.GroupVersionKind()
+		res, ok := plural[gvk]
+		if !ok {
+			t.Fatalf("%s %s: kube-apiserver v1.37 serves no %s", gvk.Kind, o.GetName(), gvk)
+		}
+		var client dynamic.ResourceInterface = dyn.Resource(gvk.GroupVersion().WithResource(res))
+		if o.GetNamespace() != "" {
+			client = dyn.Resource(gvk.GroupVersion().WithResource(res)).Namespace(o.GetNamespace())
+		}
+		if _, err := client.Create(ctx, o, metav1.CreateOptions{FieldValidation: "Strict"}); err != nil {
+			t.Fatalf("kube-apiserver refuses %s %s: %v", gvk.Kind, o.GetName(), err)
+		}
+	}
+
+	for _, n := range []string{"gpu-a", "gpu-b"} {
+		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The agent on gpu-a, as its pod-bound token presents it.
+	agent := func(node string) kubernetes.Interface {
+		c := rest.CopyConfig(cfg)
+		c.Impersonate = rest.ImpersonationConfig{
+			UserName: "system:serviceaccount:gpufrac-system:gpufrac-node-agent",
+			Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:gpufrac-system", "system:authenticated"},
+		}
+		if node != "" {
+			c.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {node}}
+		}
+		return kubernetes.NewForConfigOrDie(c)
+	}
+	label := func(client kubernetes.Interface, node string) error {
+		_, err := client.CoreV1().Nodes().Patch(ctx, node, types.MergePatchType,
+			[]byte(`{"metadata":{"labels":{"nvidia.com/gpu.count":"8"}}}`), metav1.PatchOptions{})
+		return err
+	}
+	// The policy takes effect once the API server has loaded it.
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return label(agent("gpu-a"), "gpu-b") != nil, nil
+	})
+	if err != nil {
+		t.Fatal("the agent on gpu-a could still label gpu-b after 30s")
+	}
+	err = label(agent("gpu-a"), "gpu-b")
+	if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), `the gpufrac node agent on node "gpu-a" may change only its own node and its pods, not nodes "gpu-b"`) {
+		t.Errorf("agent on gpu-a labelling gpu-b: %v", err)
+	}
+	if err := label(agent("gpu-a"), "gpu-a"); err != nil {
+		t.Errorf("agent on gpu-a labelling gpu-a: %v", err)
+	}
+	if err := label(agent(""), "gpu-a"); !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "token names no node") {
+		t.Errorf("agent with no node claim labelling gpu-a: %v", err)
+	}
+	// Its own node's status (the readiness condition) too.
+	status := []byte(`{"status":{"conditions":[{"type":"gpu-fractioning.nvidia.com/Ready","status":"True","reason":"Test"}]}}`)
+	if _, err := agent("gpu-a").CoreV1().Nodes().Patch(ctx, "gpu-b", types.StrategicMergePatchType, status, metav1.PatchOptions{}, "status"); !apierrors.IsForbidden(err) {
+		t.Errorf("agent on gpu-a setting gpu-b's condition: %v", err)
+	}
+	if _, err := agent("gpu-a").CoreV1().Nodes().Patch(ctx, "gpu-a", types.StrategicMergePatchType, status, metav1.PatchOptions{}, "status"); err != nil {
+		t.Errorf("agent on gpu-a setting its condition: %v", err)
+	}
+	// Reservation pods: only those bound to its node.
+	for _, n := range []string{"gpu-a", "gpu-b"} {
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "reservation-" + n, Namespace: "gpufrac-reservations"},
+			Spec:       corev1.PodSpec{NodeName: n, Containers: []corev1.Container{{Name: "pause", Image: "pause"}}},
+		}
+		if _, err := admin.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	uuid := func(pod string) error {
+		_, err := agent("gpu-a").CoreV1().Pods("gpufrac-reservations").Patch(ctx, pod, types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"gpufrac.io/reserved-gpu-uuid":"GPU-1"}}}`), metav1.PatchOptions{})
+		return err
+	}
+	if err := uuid("reservation-gpu-a"); err != nil {
+		t.Errorf("agent on gpu-a annotating its reservation pod: %v", err)
+	}
+	if err := uuid("reservation-gpu-b"); !apierrors.IsForbidden(err) {
+		t.Errorf("agent on gpu-a annotating gpu-b's reservation pod: %v", err)
+	}
+}
