@@ -4,10 +4,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
 )
 
 // `gpufrac up --demo` brings the whole stack up on loopback, places the
@@ -70,5 +73,93 @@ func TestLocalClusterDown(t *testing.T) {
 		if stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat"); err == nil && !strings.Contains(string(stat), ") Z ") {
 			t.Errorf("process %d still running after gpufrac down: %s", pid, stat)
 		}
+	}
+}
+
+// The README's five-minute tour works as written: its commands, after the
+// set-up block, run against a `gpufrac up` cluster with the kubectl built
+// alongside kube-apiserver, and say what the README says they say.
+func TestReadmeTour(t *testing.T) {
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeDir, err := testenv.AssetsDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(kubeDir, "kubectl")); err != nil {
+		t.Fatalf("kubectl not in %s: run `make kube-binaries`", kubeDir)
+	}
+	readme, err := os.ReadFile(filepath.Join(root, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tour, _, _ := strings.Cut(string(readme[strings.Index(string(readme), "## A five-minute tour"):])[3:], "\n## ")
+	blocks := regexp.MustCompile("(?s)```sh\n(.*?)```").FindAllStringSubmatch(tour, -1)
+	if len(blocks) != 3 {
+		t.Fatalf("the tour has %d shell blocks, want 3 (set-up, apply, refusals)", len(blocks))
+	}
+
+	dir := t.TempDir()
+	bin := gpufracBinary(t)
+	up := exec.Command(bin, "up", "--nodes", "2", "--dir", dir)
+	log, err := os.Create(filepath.Join(dir, "up.out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	up.Stdout, up.Stderr = log, log
+	if err := up.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = exec.Command(bin, "down", "--dir", dir).Run()
+		_ = up.Wait()
+	})
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		raw, _ := os.ReadFile(filepath.Join(dir, "up.out"))
+		if strings.Contains(string(raw), "gpufrac up: running") {
+			break
+		}
+		if time.Now().After(deadline) || up.ProcessState != nil {
+			t.Fatalf("gpufrac up did not come up:\n%s", raw)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+
+	// The tour's own commands, with this test's binary and state directory;
+	// the test stops the cluster itself.
+	script := blocks[1][1] + blocks[2][1]
+	script = strings.ReplaceAll(script, "bin/gpufrac down\n", "")
+	script = strings.ReplaceAll(script, "bin/gpufrac ", bin+" ")
+	cmd := exec.Command("bash", "-c", script)
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+filepath.Join(dir, "kubeconfig"), "PATH="+kubeDir+":"+os.Getenv("PATH"))
+	raw, _ := cmd.CombinedOutput()
+	out := string(raw)
+	before, after, found := strings.Cut(out, `pod "trainer" deleted`)
+	if !found {
+		t.Fatalf("the tour did not delete its pods:\n%s", out)
+	}
+	for _, want := range []*regexp.Regexp{
+		regexp.MustCompile(`pod/trainer created`),
+		regexp.MustCompile(`pod/server created`),
+		regexp.MustCompile(`pod/trainer condition met`),
+		regexp.MustCompile(`trainer\s+1/1\s+Running`),
+		regexp.MustCompile(`server\s+1/1\s+Running`),
+		regexp.MustCompile(`default/trainer\s+40Gi\s+40Gi`),
+		regexp.MustCompile(`default/server\s+20Gi\s+20Gi\s+compute 0.25`),
+		regexp.MustCompile(`"nvidia.com/container.main.gpus.devices":"GPU-`),
+		regexp.MustCompile(`denied the request: .*nvidia.com/container.main.gpus.devices`),
+		regexp.MustCompile(`OK Pod default/fraction-half`),
+		regexp.MustCompile(`audit: clean`),
+	} {
+		if !want.MatchString(before) {
+			t.Errorf("the tour's output lacks %q:\n%s", want, before)
+		}
+	}
+	if strings.Contains(after, "default/trainer") || strings.Contains(after, "default/server") || !strings.Contains(after, "idle GPUs: 8") {
+		t.Errorf("after the delete, gpufrac top still shows the tour's pods:\n%s", after)
 	}
 }
