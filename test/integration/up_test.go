@@ -162,4 +162,15 @@ func TestReadmeTour(t *testing.T) {
 	if strings.Contains(after, "default/trainer") || strings.Contains(after, "default/server") || !strings.Contains(after, "idle GPUs: 8") {
 		t.Errorf("after the delete, gpufrac top still shows the tour's pods:\n%s", after)
 	}
+
+	// As the kubectl plugin the README says it is: kubectl-gpufrac on PATH.
+	plugins := t.TempDir()
+	if err := os.Symlink(bin, filepath.Join(plugins, "kubectl-gpufrac")); err != nil {
+		t.Fatal(err)
+	}
+	plugin := exec.Command(filepath.Join(kubeDir, "kubectl"), "gpufrac", "top", "-o", "json")
+	plugin.Env = append(os.Environ(), "KUBECONFIG="+filepath.Join(dir, "kubeconfig"), "PATH="+plugins+":"+os.Getenv("PATH"))
+	if raw, err := plugin.CombinedOutput(); err != nil || !strings.Contains(string(raw), `"gpu-node-2"`) {
+		t.Errorf("kubectl gpufrac top -o json: %v\n%s", err, raw)
+	}
 }
