@@ -108,7 +108,7 @@ func TestFidelityToThePublishedStudy(t *testing.T) {
 // every trace is `make sim-table`, and its table is in the README).
 func TestQualityOurPolicyBeatsFGD(t *testing.T) {
 	seeds := []int64{42, 43}
-	for _, trace := range []string{"default", "gpushare60"} {
+	for _, trace := range []string{"default", "gpushare60", "multigpu30", "cpu300"} {
 		mean := func(curves []Curve) float64 {
 			var s float64
 			for _, c := range curves {
