@@ -33,10 +33,13 @@ func TestLocalClusterDemo(t *testing.T) {
 	}
 }
 
-// `gpufrac down` stops a running `gpufrac up` and every process it started.
-func TestLocalClusterDown(t *testing.T) {
-	dir := t.TempDir()
-	up := exec.Command(gpufracBinary(t), "up", "--nodes", "1", "--dir", dir)
+// startUp runs `gpufrac up --nodes n` in the background and returns once
+// it reports running, with its state directory and its exit status to
+// come. It fails the test if up exits or stalls first.
+func startUp(t *testing.T, nodes int) (dir string, done <-chan error) {
+	t.Helper()
+	dir = t.TempDir()
+	up := exec.Command(gpufracBinary(t), "up", "--nodes", strconv.Itoa(nodes), "--dir", dir)
 	log, err := os.Create(filepath.Join(dir, "up.out"))
 	if err != nil {
 		t.Fatal(err)
@@ -45,23 +48,37 @@ func TestLocalClusterDown(t *testing.T) {
 	if err := up.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- up.Wait() }()
-	var pids []int
-	deadline := time.Now().Add(2 * time.Minute)
-	for len(pids) < 6 && time.Now().Before(deadline) { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler
-		time.Sleep(200 * time.Millisecond)
-		raw, _ := os.ReadFile(filepath.Join(dir, "up.pid"))
-		pids = pids[:0]
-		for _, f := range strings.Fields(string(raw)) {
-			if p, err := strconv.Atoi(f); err == nil {
-				pids = append(pids, p)
-			}
+	exited := make(chan error, 1)
+	go func() { exited <- up.Wait() }()
+	deadline := time.After(2 * time.Minute)
+	for {
+		raw, _ := os.ReadFile(filepath.Join(dir, "up.out"))
+		if strings.Contains(string(raw), "gpufrac up: running") {
+			return dir, exited
+		}
+		select {
+		case err := <-exited:
+			t.Fatalf("gpufrac up exited (%v) before it was running:\n%s", err, raw)
+		case <-deadline:
+			_ = up.Process.Kill()
+			t.Fatalf("gpufrac up was not running after 2 minutes:\n%s", raw)
+		case <-time.After(200 * time.Millisecond):
 		}
 	}
-	if len(pids) < 6 {
-		raw, _ := os.ReadFile(filepath.Join(dir, "up.out"))
-		t.Fatalf("up.pid lists %v, want up and its 5 children\n%s", pids, raw)
+}
+
+// `gpufrac down` stops a running `gpufrac up` and every process it started.
+func TestLocalClusterDown(t *testing.T) {
+	dir, done := startUp(t, 1)
+	var pids []int
+	raw, _ := os.ReadFile(filepath.Join(dir, "up.pid"))
+	for _, f := range strings.Fields(string(raw)) {
+		if p, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, p)
+		}
+	}
+	if len(pids) < 6 { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler
+		t.Fatalf("up.pid lists %v, want up and its 5 children", pids)
 	}
 	if out, err := exec.Command(gpufracBinary(t), "down", "--dir", dir).CombinedOutput(); err != nil {
 		t.Fatalf("gpufrac down: %v\n%s", err, out)
@@ -101,32 +118,14 @@ func TestReadmeTour(t *testing.T) {
 		t.Fatalf("the tour has %d shell blocks, want 3 (set-up, apply, refusals)", len(blocks))
 	}
 
-	dir := t.TempDir()
 	bin := gpufracBinary(t)
-	up := exec.Command(bin, "up", "--nodes", "2", "--dir", dir)
-	log, err := os.Create(filepath.Join(dir, "up.out"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	up.Stdout, up.Stderr = log, log
-	if err := up.Start(); err != nil {
-		t.Fatal(err)
-	}
+	dir, done := startUp(t, 2)
 	t.Cleanup(func() {
 		_ = exec.Command(bin, "down", "--dir", dir).Run()
-		_ = up.Wait()
+		if err := <-done; err != nil {
+			t.Errorf("gpufrac up exited with %v", err)
+		}
 	})
-	deadline := time.Now().Add(2 * time.Minute)
-	for {
-		raw, _ := os.ReadFile(filepath.Join(dir, "up.out"))
-		if strings.Contains(string(raw), "gpufrac up: running") {
-			break
-		}
-		if time.Now().After(deadline) || up.ProcessState != nil {
-			t.Fatalf("gpufrac up did not come up:\n%s", raw)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
 
 	// The tour's own commands, with this test's binary and state directory;
 	// the test stops the cluster itself.
