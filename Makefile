@@ -113,7 +113,7 @@ fuzz: ## fuzz the annotation parser, the manifest, trace and scheduler-args read
 	$(GO) test ./pkg/sim -run '^$$' -fuzz '^FuzzLoadPods$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/scheduler -run '^$$' -fuzz '^FuzzDecodeArgs$$' -fuzztime $(FUZZTIME)
 
-TRACES ?= $(CURDIR)/../shared/traces/alibaba-gpu-v2023
+TRACES ?= $(CURDIR)/traces/alibaba-gpu-v2023
 
 .PHONY: sim
 sim: build ## one seed of every policy on the default Alibaba trace (TRACES=dir), with curves and a plot in _output/sim

@@ -1,7 +1,11 @@
 package sim
 
 import (
+	"bufio"
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"io/fs"
 	"math"
 	"math/rand"
 	"os"
@@ -11,7 +15,9 @@ import (
 	"testing"
 )
 
-const traceDir = "../../../shared/traces/alibaba-gpu-v2023"
+// traceDir is the trace as the repository carries it (its README says
+// where each file comes from and on what terms).
+const traceDir = "../../traces/alibaba-gpu-v2023"
 
 func load(t testing.TB) ([]NodeSpec, []PodSpec) { return loadTrace(t, "default") }
 
@@ -20,7 +26,7 @@ func loadTrace(t testing.TB, trace string) ([]NodeSpec, []PodSpec) {
 	open := func(name string) *os.File {
 		f, err := os.Open(filepath.Join(traceDir, name))
 		if err != nil {
-			t.Fatalf("the Alibaba trace is expected beside the repository (../shared/traces): %v", err)
+			t.Fatalf("the Alibaba trace is part of the repository (traces/alibaba-gpu-v2023): %v", err)
 		}
 		t.Cleanup(func() { _ = f.Close() })
 		return f
@@ -34,6 +40,52 @@ func loadTrace(t testing.TB, trace string) ([]NodeSpec, []PodSpec) {
 		t.Fatal(err)
 	}
 	return nodes, pods
+}
+
+// TestTraceFilesMatchTheirChecksums keeps the data the figures are measured
+// on byte-for-byte the upstream files: every CSV in the folder is listed in
+// SHA256SUMS and hashes to its entry.
+func TestTraceFilesMatchTheirChecksums(t *testing.T) {
+	sums, err := os.Open(filepath.Join(traceDir, "SHA256SUMS"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sums.Close() }()
+	want := map[string]string{}
+	lines := bufio.NewScanner(sums)
+	for lines.Scan() {
+		sum, name, ok := strings.Cut(lines.Text(), "  ")
+		if !ok {
+			t.Fatalf("SHA256SUMS: line %q is not \"<sha256>  <file>\"", lines.Text())
+		}
+		want[name] = sum
+	}
+	if err := lines.Err(); err != nil {
+		t.Fatal(err)
+	}
+	err = filepath.WalkDir(traceDir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || filepath.Ext(path) != ".csv" {
+			return err
+		}
+		name, _ := filepath.Rel(traceDir, path)
+		if _, listed := want[filepath.ToSlash(name)]; !listed {
+			t.Errorf("%s is not in SHA256SUMS", name)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, sum := range want {
+		data, err := os.ReadFile(filepath.Join(traceDir, name))
+		if err != nil {
+			t.Errorf("SHA256SUMS lists %s: %v", name, err)
+			continue
+		}
+		if got := sha256.Sum256(data); hex.EncodeToString(got[:]) != sum {
+			t.Errorf("%s: sha256 %x, SHA256SUMS says %s", name, got, sum)
+		}
+	}
 }
 
 func TestTheTraceLoadsAsTheStudyDescribes(t *testing.T) {
