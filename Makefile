@@ -5,16 +5,18 @@ BIN     := $(CURDIR)/bin
 TOOLS   := $(CURDIR)/hack/tools
 GOLANGCI_LINT := $(BIN)/golangci-lint
 BENCHSTAT     := $(BIN)/benchstat
-# The real control plane for integration tests, built from source (hack/kube).
+# The real control plane (kube-apiserver, etcd), KWOK (the local cluster's
+# fake kubelets), kubectl and Helm are built from source as tools of this
+# module (go.mod's tool block), so they and bin/gpufrac share one module
+# graph and Go compiles the Kubernetes packages they have in common once.
 KUBE_BIN      := $(BIN)/kube
 KUBE_STAMP    := $(KUBE_BIN)/.built
+KUBECTL       := $(KUBE_BIN)/kubectl
 KUBE_VERSION  := v1.37.2
 KUBE_LDFLAGS  := -X k8s.io/component-base/version.gitVersion=$(KUBE_VERSION) \
                  -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37 \
                  -X k8s.io/component-base/version.gitTreeState=clean
 export KUBEBUILDER_ASSETS := $(KUBE_BIN)
-# KWOK, the local cluster's fake kubelets, and Helm, for the chart's lint and
-# render test: each built from source in a module of its own (hack/).
 KWOK          := $(BIN)/kwok
 HELM          := $(BIN)/helm
 CHART         := deploy/helm/gpufrac
@@ -22,6 +24,7 @@ CHART         := deploy/helm/gpufrac
 export CGO_ENABLED := 1
 export CGO_CFLAGS  := -O2 -g -Wno-deprecated-declarations
 FUZZTIME ?= 5m
+, := ,
 
 .DEFAULT_GOAL := help
 
@@ -29,8 +32,17 @@ FUZZTIME ?= 5m
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+# Before a step that can take minutes, a line says what it builds and what
+# that costs the first time; later runs reuse Go's caches and bin/.
+announce = @printf '==> %s\n' $(1)
+
+.PHONY: preflight
+preflight: ## check the Go version and cgo's C compiler before anything long starts
+	@hack/preflight.sh
+
 .PHONY: build
-build: ## build bin/gpufrac
+build: preflight ## build bin/gpufrac
+	$(call announce,"bin/gpufrac: gpufrac with kube-scheduler$(,) client-go$(,) controller-runtime and go-nvml (first time: about 5.5 min on 2 cores$(,) module download included; seconds once cached)")
 	$(GO) build -o $(BIN)/gpufrac ./cmd/gpufrac
 
 .PHONY: shim
@@ -42,7 +54,7 @@ demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster 
 	$(BIN)/gpufrac up --demo
 
 .PHONY: test
-test: verify unit ## the whole suite: formatting, vet, lint, then every test
+test: preflight verify unit ## the whole suite: formatting, vet, lint, then every test
 
 .PHONY: unit
 # The trace replays (fidelity to the published study, our policy's margin)
@@ -50,8 +62,10 @@ test: verify unit ## the whole suite: formatting, vet, lint, then every test
 # which would make them ten times slower.
 TRACE_TESTS := ^(TestFidelityToThePublishedStudy|TestQualityOurPolicyBeatsFGD)$$
 
-unit: $(KUBE_STAMP) $(KWOK) $(HELM) ## every test: with the race detector, then the trace replays without it
+unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) ## every test: with the race detector, then the trace replays without it
+	$(call announce,"go test -race ./...: compiles every package again with the race detector (first time: about 7 min)$(,) then runs the suite (about 3 min)")
 	$(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
+	$(call announce,"the trace replays against the published study$(,) without the race detector (about 1.5 min)")
 	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
 
 .PHONY: e2e
@@ -59,26 +73,34 @@ e2e: $(KUBE_STAMP) $(KWOK) ## end to end on a local cluster (gpufrac up): exampl
 	$(GO) test -count=1 -v ./test/e2e/
 
 .PHONY: kube-binaries
-kube-binaries: $(KUBE_STAMP) ## build kube-apiserver and etcd from source into bin/kube (cold: ~10 min)
+kube-binaries: $(KUBE_STAMP) ## build kube-apiserver and etcd from source into bin/kube
 
-$(KUBE_STAMP): hack/kube/go.mod hack/kube/go.sum
-	cd hack/kube && $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ tool
+$(KUBE_STAMP): go.mod go.sum | preflight
+	$(call announce,"bin/kube: kube-apiserver $(KUBE_VERSION) and etcd v3.7.0 from source (first time: about 2.5 min after bin/gpufrac$(,) whose Kubernetes packages they reuse; kept until go.mod changes)")
+	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ k8s.io/kubernetes/cmd/kube-apiserver go.etcd.io/etcd/server/v3
 	mv -f $(KUBE_BIN)/server $(KUBE_BIN)/etcd
 	@touch $@
+
+.PHONY: kubectl
+kubectl: $(KUBECTL) ## build kubectl from source into bin/kube (for the README's tour; make test builds it too)
+
+$(KUBECTL): go.mod go.sum | preflight
+	$(call announce,"bin/kube/kubectl $(KUBE_VERSION) from source (first time: about 30 s after bin/kube; kept until go.mod changes)")
+	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubectl
 
 .PHONY: kwok
 kwok: $(KWOK) ## build KWOK (the local cluster's fake kubelets) into bin/
 
-$(KWOK): hack/kwok/go.mod hack/kwok/go.sum
-	cd hack/kwok && $(GO) build -o $(BIN)/ tool
-	@touch $@
+$(KWOK): go.mod go.sum | preflight
+	$(call announce,"bin/kwok: KWOK v0.8.0 from source$(,) the local cluster's fake kubelets (first time: about 30 s; kept until go.mod changes)")
+	$(GO) build -o $@ sigs.k8s.io/kwok/cmd/kwok
 
 .PHONY: helm
 helm: $(HELM) ## build Helm into bin/ (for the chart's lint and render test)
 
-$(HELM): hack/helm/go.mod hack/helm/go.sum
-	cd hack/helm && $(GO) build -o $(BIN)/ tool
-	@touch $@
+$(HELM): go.mod go.sum | preflight
+	$(call announce,"bin/helm: Helm v3.22.0 from source$(,) for the chart's lint and render test (first time: about 30 s; kept until go.mod changes)")
+	$(GO) build -o $@ helm.sh/helm/v3/cmd/helm
 
 .PHONY: chart-lint
 chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler (its render test is in test/integration)
@@ -87,7 +109,13 @@ chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set scheduler.enabled=false,nodeAgent.restrictToOwnNode=false
 
 .PHONY: verify
-verify: fmt-check vet lint tidy-check chart-lint ## static checks only
+verify: standalone-check fmt-check vet lint tidy-check chart-lint ## static checks only
+
+.PHONY: standalone-check
+# The pattern is spelt so that it does not match this rule itself.
+standalone-check: ## no tracked file reads the workspace's shared folder: a clone with nothing beside it must build, test and run
+	@if git grep -n -e '\.\./sha[r]ed' -- . ; then \
+		echo "standalone-check: the lines above read a folder beside the repository that a clone does not have; use what the repository carries (e.g. traces/)"; exit 1; fi
 
 .PHONY: fmt-check
 fmt-check:
@@ -96,10 +124,12 @@ fmt-check:
 
 .PHONY: vet
 vet:
+	$(call announce,"go vet ./...: compiles every package and its tests (first time: about 1.5 min)")
 	$(GO) vet ./...
 
 .PHONY: lint
 lint: $(GOLANGCI_LINT) ## golangci-lint, built from hack/tools at a pinned version
+	$(call announce,"golangci-lint run ./... (first time: about 1.5 min; its own cache keeps later runs short)")
 	$(GOLANGCI_LINT) run ./...
 
 .PHONY: tidy-check
@@ -148,7 +178,8 @@ bench-node: build $(KUBE_STAMP) ## node agent: CreateContainer adjustment ns/op,
 .PHONY: tools
 tools: $(GOLANGCI_LINT) $(BENCHSTAT) ## build the pinned developer tools into bin/
 
-$(GOLANGCI_LINT) $(BENCHSTAT): $(TOOLS)/go.mod $(TOOLS)/go.sum
+$(GOLANGCI_LINT) $(BENCHSTAT): $(TOOLS)/go.mod $(TOOLS)/go.sum | preflight
+	$(call announce,"bin/golangci-lint and bin/benchstat at pinned versions (hack/tools: a module of its own$(,) its dependencies are far from ours; first time: about 2 min)")
 	cd $(TOOLS) && $(GO) build -o $(BIN)/ tool
 	@touch $(GOLANGCI_LINT) $(BENCHSTAT)
 

@@ -1,6 +1,7 @@
 // Package testenv starts the real Kubernetes control plane for integration
 // tests: kube-apiserver and etcd built from source by `make kube-binaries`
-// (hack/kube), driven by controller-runtime's envtest.
+// (tools of gpufrac's own module, go.mod), driven by controller-runtime's
+// envtest.
 package testenv
 
 import (
