@@ -24,6 +24,7 @@ CHART         := deploy/helm/gpufrac
 export CGO_ENABLED := 1
 export CGO_CFLAGS  := -O2 -g -Wno-deprecated-declarations
 FUZZTIME ?= 5m
+# $(,) is a comma inside $(call ...)'s arguments.
 , := ,
 
 .DEFAULT_GOAL := help
@@ -87,6 +88,7 @@ kubectl: $(KUBECTL) ## build kubectl from source into bin/kube (for the README's
 $(KUBECTL): go.mod go.sum | preflight
 	$(call announce,"bin/kube/kubectl $(KUBE_VERSION) from source (first time: about 30 s after bin/kube; kept until go.mod changes)")
 	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubectl
+	@touch $@
 
 .PHONY: kwok
 kwok: $(KWOK) ## build KWOK (the local cluster's fake kubelets) into bin/
@@ -94,6 +96,7 @@ kwok: $(KWOK) ## build KWOK (the local cluster's fake kubelets) into bin/
 $(KWOK): go.mod go.sum | preflight
 	$(call announce,"bin/kwok: KWOK v0.8.0 from source$(,) the local cluster's fake kubelets (first time: about 30 s; kept until go.mod changes)")
 	$(GO) build -o $@ sigs.k8s.io/kwok/cmd/kwok
+	@touch $@
 
 .PHONY: helm
 helm: $(HELM) ## build Helm into bin/ (for the chart's lint and render test)
@@ -101,6 +104,7 @@ helm: $(HELM) ## build Helm into bin/ (for the chart's lint and render test)
 $(HELM): go.mod go.sum | preflight
 	$(call announce,"bin/helm: Helm v3.22.0 from source$(,) for the chart's lint and render test (first time: about 30 s; kept until go.mod changes)")
 	$(GO) build -o $@ helm.sh/helm/v3/cmd/helm
+	@touch $@
 
 .PHONY: chart-lint
 chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler (its render test is in test/integration)
