@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 go=${GO:-go}
 
 want=$(awk '$1 == "go" { print $2; exit }' go.mod)
-if ! command -v "$go" >/dev/null 2>&1; then
-	echo "preflight: no '$go' on PATH; gpufrac needs Go $want or newer: install it from https://go.dev/dl/" >&2
+if ! go=$(command -v "$go" 2>/dev/null); then
+	echo "preflight: no '${GO:-go}' on PATH; gpufrac needs Go $want or newer: install it from https://go.dev/dl/" >&2
 	exit 1
 fi
 # The toolchain on PATH, as it is before go.mod can make it switch.
