@@ -3,6 +3,7 @@ package api
 import (
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -31,12 +32,32 @@ func (a Assignment) ActiveThreadPercentage() int {
 	return max(int(a.Portion.Of(100)), 1)
 }
 
-// ParseAssignments reads the scheduler's decisions from a scheduled pod.
-// It returns nil and no error for a pod with no GPU-fraction annotations.
-// A container that asks for a fraction but lacks a complete, consistent
+// Annotations are the keys a scheduler writes on the pod for this
+// decision (SPEC §2): the devices, the resolved memory in Mi, the compute
+// mode and, for sm-sharing, the portion. It is the one writer of the keys
+// ParseAssignments reads: ParseAssignments(a.Annotations()) is a again.
+func (a Assignment) Annotations() map[string]string {
+	key := func(suffix string) string { return ContainerKey(a.Container, suffix) }
+	out := map[string]string{
+		key(SuffixDevices):       strings.Join(a.Devices, ","),
+		key(SuffixMemoryRequest): strconv.FormatInt(a.RequestMiB, 10) + "Mi",
+		key(SuffixMemoryLimit):   strconv.FormatInt(a.LimitMiB, 10) + "Mi",
+		key(SuffixComputeMode):   string(a.Mode),
+	}
+	if a.Mode == SMSharing {
+		out[key(SuffixComputePortion)] = a.Portion.String()
+	}
+	return out
+}
+
+// ParseAssignments reads the scheduler's decisions from a scheduled pod:
+// the one reader of what Assignment.Annotations writes, for the node
+// agent, the audit, gpufrac top and the scheduler's own rebuild. It
+// returns nil and no error for a pod with no GPU-fraction annotations. A
+// container that asks for a fraction but lacks a complete, consistent
 // decision is an error: the node must refuse it rather than run it
 // without limits.
-func ParseAssignments(annotations map[string]string, spec *corev1.PodSpec) ([]Assignment, error) {
+func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 	var errs ErrorList
 	fail := func(c, key, value, rule string, args ...any) {
 		errs = append(errs, &FieldError{Container: c, Key: key, Value: value, Rule: fmt.Sprintf(rule, args...)})
@@ -52,8 +73,16 @@ func ParseAssignments(annotations map[string]string, spec *corev1.PodSpec) ([]As
 		}
 		perContainer[c][suffix] = value
 	}
-	if target := shorthandTarget(annotations, spec); target != "" && perContainer[target] == nil {
-		perContainer[target] = map[string]string{}
+	if shorthand, asks := shorthandKey(annotations); asks {
+		target, named := annotations[KeyContainerName]
+		switch {
+		case named && perContainer[target] == nil:
+			perContainer[target] = map[string]string{}
+		case !named && len(perContainer) == 0:
+			// Which container the shorthand targets (the first) only the
+			// pod's spec says; that none has a decision is enough to refuse.
+			fail("", shorthand, annotations[shorthand], "asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no %s)", ContainerKey("<container>", SuffixDevices))
+		}
 	}
 	names := make([]string, 0, len(perContainer))
 	for c := range perContainer {
@@ -126,21 +155,14 @@ func ParseAssignments(annotations map[string]string, spec *corev1.PodSpec) ([]As
 	return out, nil
 }
 
-// shorthandTarget is the container the pod-level shorthands apply to, or
-// "" when the pod has none.
-func shorthandTarget(annotations map[string]string, spec *corev1.PodSpec) string {
+// shorthandKey is the first pod-level shorthand the pod carries, if any.
+func shorthandKey(annotations map[string]string) (string, bool) {
 	for _, k := range shorthandKeys {
 		if _, ok := annotations[k]; ok {
-			if name, ok := annotations[KeyContainerName]; ok {
-				return name
-			}
-			if len(spec.Containers) > 0 {
-				return spec.Containers[0].Name
-			}
-			return ""
+			return k, true
 		}
 	}
-	return ""
+	return "", false
 }
 
 // splitDevices parses a device list; bad says what is wrong, if anything.

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"pgregory.net/rapid"
 )
 
 func TestParseAssignments(t *testing.T) {
@@ -31,7 +32,9 @@ func TestParseAssignments(t *testing.T) {
 		{"dotted container", map[string]string{"nvidia.com/container.llm.v2.gpus.devices": "GPU-a", "nvidia.com/container.llm.v2.gpu-memory.request": "1Gi"},
 			[]Assignment{{Container: "llm.v2", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024, Mode: TimeSlicing}}, ""},
 		{"fraction not yet scheduled", map[string]string{KeyFraction: "0.5"}, nil,
-			`container "main": nvidia.com/container.main.gpus.devices "" is missing: the container asks for a GPU fraction but no scheduler has assigned it GPUs`},
+			`gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`},
+		{"fraction for a named container not yet scheduled", map[string]string{KeyFraction: "0.5", KeyContainerName: "llm.v2"}, nil,
+			`container "llm.v2": nvidia.com/container.llm.v2.gpus.devices "" is missing: the container asks for a GPU fraction but no scheduler has assigned it GPUs`},
 		{"devices without memory", map[string]string{dev: "GPU-a"}, nil,
 			`container "main": nvidia.com/container.main.gpu-memory.request "" is missing: the scheduler writes the resolved memory request with the devices`},
 		{"duplicate device", map[string]string{dev: "GPU-a,GPU-a", req: "1Gi"}, nil,
@@ -50,7 +53,7 @@ func TestParseAssignments(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := newPod(tt.ann, "main", "llm.v2").pod
-			got, err := ParseAssignments(p.Annotations, &p.Spec)
+			got, err := ParseAssignments(p.Annotations)
 			gotErr := ""
 			if err != nil {
 				gotErr = err.Error()
@@ -70,6 +73,52 @@ func TestActiveThreadPercentage(t *testing.T) {
 		a := Assignment{Portion: mustFraction(t, portion)}
 		if got := a.ActiveThreadPercentage(); got != want {
 			t.Errorf("portion %s: %d, want %d", portion, got, want)
+		}
+	}
+}
+
+// What a scheduler writes is read back as written: Assignment.Annotations
+// and ParseAssignments are one contract, for every valid assignment and
+// every device naming (UUIDs, or the CDI names KAI writes on CDI clusters).
+func TestAssignmentAnnotationsRoundTrip(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		want := Assignment{
+			// Container names may contain dots, and look like our suffixes.
+			Container: rapid.StringMatching(`[a-z]([-a-z0-9.]{0,20}[a-z0-9])?`).Draw(t, "container"),
+			Mode:      rapid.SampledFrom([]ComputeMode{TimeSlicing, SMSharing}).Draw(t, "mode"),
+		}
+		cdi := rapid.Bool().Draw(t, "cdi")
+		for i := range rapid.IntRange(1, 8).Draw(t, "devices") {
+			d := "GPU-" + rapid.StringMatching(`[0-9a-f]{8}`).Draw(t, "uuid") + "-" + string(rune('a'+i))
+			if cdi {
+				d = "k8s.device-plugin.nvidia.com/gpu=" + d
+			}
+			want.Devices = append(want.Devices, d)
+		}
+		want.RequestMiB = rapid.Int64Range(1, 1<<30).Draw(t, "request")
+		want.LimitMiB = want.RequestMiB + rapid.Int64Range(0, 1<<30-want.RequestMiB).Draw(t, "burst")
+		if want.Mode == SMSharing {
+			want.Portion = Thousandths(rapid.Int64Range(1, 1000).Draw(t, "thousandths"))
+		}
+		got, err := ParseAssignments(want.Annotations())
+		if err != nil {
+			t.Fatalf("%+v wrote %v, which does not read back: %v", want, want.Annotations(), err)
+		}
+		if diff := cmp.Diff([]Assignment{want}, got, cmp.AllowUnexported(Fraction{})); diff != "" {
+			t.Fatalf("wrote %v, read back (-want +got):\n%s", want.Annotations(), diff)
+		}
+	})
+}
+
+func TestThousandths(t *testing.T) {
+	for in, want := range map[int64]string{250: "0.25", 1000: "1", 1: "0.001", 333: "0.333", 500: "0.5", 0: "0", 2000: "1", -5: "0"} {
+		got := Thousandths(in)
+		if got.String() != want {
+			t.Errorf("Thousandths(%d) = %s, want %s", in, got, want)
+		}
+		// The shortest form, as ParseFraction reads it, so that the two compare equal.
+		if parsed, err := ParseFraction(want); err != nil || parsed != got {
+			t.Errorf("Thousandths(%d) = %#v, ParseFraction(%q) = %#v (%v)", in, got, want, parsed, err)
 		}
 	}
 }

@@ -88,6 +88,17 @@ func allDigits(s string) bool {
 	return true
 }
 
+// Thousandths returns n/1000 in its shortest form (250 → 0.25), clamped
+// to [0, 1]: the scheduler's ledgers count compute in thousandths.
+func Thousandths(n int64) Fraction {
+	n = min(max(n, 0), 1000)
+	f := Fraction{num: uint64(n), scale: 3}
+	for f.scale > 0 && f.num%10 == 0 {
+		f.num, f.scale = f.num/10, f.scale-1
+	}
+	return f
+}
+
 // IsZero reports whether f is 0 (also the zero value: no fraction).
 func (f Fraction) IsZero() bool { return f.num == 0 }
 

@@ -47,7 +47,7 @@ func FuzzParse(f *testing.F) {
 		if wholeGPU {
 			b.wholeGPUs(0, "1")
 		}
-		checkAssignments(t, b.pod.Annotations, b)
+		checkAssignments(t, b.pod.Annotations)
 		reqs, err := Parse(b.pod)
 		again, errAgain := Parse(b.pod)
 		if !reflect.DeepEqual(reqs, again) || (err == nil) != (errAgain == nil) || (err != nil && err.Error() != errAgain.Error()) {
@@ -110,9 +110,9 @@ func checkInvariants(t *testing.T, r Request) {
 // checkAssignments holds ParseAssignments, which the node side trusts, to
 // the same standard: no panic, and nothing accepted that it could not
 // enforce.
-func checkAssignments(t *testing.T, annotations map[string]string, b *podBuilder) {
+func checkAssignments(t *testing.T, annotations map[string]string) {
 	t.Helper()
-	as, err := ParseAssignments(annotations, &b.pod.Spec)
+	as, err := ParseAssignments(annotations)
 	if err != nil {
 		if as != nil || strings.ContainsAny(err.Error(), "\n\r") {
 			t.Fatalf("assignments %v with error %q", as, err)

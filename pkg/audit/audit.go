@@ -102,7 +102,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 			continue
 		}
 		name := pod.Namespace + "/" + pod.Name
-		assignments, err := api.ParseAssignments(pod.Annotations, &pod.Spec)
+		assignments, err := api.ParseAssignments(pod.Annotations)
 		if err != nil {
 			if !api.HasContainerKey(pod.Annotations, api.SuffixDevices) {
 				add(NoDevices, name, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", pod.Spec.NodeName, api.SuffixDevices)

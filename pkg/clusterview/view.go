@@ -127,7 +127,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string) 
 			node.Whole = append(node.Whole, WholePod{Pod: p.Namespace + "/" + p.Name, GPUs: n})
 			continue
 		}
-		assignments, err := api.ParseAssignments(p.Annotations, &p.Spec)
+		assignments, err := api.ParseAssignments(p.Annotations)
 		if err != nil || len(assignments) == 0 {
 			continue
 		}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 
@@ -16,7 +15,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/gpu"
 )
 
 // reserveGPUs creates the reservation pod of each of the decision's GPU
@@ -64,7 +62,7 @@ func (p *Plugin) reserveGPUs(ctx context.Context, d Decision) ([]string, error) 
 // and the GPU groups, from which a restarted scheduler rebuilds its state.
 func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuids []string) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"annotations": DecisionAnnotations(d, uuids),
+		"annotations": decisionPatch(d, uuids),
 		"labels":      decisionLabels(d),
 	}})
 	if err != nil {
@@ -76,20 +74,26 @@ func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuid
 	return nil
 }
 
-// DecisionAnnotations are the annotations PreBind writes, as a merge
-// patch: a nil value removes a key (a stale compute portion).
-func DecisionAnnotations(d Decision, uuids []string) map[string]any {
-	key := func(suffix string) string { return api.ContainerKey(d.Container, suffix) }
-	out := map[string]any{
-		key(api.SuffixDevices):        strings.Join(uuids, ","),
-		key(api.SuffixMemoryRequest):  strconv.FormatInt(d.Resolved.RequestMiB, 10) + "Mi",
-		key(api.SuffixMemoryLimit):    strconv.FormatInt(d.Resolved.LimitMiB, 10) + "Mi",
-		key(api.SuffixComputeMode):    string(d.Mode),
-		key(api.SuffixComputePortion): nil,
-		api.GPUGroupsAnnotation:       strings.Join(d.Groups, ","),
-	}
+// assignment is the decision as the node side reads it.
+func (d Decision) assignment(uuids []string) api.Assignment {
+	a := api.Assignment{Container: d.Container, Devices: uuids, RequestMiB: d.Resolved.RequestMiB, LimitMiB: d.Resolved.LimitMiB, Mode: d.Mode}
 	if d.Mode == api.SMSharing {
-		out[key(api.SuffixComputePortion)] = Portion(d.Portion)
+		// Never 0: an sm-sharing portion is in (0, 1].
+		a.Portion = api.Thousandths(max(d.Portion, 1))
+	}
+	return a
+}
+
+// decisionPatch is what PreBind merges into the pod's annotations: the
+// decision as api.Assignment writes it, and the GPU groups. A nil value
+// removes a key: a stale compute portion when the mode is time-slicing.
+func decisionPatch(d Decision, uuids []string) map[string]any {
+	out := map[string]any{
+		api.ContainerKey(d.Container, api.SuffixComputePortion): nil,
+		api.GPUGroupsAnnotation:                                 strings.Join(d.Groups, ","),
+	}
+	for k, v := range d.assignment(uuids).Annotations() {
+		out[k] = v
 	}
 	return out
 }
@@ -99,15 +103,6 @@ func decisionLabels(d Decision) map[string]any {
 		return map[string]any{api.GPUGroupLabel: d.Groups[0]}
 	}
 	return map[string]any{api.GPUGroupLabel: nil}
-}
-
-// Portion writes thousandths as a decimal in (0,1]: 250 → "0.25".
-func Portion(thousandths int64) string {
-	thousandths = min(max(thousandths, 1), gpu.FullPortion)
-	if thousandths == gpu.FullPortion {
-		return "1"
-	}
-	return strings.TrimRight(fmt.Sprintf("0.%03d", thousandths), "0")
 }
 
 // deleteReservation deletes a reservation pod at once: it runs nothing

@@ -392,7 +392,7 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 		t.request.Whole = n
 		return t, nil
 	}
-	if assignments, err := api.ParseAssignments(pod.Annotations, &pod.Spec); err == nil && len(assignments) > 0 {
+	if assignments, err := api.ParseAssignments(pod.Annotations); err == nil && len(assignments) > 0 {
 		a := assignments[0]
 		t.container = a.Container
 		t.request.Devices = len(a.Devices)

@@ -289,13 +289,20 @@ func TestReservationName(t *testing.T) {
 	}
 }
 
-func TestPortion(t *testing.T) {
-	for in, want := range map[int64]string{250: "0.25", 1000: "1", 1: "0.001", 333: "0.333", 500: "0.5", 0: "0.001", 2000: "1"} {
-		if got := Portion(in); got != want {
-			t.Errorf("Portion(%d) = %q, want %q", in, got, want)
-		}
-		if f, err := api.ParseFraction(Portion(in)); err != nil || f.IsZero() {
-			t.Errorf("Portion(%d) = %q does not parse as a fraction: %v", in, Portion(in), err)
+func TestDecisionPatchWritesThePortionOnlyForSMSharing(t *testing.T) {
+	portionKey := api.ContainerKey("main", api.SuffixComputePortion)
+	for _, tt := range []struct {
+		mode        api.ComputeMode
+		thousandths int64
+		want        any
+	}{
+		{api.SMSharing, 250, "0.25"}, {api.SMSharing, 1000, "1"}, {api.SMSharing, 0, "0.001"}, {api.SMSharing, 2000, "1"},
+		{api.TimeSlicing, 500, nil},
+	} {
+		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: api.Resolved{RequestMiB: 1, LimitMiB: 1}, Mode: tt.mode, Portion: tt.thousandths}
+		patch := decisionPatch(d, []string{"GPU-1"})
+		if got, ok := patch[portionKey]; !ok || got != tt.want {
+			t.Errorf("%s %d‰: portion %v (present %v), want %v", tt.mode, tt.thousandths, got, ok, tt.want)
 		}
 	}
 }
@@ -320,7 +327,7 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: want[0].Mode, Portion: 500}
-		for k, v := range DecisionAnnotations(d, []string{"GPU-1"}) {
+		for k, v := range decisionPatch(d, []string{"GPU-1"}) {
 			if v != nil {
 				patched.Annotations[k] = v.(string)
 			}

@@ -132,7 +132,7 @@ func TestEndToEnd(t *testing.T) {
 			if err != nil || len(reqs) == 0 {
 				t.Fatalf("pod %s: %v", p.Name, err)
 			}
-			a, err := api.ParseAssignments(p.Annotations, &p.Spec)
+			a, err := api.ParseAssignments(p.Annotations)
 			if err != nil || len(a) != 1 {
 				t.Fatalf("pod %s: decision %v, %v", p.Name, a, err)
 			}

@@ -11,7 +11,6 @@ import (
 	"strings"
 
 	nriapi "github.com/containerd/nri/pkg/api"
-	corev1 "k8s.io/api/core/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -141,7 +140,7 @@ func Adjust(pod Pod, container string, env []string, cfg Config) (*nriapi.Contai
 	if !hasFractionKeys(pod.Annotations) {
 		return nil, nil
 	}
-	assignments, err := api.ParseAssignments(pod.Annotations, &corev1.PodSpec{})
+	assignments, err := api.ParseAssignments(pod.Annotations)
 	if err != nil {
 		return nil, err
 	}

@@ -88,6 +88,10 @@ func TestAdjust(t *testing.T) {
 		},
 		{
 			name: "fraction never scheduled is refused", ann: map[string]string{"gpu-fraction": "0.5"}, container: "main",
+			wantErr: `gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`,
+		},
+		{
+			name: "a key under the container prefix that carries no decision is refused", ann: map[string]string{"nvidia.com/container.main": "x"}, container: "main",
 			wantErr: "the pod has GPU-fraction annotations but no scheduler decision (nvidia.com/container.<container>.gpus.devices): refusing to run it without limits",
 		},
 		{

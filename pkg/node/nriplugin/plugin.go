@@ -14,7 +14,6 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/containerd/nri/pkg/stub"
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -373,7 +372,7 @@ func (p *Plugin) ensureMPS(ctx context.Context, podUID, container string, a api.
 }
 
 func assignmentOf(pod *nriapi.PodSandbox, ctr *nriapi.Container) (api.Assignment, bool) {
-	assignments, err := api.ParseAssignments(pod.GetAnnotations(), &corev1.PodSpec{})
+	assignments, err := api.ParseAssignments(pod.GetAnnotations())
 	if err != nil {
 		return api.Assignment{}, false
 	}

@@ -194,7 +194,7 @@ func TestCreateContainerOverNRI(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: unscheduled, Container: container("c3", "p3", "main")})
-	if err == nil || !strings.Contains(err.Error(), `gpufrac: pod ml/sneaky container "main": the pod has GPU-fraction annotations but no scheduler decision`) {
+	if err == nil || !strings.Contains(err.Error(), `gpufrac: pod ml/sneaky container "main": gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`) {
 		t.Errorf("unscheduled fraction: error %v", err)
 	}
 	if got := rec.get(&rec.refused); len(got) != 1 || !strings.HasPrefix(got[0], "sneaky/main: ") {
@@ -245,7 +245,7 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
 	want := []string{
 		`unenforced: NVIDIA_GPU_MEMORY_REQUEST is "", want "40448"`,
-		`forged: running although its GPU fraction cannot be enforced: the pod has GPU-fraction annotations but no scheduler decision (nvidia.com/container.<container>.gpus.devices): refusing to run it without limits`,
+		`forged: running although its GPU fraction cannot be enforced: gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`,
 	}
 	if diff := cmp.Diff(want, rec.get(&rec.evict)); diff != "" {
 		t.Errorf("evictions (-want +got):\n%s", diff)
