@@ -11,8 +11,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
-	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
 func newAuditCommand() *cobra.Command {
@@ -80,7 +80,7 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 	}
 	f := cmd.Flags()
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
-	f.StringVar(&namespace, "reservation-namespace", scheduler.DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.Int64Var(&reserve, "gpu-memory-reserve-mib", 0, "per-GPU memory the scheduler keeps back (its gpuMemoryReserveMiB)")
 	f.StringVar(&selector, "node-selector", "", "audit only the nodes with these labels (e.g. pool=gpu-a), and the pods on them")
 	f.DurationVar(&orphanGrace, "orphan-grace", time.Minute, "spare reservation pods younger than this (the scheduler creates one just before it binds)")

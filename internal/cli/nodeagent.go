@@ -11,14 +11,12 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
-
-// DefaultReservationNamespace holds the reservation pods.
-const DefaultReservationNamespace = "gpufrac-reservations"
 
 func newNodeAgentCommand() *cobra.Command {
 	opts := agent.Options{}
@@ -73,7 +71,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.SimulateGPUs, "simulate-gpus", "", "use a go-nvml mock machine instead of the GPUs: "+strings.Join(inventory.Machines, ", "))
 	f.StringVar(&opts.NRISocket, "nri-socket", "/var/run/nri/nri.sock", "the container runtime's NRI socket")
 	f.StringVar(&opts.PodResourcesSocket, "pod-resources-socket", reservation.DefaultSocket, "the kubelet's PodResources socket")
-	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringVar(&opts.StateDir, "state-dir", "/var/lib/gpufrac", "directory for the agent's state (GPU memory leases) and sockets")
 	f.StringVar(&opts.ProcRoot, "proc-root", "/proc", "the host's /proc (run with hostPID, or mount it), to find containers' cgroups")
 	f.BoolVar(&opts.FailOpen, "fail-open", false, "start fractional containers that cannot be enforced WITHOUT a GPU instead of refusing them")

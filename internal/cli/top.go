@@ -9,8 +9,8 @@ import (
 	"github.com/spf13/cobra"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
-	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
 func newTopCommand() *cobra.Command {
@@ -60,7 +60,7 @@ PATH, then run "kubectl gpufrac top".`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
-	f.StringVar(&namespace, "reservation-namespace", scheduler.DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringVarP(&output, "output", "o", "", "json for machines")
 	return cmd
 }

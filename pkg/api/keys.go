@@ -46,6 +46,11 @@ const ResourceGPU = "nvidia.com/gpu"
 // .gpus.devices.
 const ReservedGPUAnnotation = "gpufrac.io/reserved-gpu-uuid"
 
+// DefaultReservationNamespace holds the reservation pods unless the
+// scheduler and the node agent are told another (both must agree, and so
+// must gpufrac audit and top).
+const DefaultReservationNamespace = "gpufrac-reservations"
+
 // GPUGroupsAnnotation is written by the scheduler on a fractional pod with
 // its decision: the comma-separated GPU groups the pod joined, one per
 // device, in the order of .gpus.devices. A GPU group is the set of pods

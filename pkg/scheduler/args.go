@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -63,7 +64,7 @@ func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(d.String()
 
 // Defaults of Args.
 const (
-	DefaultReservationNamespace = "gpufrac-reservations"
+	DefaultReservationNamespace = api.DefaultReservationNamespace
 	DefaultReservationImage     = "registry.k8s.io/pause:3.10"
 	DefaultPriorityClassName    = "system-node-critical"
 	DefaultBindTimeout          = 2 * time.Minute

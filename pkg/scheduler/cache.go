@@ -49,7 +49,7 @@ type shapeKey struct {
 
 // nodeState is one node's GPUs.
 type nodeState struct {
-	inv    Inventory
+	inv    api.Inventory
 	ready  bool
 	why    string    // why fractions cannot land here, when !ready
 	ledger *gpu.Node // nil without a GPU inventory
@@ -125,7 +125,7 @@ func (c *Cache) node(name string) *nodeState {
 // SetNode records a node's inventory and readiness; when the inventory
 // changes the node's ledger is rebuilt from its pods.
 func (c *Cache) SetNode(node *corev1.Node) {
-	inv, ready, why := InventoryOf(node)
+	inv, ready, why := api.InventoryOf(node)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(node.Name)

@@ -1,0 +1,62 @@
+package api
+
+import (
+	"fmt"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+)
+
+// Inventory is what a node reports of its GPUs: the node agent's labels
+// and the device plugin's allocatable count.
+type Inventory struct {
+	// Count is the GPUs the device plugin offers (allocatable nvidia.com/gpu).
+	Count int
+	// MemoryMiB is each GPU's memory.
+	MemoryMiB int64
+	Model     string
+}
+
+// InventoryOf reads a node's GPU inventory. ready is whether the node
+// takes fractional pods; when it does not, why says so in words that
+// tell an operator what to check. A node without GPUs has a zero Count.
+func InventoryOf(node *corev1.Node) (inv Inventory, ready bool, why string) {
+	if q, ok := node.Status.Allocatable[ResourceGPU]; ok {
+		inv.Count = int(q.Value())
+	}
+	inv.Model = node.Labels[LabelGPUProduct]
+	if inv.Count <= 0 {
+		return inv, false, fmt.Sprintf("node has no allocatable %s", ResourceGPU)
+	}
+	raw, ok := node.Labels[LabelGPUMemory]
+	if !ok {
+		return inv, false, fmt.Sprintf("node has no %s label: its GPU inventory is unknown (is the gpufrac node agent running?)", LabelGPUMemory)
+	}
+	mem, err := strconv.ParseInt(raw, 10, 64)
+	if err != nil || mem <= 0 {
+		return inv, false, fmt.Sprintf("node label %s=%q must be a positive number of MiB", LabelGPUMemory, raw)
+	}
+	inv.MemoryMiB = mem
+	if raw, ok := node.Labels[LabelGPUCount]; !ok {
+		return inv, false, fmt.Sprintf("node has no %s label: its GPU inventory is unknown (is the gpufrac node agent running?)", LabelGPUCount)
+	} else if n, err := strconv.Atoi(raw); err != nil || n <= 0 {
+		return inv, false, fmt.Sprintf("node label %s=%q must be a positive count", LabelGPUCount, raw)
+	} else if n < inv.Count {
+		// The device plugin never offers GPUs the agent did not see; if
+		// it does, trust the smaller figure.
+		inv.Count = n
+	}
+	if inv.Model == "" {
+		return inv, false, fmt.Sprintf("node has no %s label: its GPU inventory is unknown (is the gpufrac node agent running?)", LabelGPUProduct)
+	}
+	for _, c := range node.Status.Conditions {
+		if c.Type != ConditionFractioningReady {
+			continue
+		}
+		if c.Status == corev1.ConditionTrue {
+			return inv, true, ""
+		}
+		return inv, false, fmt.Sprintf("node condition %s is %s (%s: %s)", ConditionFractioningReady, c.Status, c.Reason, c.Message)
+	}
+	return inv, false, fmt.Sprintf("node does not report the condition %s (is the gpufrac node agent running?)", ConditionFractioningReady)
+}
