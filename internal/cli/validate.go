@@ -36,6 +36,9 @@ For each object it prints one line:
   OK <kind> <namespace>/<name>: <normalised request>
   INVALID <kind> <namespace>/<name>: <what to fix>
   SKIP <kind> <namespace>/<name>: no pod template
+preceded by a line per warning the admission webhook would return (kubectl
+prints those; the object is still admitted):
+  WARNING <kind> <namespace>/<name>: <what probably does not mean what it says>
 
 Exit status: 0 when all are valid, 1 when any is invalid, 2 when a file
 cannot be read or is not YAML/JSON (the file and line are printed).`,
@@ -140,7 +143,10 @@ func report(out io.Writer, obj manifest.Object) int {
 		fmt.Fprintf(out, "SKIP %s: no pod template\n", id)
 		return 0
 	}
-	reqs, err := manifest.Validate(obj)
+	reqs, warnings, err := manifest.Validate(obj)
+	for _, w := range warnings {
+		fmt.Fprintf(out, "WARNING %s: %s\n", id, w)
+	}
 	if err != nil {
 		fmt.Fprintf(out, "INVALID %s: %v\n", id, err)
 		return exitInvalid

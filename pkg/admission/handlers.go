@@ -36,6 +36,7 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 		return admission.Allowed("")
 	}
 	var err error
+	var warnings []string
 	if req.Kind.Group == "" && req.Kind.Kind == "Pod" {
 		var pod, old *corev1.Pod
 		if pod, err = decodePod(req.Object.Raw); err != nil {
@@ -46,15 +47,15 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 				return admission.Errored(http.StatusBadRequest, err)
 			}
 		}
-		err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
+		warnings, err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
 	} else {
-		err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
+		warnings, err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
 	}
 	if err != nil {
 		logger.V(2).Info("Denied", "reason", err.Error())
-		return admission.Denied(err.Error())
+		return admission.Denied(err.Error()).WithWarnings(warnings...)
 	}
-	return admission.Allowed("")
+	return admission.Allowed("").WithWarnings(warnings...)
 }
 
 // Mutator is the mutating webhook for pod creation: it writes the

@@ -3,6 +3,7 @@ package admission
 import (
 	"context"
 	"encoding/json"
+	"strings"
 	"testing"
 
 	admissionv1 "k8s.io/api/admission/v1"
@@ -47,6 +48,12 @@ func TestValidatorHandle(t *testing.T) {
 	if resp := v.Handle(ctx, request(t, admissionv1.Create, podKind, "alice", nil, pod(ann{"gpu-fraction": "0.5"}, ""))); !resp.Allowed {
 		t.Errorf("valid pod denied: %q", resp.Result.Message)
 	}
+	// KAI admits a chart's gpu-fraction-container-name on a pod that asks
+	// for nothing; so do we, with a warning kubectl prints.
+	resp = v.Handle(ctx, request(t, admissionv1.Create, podKind, "alice", nil, pod(ann{"gpu-fraction-container-name": "main"}, "")))
+	if !resp.Allowed || len(resp.Warnings) != 1 || !strings.Contains(resp.Warnings[0], "gpu-fraction-container-name \"main\" is ignored") {
+		t.Errorf("container name alone: allowed=%v warnings=%q", resp.Allowed, resp.Warnings)
+	}
 	old := pod(ann{"gpu-fraction": "0.5"}, "")
 	forged := pod(ann{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-1"}, "")
 	if resp := v.Handle(ctx, request(t, admissionv1.Update, podKind, "alice", old, forged)); resp.Allowed {
@@ -87,7 +94,7 @@ func TestMutatorHandle(t *testing.T) {
 	if byPath["/spec/schedulerName"] != "gpufrac" {
 		t.Errorf("schedulerName patch = %v", byPath["/spec/schedulerName"])
 	}
-	if a := byPath["/metadata/annotations"].(map[string]string); a["nvidia.com/container.main.gpu-memory.request"] != "1024Mi" {
+	if a := byPath["/metadata/annotations"].(map[string]string); a["nvidia.com/container.main.gpu-memory.request"] != "1Gi" {
 		t.Errorf("annotations patch = %v", a)
 	}
 

@@ -49,25 +49,25 @@ const (
 
 // ReviewPod decides whether user may perform op on a pod. old is nil on
 // CREATE. The returned error, when not nil, is the one-line reason for the
-// denial.
-func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) error {
+// denial; the warnings, admitted or not, are for kubectl to print.
+func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (warnings []string, err error) {
 	scheduler := i.IsScheduler(user)
 	if op == Update && old != nil {
 		if err := i.guardUpdate(user, scheduler, old, pod); err != nil {
-			return err
+			return nil, err
 		}
 		if scheduler || !fractionKeysChanged(old.Annotations, pod.Annotations) {
 			// Nothing a user asked for changed: a bound pod's resolved
 			// annotations need not (and cannot) parse as user intent.
-			return nil
+			return nil, nil
 		}
 	}
 	annotations := pod.Annotations
 	if scheduler {
 		annotations = withoutSchedulerKeys(annotations)
 	}
-	_, err := api.ParseTemplate(annotations, &pod.Spec)
-	return err
+	_, warnings, err = api.Check(annotations, &pod.Spec)
+	return warnings, err
 }
 
 // guardUpdate denies a user other than the scheduler any change to the
@@ -154,17 +154,21 @@ func withoutSchedulerKeys(annotations map[string]string) map[string]string {
 
 // ReviewWorkload validates the pod template of a workload (Deployment,
 // StatefulSet, DaemonSet, ReplicaSet, Job, CronJob) from its JSON, exactly
-// as `gpufrac validate` does.
-func ReviewWorkload(kind string, raw []byte) error {
-	_, err := manifest.Validate(manifest.FromJSON(kind, raw))
-	return err
+// as `gpufrac validate` does, with admission's warnings.
+func ReviewWorkload(kind string, raw []byte) (warnings []string, err error) {
+	_, warnings, err = manifest.Validate(manifest.FromJSON(kind, raw))
+	return warnings, err
 }
 
 // Normalise returns the annotations and labels a valid fractional pod
-// should carry after admission: the canonical per-container keys written
-// from the shorthands (which stay), and the selection label. A fraction of
-// a GPU is not written as memory: only the scheduler can resolve it, on the
-// GPU it picks. ok is false when the pod asks for no fraction or is invalid
+// should carry after admission: the canonical keys written from the
+// shorthands (which stay), as KAI's admission writes them, and the
+// selection label. gpu-memory becomes the canonical request (a canonical
+// quantity: 2048 → 2Gi), gpu-memory.limit the canonical limit and
+// gpu-fraction.limit KAI's portion limit; a share of a GPU is not written
+// as memory, since only the scheduler can resolve it on the GPU it picks.
+// Keys already set are left as they are (they agree, or the pod is
+// invalid). ok is false when the pod asks for no fraction or is invalid
 // (the validating webhook explains why).
 func Normalise(pod *corev1.Pod) (annotations, labels map[string]string, ok bool) {
 	reqs, err := api.Parse(pod)
@@ -172,11 +176,21 @@ func Normalise(pod *corev1.Pod) (annotations, labels map[string]string, ok bool)
 		return nil, nil, false
 	}
 	annotations = maps.Clone(pod.Annotations)
+	set := func(key, value string) {
+		if _, present := annotations[key]; !present {
+			annotations[key] = value
+		}
+	}
 	for _, r := range reqs {
-		annotations[api.ContainerKey(r.Container, api.SuffixComputeMode)] = string(r.Mode)
-		if !r.Memory.IsFraction() {
-			annotations[api.ContainerKey(r.Container, api.SuffixMemoryRequest)] = r.Memory.String()
-			annotations[api.ContainerKey(r.Container, api.SuffixMemoryLimit)] = r.Limit.String()
+		set(api.ContainerKey(r.Container, api.SuffixComputeMode), string(r.Mode))
+		if _, ok := pod.Annotations[api.KeyMemory]; ok {
+			set(api.ContainerKey(r.Container, api.SuffixMemoryRequest), api.FormatMiB(r.Memory.MiB))
+		}
+		if _, ok := pod.Annotations[api.KeyMemoryLimit]; ok {
+			set(api.ContainerKey(r.Container, api.SuffixMemoryLimit), pod.Annotations[api.KeyMemoryLimit])
+		}
+		if v, ok := pod.Annotations[api.KeyFractionLimit]; ok {
+			set(api.PortionLimitKey(r.Container), v)
 		}
 	}
 	labels = maps.Clone(pod.Labels)

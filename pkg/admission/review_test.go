@@ -65,7 +65,7 @@ func TestReviewPod(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			err := identity.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
+			_, err := identity.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
 			got := ""
 			if err != nil {
 				got = err.Error()
@@ -104,17 +104,24 @@ func TestNormalise(t *testing.T) {
 		want   ann
 		wantOK bool
 	}{
-		{"memory shorthand becomes canonical; shorthands stay", ann{"gpu-memory": "4096", "gpu-memory.limit": "8Gi", "x": "y"},
+		{"memory shorthand becomes canonical as KAI writes it; shorthands stay", ann{"gpu-memory": "4096", "gpu-memory.limit": "8Gi", "x": "y"},
 			ann{"gpu-memory": "4096", "gpu-memory.limit": "8Gi", "x": "y",
-				"nvidia.com/container.main.gpu-memory.request": "4096Mi",
-				"nvidia.com/container.main.gpu-memory.limit":   "8192Mi",
+				"nvidia.com/container.main.gpu-memory.request": "4Gi",
+				"nvidia.com/container.main.gpu-memory.limit":   "8Gi",
 				"nvidia.com/container.main.gpu-compute.mode":   "time-slicing"}, true},
+		{"memory without a limit gets no canonical limit (KAI refuses gpu-memory next to one)", ann{"gpu-memory": "2000"},
+			ann{"gpu-memory": "2000",
+				"nvidia.com/container.main.gpu-memory.request": "2000Mi",
+				"nvidia.com/container.main.gpu-compute.mode":   "time-slicing"}, true},
+		{"gpu-fraction.limit becomes KAI's portion limit", ann{"gpu-fraction": "0.5", "gpu-fraction.limit": "0.75"},
+			ann{"gpu-fraction": "0.5", "gpu-fraction.limit": "0.75",
+				"kai.scheduler/container.main.gpu-memory.portion.limit": "0.75",
+				"nvidia.com/container.main.gpu-compute.mode":            "time-slicing"}, true},
 		{"a fraction is not resolved here", ann{"gpu-fraction": "0.5", "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing"},
 			ann{"gpu-fraction": "0.5", "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing",
 				"nvidia.com/container.main.gpu-compute.mode": "sm-sharing"}, true},
-		{"canonical quantities are normalised to Mi", ann{"nvidia.com/container.main.gpu-memory.request": "2Gi"},
-			ann{"nvidia.com/container.main.gpu-memory.request": "2048Mi",
-				"nvidia.com/container.main.gpu-memory.limit": "2048Mi",
+		{"canonical keys are left as written", ann{"nvidia.com/container.main.gpu-memory.request": "2Gi"},
+			ann{"nvidia.com/container.main.gpu-memory.request": "2Gi",
 				"nvidia.com/container.main.gpu-compute.mode": "time-slicing"}, true},
 		{"no fraction", ann{"x": "y"}, nil, false},
 		{"invalid is left to the validator", ann{"gpu-fraction": "1"}, nil, false},
@@ -139,7 +146,7 @@ func TestNormalise(t *testing.T) {
 				if !ok2 || !cmp.Equal(got, again) {
 					t.Errorf("not idempotent: %v then %v (ok=%v)", got, again, ok2)
 				}
-				if err := identity.ReviewPod(Create, "alice", nil, p); err != nil {
+				if _, err := identity.ReviewPod(Create, "alice", nil, p); err != nil {
 					t.Errorf("normalised pod does not validate: %v", err)
 				}
 			}

@@ -25,6 +25,22 @@ const (
 	SuffixComputePortion = ".gpu-compute.portion"
 )
 
+// KAIContainerKeyPrefix starts the per-container keys KAI Scheduler's
+// admission writes under its own domain. The one it defines is
+// SuffixMemoryPortionLimit, written from gpu-fraction.limit.
+const KAIContainerKeyPrefix = "kai.scheduler/container."
+
+// SuffixMemoryPortionLimit (under KAIContainerKeyPrefix) is the burst limit
+// as a share of the GPU: gpu-fraction.limit for one named container. It
+// follows gpu-fraction.limit's rules and resolves to SuffixMemoryLimit on
+// the chosen GPU.
+const SuffixMemoryPortionLimit = ".gpu-memory.portion.limit"
+
+// PortionLimitKey is the KAI portion-limit key for container c.
+func PortionLimitKey(c string) string {
+	return KAIContainerKeyPrefix + c + SuffixMemoryPortionLimit
+}
+
 // Pod-level shorthand keys. Admission rewrites them into the canonical
 // per-container keys and keeps them.
 const (
@@ -120,9 +136,10 @@ func IsSchedulerOwned(key string) bool {
 }
 
 // IsFractionKey reports whether key is any annotation this API reads: a
-// shorthand or anything under ContainerKeyPrefix (known or not).
+// shorthand or anything under ContainerKeyPrefix or KAIContainerKeyPrefix
+// (known or not).
 func IsFractionKey(key string) bool {
-	if strings.HasPrefix(key, ContainerKeyPrefix) {
+	if strings.HasPrefix(key, ContainerKeyPrefix) || strings.HasPrefix(key, KAIContainerKeyPrefix) {
 		return true
 	}
 	for _, k := range shorthandKeys {

@@ -3,6 +3,8 @@ package api
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -33,15 +35,29 @@ func Parse(pod *corev1.Pod) ([]Request, error) {
 // ParseTemplate is Parse for the annotations and spec of a pod template,
 // as found in Deployments, Jobs and the other workload kinds.
 func ParseTemplate(annotations map[string]string, spec *corev1.PodSpec) ([]Request, error) {
-	p := parser{annotations: annotations, spec: spec, canonical: map[string]map[string]string{}}
+	reqs, _, err := Check(annotations, spec)
+	return reqs, err
+}
+
+// Check is ParseTemplate with the warnings admission returns (kubectl
+// prints them): things KAI Scheduler admits that gpufrac admits too, but
+// that probably do not mean what their author thinks, such as a
+// gpu-fraction-container-name on a pod that asks for no fraction. A
+// warning never stands in for an error: when err is not nil the pod is
+// refused, whatever the warnings.
+func Check(annotations map[string]string, spec *corev1.PodSpec) (reqs []Request, warnings []string, err error) {
+	p := parser{annotations: annotations, spec: spec, canonical: map[string]map[string]string{}, portionLimits: map[string]string{}}
 	req := p.parse()
+	for _, w := range p.warnings {
+		warnings = append(warnings, w.Error())
+	}
 	if len(p.errs) > 0 {
-		return nil, p.errs
+		return nil, warnings, p.errs
 	}
 	if req == nil {
-		return nil, nil
+		return nil, warnings, nil
 	}
-	return []Request{*req}, nil
+	return []Request{*req}, warnings, nil
 }
 
 // parser holds one pod's annotations while they are checked; errs collects
@@ -51,18 +67,32 @@ type parser struct {
 	spec        *corev1.PodSpec
 	// canonical maps container → suffix → value for the user-settable keys.
 	canonical map[string]map[string]string
+	// portionLimits maps container → KAI's portion-limit value.
+	portionLimits map[string]string
 	// shorthands holds the pod-level keys present.
 	shorthands map[string]string
 	errs       ErrorList
+	warnings   ErrorList
 }
 
 func (p *parser) fail(container, key, value, rule string, args ...any) {
 	p.errs = append(p.errs, &FieldError{Container: container, Key: key, Value: value, Rule: fmt.Sprintf(rule, args...)})
 }
 
+func (p *parser) warn(container, key, value, rule string, args ...any) {
+	p.warnings = append(p.warnings, &FieldError{Container: container, Key: key, Value: value, Rule: fmt.Sprintf(rule, args...)})
+}
+
 func (p *parser) parse() *Request {
 	p.collectKeys()
-	if len(p.canonical) == 0 && len(p.shorthands) == 0 {
+	if len(p.canonical) == 0 && len(p.shorthands) == 0 && len(p.portionLimits) == 0 {
+		return nil
+	}
+	if v, ok := p.shorthands[KeyContainerName]; ok && len(p.shorthands) == 1 && len(p.canonical) == 0 && len(p.portionLimits) == 0 {
+		// Charts often set it on every pod; KAI ignores it without a
+		// fraction, and so do we, but say so.
+		p.warn("", KeyContainerName, v, "is ignored: the pod asks for no GPU fraction (%s, %s or %s would ask for one)",
+			KeyFraction, KeyMemory, ContainerKey("<container>", SuffixMemoryRequest))
 		return nil
 	}
 	p.checkWholeGPUs()
@@ -88,6 +118,18 @@ func (p *parser) collectKeys() {
 		value := p.annotations[key]
 		if slices.Contains(shorthandKeys, key) {
 			p.shorthands[key] = value
+			continue
+		}
+		if rest, kai := strings.CutPrefix(key, KAIContainerKeyPrefix); kai {
+			c, found := strings.CutSuffix(rest, SuffixMemoryPortionLimit)
+			switch {
+			case !found:
+				p.fail("", key, value, "is not a known key: KAI Scheduler's per-container key is %s", PortionLimitKey("<container>"))
+			case c == "":
+				p.fail("", key, value, "names no container: the key is %s", PortionLimitKey("<container>"))
+			default:
+				p.portionLimits[c] = value
+			}
 			continue
 		}
 		c, suffix, ok := SplitContainerKey(key)
@@ -136,7 +178,8 @@ func (p *parser) checkWholeGPUs() {
 
 // target finds the one container the fraction is for: the container of the
 // canonical keys, or the shorthands' gpu-fraction-container-name (default:
-// the first container). They must agree, and the container must exist.
+// the first container). They must agree, and the container must exist; as
+// in KAI, it may be an init container.
 func (p *parser) target() (string, bool) {
 	var named []string
 	for c := range p.canonical {
@@ -146,20 +189,35 @@ func (p *parser) target() (string, bool) {
 	for _, c := range named {
 		if !p.hasContainer(c) {
 			p.fail(c, ContainerKey(c, firstSuffix(p.canonical[c])), p.canonical[c][firstSuffix(p.canonical[c])],
-				"names a container that is not in the pod (containers: %s)", p.containerNames())
+				"names a container that is not in the pod (%s)", p.containerNames())
 		}
 	}
-	if len(p.shorthands) > 0 {
+	if len(p.shorthands) > 0 || len(p.portionLimits) > 0 {
 		shorthandTarget, explicit := p.shorthands[KeyContainerName]
 		switch {
 		case explicit && !p.hasContainer(shorthandTarget):
-			p.fail("", KeyContainerName, shorthandTarget, "names a container that is not in the pod (containers: %s)", p.containerNames())
+			p.fail("", KeyContainerName, shorthandTarget, "names a container that is not in the pod (%s)", p.containerNames())
 		case !explicit && len(p.spec.Containers) == 0:
-			p.fail("", firstKey(p.shorthands), p.shorthands[firstKey(p.shorthands)], "applies to the first container, but the pod has none")
+			key := firstKey(p.shorthands)
+			value := p.shorthands[key]
+			if key == "" {
+				c := slices.Sorted(maps.Keys(p.portionLimits))[0]
+				key, value = PortionLimitKey(c), p.portionLimits[c]
+			}
+			p.fail("", key, value, "applies to the first container, but the pod has none")
 		case !explicit:
 			shorthandTarget = p.spec.Containers[0].Name
 		}
-		if !slices.Contains(named, shorthandTarget) {
+		if len(p.shorthands) > 0 && !slices.Contains(named, shorthandTarget) {
+			named = append(named, shorthandTarget)
+		}
+		for _, c := range slices.Sorted(maps.Keys(p.portionLimits)) {
+			if c != shorthandTarget {
+				p.fail(c, PortionLimitKey(c), p.portionLimits[c], "must name the container %s applies to (%q: %s, or the first container)",
+					KeyFraction, shorthandTarget, KeyContainerName)
+			}
+		}
+		if len(named) == 0 {
 			named = append(named, shorthandTarget)
 		}
 	}
@@ -175,32 +233,58 @@ func (p *parser) target() (string, bool) {
 // request parses and cross-checks every value for the target container.
 func (p *parser) request(c string) *Request {
 	canon := p.canonical[c]
-
-	fraction, hasFraction := p.shorthandFraction(c)
-	memMiB, hasMem := p.shorthandMemory(c)
-	if _, present := p.shorthands[KeyFraction]; present {
-		if _, present := p.shorthands[KeyMemory]; present {
-			p.fail(c, KeyMemory, p.shorthands[KeyMemory], "cannot be combined with %s: ask for a share of a GPU or for an amount of memory, not both", KeyFraction)
-		}
-	}
-	fractionLimit, hasFractionLimit := p.shorthandFractionLimit(c, fraction, hasFraction)
-	memLimitMiB, hasMemLimit := p.shorthandMemoryLimit(c, memMiB, hasMem)
-
 	reqKey, limitKey := ContainerKey(c, SuffixMemoryRequest), ContainerKey(c, SuffixMemoryLimit)
 	canonReq, hasCanonReq := p.quantityMiB(c, reqKey, canon, SuffixMemoryRequest, false)
 	canonLimit, hasCanonLimit := p.quantityMiB(c, limitKey, canon, SuffixMemoryLimit, false)
 	_, canonReqPresent := canon[SuffixMemoryRequest]
 	_, canonLimitPresent := canon[SuffixMemoryLimit]
+	_, fractionPresent := p.shorthands[KeyFraction]
+	_, memoryPresent := p.shorthands[KeyMemory]
 
-	if _, present := p.shorthands[KeyFraction]; present {
-		for _, k := range []struct {
-			present bool
-			key     string
-			suffix  string
-		}{{canonReqPresent, reqKey, SuffixMemoryRequest}, {canonLimitPresent, limitKey, SuffixMemoryLimit}} {
-			if k.present {
-				p.fail(c, k.key, canon[k.suffix], "cannot be combined with %s %q: a share is resolved to memory by the scheduler; ask for a share or for an amount, not both", KeyFraction, p.shorthands[KeyFraction])
-			}
+	fraction, hasFraction := p.shorthandFraction(c)
+	memMiB, hasMem := p.shorthandMemory(c)
+	if fractionPresent && memoryPresent {
+		p.fail(c, KeyMemory, p.shorthands[KeyMemory], "cannot be combined with %s: ask for a share of a GPU or for an amount of memory, not both", KeyFraction)
+	}
+	fractionLimit, hasFractionLimit := p.shorthandFractionLimit(c, KeyFractionLimit, p.shorthands, KeyFractionLimit, fraction, hasFraction)
+	if v, present := p.portionLimits[c]; present {
+		portionLimit, ok := p.shorthandFractionLimit(c, PortionLimitKey(c), p.portionLimits, c, fraction, hasFraction)
+		switch {
+		case ok && hasFractionLimit && portionLimit.Cmp(fractionLimit) != 0:
+			p.fail(c, PortionLimitKey(c), v, "disagrees with %s %q: set one, or make them equal", KeyFractionLimit, p.shorthands[KeyFractionLimit])
+		case ok:
+			fractionLimit, hasFractionLimit = portionLimit, true
+		}
+	}
+	memLimitMiB, hasMemLimit := p.shorthandMemoryLimit(c, memMiB, hasMem)
+
+	if fractionPresent && canonReqPresent {
+		// KAI: the canonical request takes priority over gpu-fraction. A
+		// share-of-the-GPU limit then has no share to be above.
+		p.warn(c, KeyFraction, p.shorthands[KeyFraction], "is ignored: %s is set too, and the canonical request wins, as in KAI Scheduler", reqKey)
+		hasFraction = false
+		limits := map[string]string{}
+		if v, ok := p.shorthands[KeyFractionLimit]; ok {
+			limits[KeyFractionLimit] = v
+		}
+		if v, ok := p.portionLimits[c]; ok {
+			limits[PortionLimitKey(c)] = v
+		}
+		for _, k := range slices.Sorted(maps.Keys(limits)) {
+			p.fail(c, k, limits[k], "cannot be combined with %s: a limit as a share of the GPU needs the request as a share (%s); set %s instead", reqKey, KeyFraction, limitKey)
+			hasFractionLimit = false
+		}
+	}
+	if canonLimitPresent {
+		// KAI refuses a canonical limit next to a share, and next to
+		// gpu-memory unless gpu-memory.limit says the same.
+		_, memLimitPresent := p.shorthands[KeyMemoryLimit]
+		switch {
+		case fractionPresent:
+			p.fail(c, limitKey, canon[SuffixMemoryLimit], "cannot be combined with %s %q: a share is resolved to memory by the scheduler; set %s for a limit as a share",
+				KeyFraction, p.shorthands[KeyFraction], KeyFractionLimit)
+		case memoryPresent && !memLimitPresent:
+			p.fail(c, limitKey, canon[SuffixMemoryLimit], "cannot be combined with %s alone: set the limit with %s too (KAI Scheduler refuses this pair)", KeyMemory, KeyMemoryLimit)
 		}
 	}
 	if hasMem && hasCanonReq && memMiB != canonReq {
@@ -276,7 +360,7 @@ func (p *parser) asksForMemory(canon map[string]string) bool {
 	}
 	_, req := canon[SuffixMemoryRequest]
 	_, limit := canon[SuffixMemoryLimit]
-	return req || limit
+	return req || limit || len(p.portionLimits) > 0
 }
 
 func (p *parser) shorthandFraction(c string) (Fraction, bool) {
@@ -284,37 +368,66 @@ func (p *parser) shorthandFraction(c string) (Fraction, bool) {
 	if !ok {
 		return Fraction{}, false
 	}
-	f, _, err := parseFraction(v)
-	if errors.Is(err, errNotDecimal) || errors.Is(err, errEmptyDecimal) {
+	f, _, err := p.lenientFraction(c, KeyFraction, v)
+	switch {
+	case errors.Is(err, errNotDecimal) || errors.Is(err, errEmptyDecimal):
 		p.fail(c, KeyFraction, v, "must be a decimal number such as 0.5")
-		return Fraction{}, false
-	}
-	if err != nil || f.IsZero() || f.IsOne() {
+	case errors.Is(err, errTooPrecise):
+		p.fail(c, KeyFraction, v, "must have at most %d decimal places", maxDecimals)
+	case err != nil || f.IsZero() || f.IsOne():
 		p.fail(c, KeyFraction, v, "must be greater than 0 and less than 1")
-		return Fraction{}, false
+	default:
+		return f, true
 	}
-	return f, true
+	return Fraction{}, false
 }
 
-func (p *parser) shorthandFractionLimit(c string, fraction Fraction, hasFraction bool) (Fraction, bool) {
-	v, ok := p.shorthands[KeyFractionLimit]
+// lenientFraction parses a share as KAI does (strconv.ParseFloat), so that
+// "5e-1" and "+0.5" are 0.5, but exactly: a form other than a plain
+// decimal is read through its shortest decimal rendering, and warned about.
+// NaN and Inf are not shares.
+func (p *parser) lenientFraction(c, key, v string) (Fraction, int, error) {
+	f, written, err := parseFraction(v)
+	if !errors.Is(err, errNotDecimal) {
+		return f, written, err
+	}
+	x, perr := strconv.ParseFloat(v, 64)
+	if perr != nil || math.IsNaN(x) || math.IsInf(x, 0) {
+		return Fraction{}, 0, errNotDecimal
+	}
+	if x < 0 {
+		return Fraction{}, 0, errAboveOne // out of range either way
+	}
+	plain := strconv.FormatFloat(x, 'f', -1, 64)
+	f, written, err = parseFraction(plain)
+	if err == nil {
+		p.warn(c, key, v, "is read as %s: write it as a plain decimal", plain)
+	}
+	return f, written, err
+}
+
+// shorthandFractionLimit checks a limit written as a share of the GPU,
+// values[field] under key: gpu-fraction.limit or KAI's portion limit,
+// which follow the same rules.
+func (p *parser) shorthandFractionLimit(c, key string, values map[string]string, field string, fraction Fraction, hasFraction bool) (Fraction, bool) {
+	v, ok := values[field]
 	if !ok {
 		return Fraction{}, false
 	}
 	if _, present := p.shorthands[KeyFraction]; !present {
-		p.fail(c, KeyFractionLimit, v, "needs %s: the limit is a share of the same GPU as the request", KeyFraction)
+		p.fail(c, key, v, "needs %s: the limit is a share of the same GPU as the request", KeyFraction)
 		return Fraction{}, false
 	}
-	f, written, err := parseFraction(v)
+	f, written, err := p.lenientFraction(c, key, v)
 	switch {
 	case errors.Is(err, errNotDecimal) || errors.Is(err, errEmptyDecimal):
-		p.fail(c, KeyFractionLimit, v, "must be a decimal number such as 0.75")
-	case written > maxFractionLimitDecimals:
-		p.fail(c, KeyFractionLimit, v, "must have at most %d decimal places", maxFractionLimitDecimals)
+		p.fail(c, key, v, "must be a decimal number such as 0.75")
+	case written > maxFractionLimitDecimals || errors.Is(err, errTooPrecise):
+		p.fail(c, key, v, "must have at most %d decimal places", maxFractionLimitDecimals)
 	case err != nil || f.IsOne() || f.IsZero():
-		p.fail(c, KeyFractionLimit, v, "must be less than 1 and greater than %s", KeyFraction)
+		p.fail(c, key, v, "must be less than 1 and greater than %s", KeyFraction)
 	case hasFraction && f.Cmp(fraction) <= 0:
-		p.fail(c, KeyFractionLimit, v, "must be greater than %s (%s) and less than 1", KeyFraction, fraction)
+		p.fail(c, key, v, "must be greater than %s (%s) and less than 1", KeyFraction, fraction)
 	case !hasFraction:
 		// The request itself is invalid and already reported.
 	default:
@@ -441,24 +554,37 @@ func (p *parser) numDevices(c string) (int, bool) {
 	return n, true
 }
 
+// hasContainer reports whether the pod has a container or an init
+// container of that name: KAI gives either a fraction.
 func (p *parser) hasContainer(name string) bool {
-	for _, c := range p.spec.Containers {
-		if c.Name == name {
-			return true
+	for _, list := range [][]corev1.Container{p.spec.InitContainers, p.spec.Containers} {
+		for _, c := range list {
+			if c.Name == name {
+				return true
+			}
 		}
 	}
 	return false
 }
 
+// containerNames lists the pod's containers for an error message:
+// "containers: main, sidecar; init containers: setup".
 func (p *parser) containerNames() string {
-	if len(p.spec.Containers) == 0 {
-		return "none"
+	names := func(list []corev1.Container) string {
+		n := make([]string, len(list))
+		for i, c := range list {
+			n[i] = c.Name
+		}
+		return strings.Join(n, ", ")
 	}
-	names := make([]string, len(p.spec.Containers))
-	for i, c := range p.spec.Containers {
-		names[i] = c.Name
+	out := "containers: none"
+	if len(p.spec.Containers) > 0 {
+		out = "containers: " + names(p.spec.Containers)
 	}
-	return strings.Join(names, ", ")
+	if len(p.spec.InitContainers) > 0 {
+		out += "; init containers: " + names(p.spec.InitContainers)
+	}
+	return out
 }
 
 func (p *parser) firstContainerName() string {

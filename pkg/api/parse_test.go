@@ -31,6 +31,11 @@ func (b *podBuilder) wholeGPUs(i int, n string) *podBuilder {
 	return b
 }
 
+func (b *podBuilder) initContainer(name string) *podBuilder {
+	b.pod.Spec.InitContainers = append(b.pod.Spec.InitContainers, corev1.Container{Name: name, Image: "img"})
+	return b
+}
+
 func (b *podBuilder) initWholeGPUs(n string) *podBuilder {
 	b.pod.Spec.InitContainers = append(b.pod.Spec.InitContainers, corev1.Container{
 		Name: "init", Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{ResourceGPU: resource.MustParse(n)}},
@@ -125,9 +130,28 @@ func TestParseAccepts(t *testing.T) {
 			newPod(ann{KeyMemory: "4096", "nvidia.com/container.main.gpu-memory.request": "4Gi",
 				KeyComputeSharingMode: "sm-sharing", "nvidia.com/container.main.gpu-compute.mode": "sm-sharing"}),
 			func(*testing.T) []Request { return mibReq("main", 4096, 4096, SMSharing, 1) }},
-		{"shorthand memory with canonical limit",
-			newPod(ann{KeyMemory: "4096", "nvidia.com/container.main.gpu-memory.limit": "6Gi"}),
+		{"shorthand memory with its limit and the same canonical limit",
+			newPod(ann{KeyMemory: "4096", KeyMemoryLimit: "6Gi", "nvidia.com/container.main.gpu-memory.limit": "6144Mi"}),
 			func(*testing.T) []Request { return mibReq("main", 4096, 6144, TimeSlicing, 1) }},
+		{"canonical request wins over gpu-fraction, as in KAI",
+			newPod(ann{KeyFraction: "0.5", "nvidia.com/container.main.gpu-memory.request": "4Gi"}),
+			func(*testing.T) []Request { return mibReq("main", 4096, 4096, TimeSlicing, 1) }},
+		{"fraction in exponent form, as KAI's ParseFloat reads it", newPod(ann{KeyFraction: "5e-1", KeyFractionLimit: "+0.75"}),
+			func(t *testing.T) []Request { return fractionReq(t, "main", "0.5", "0.75", TimeSlicing, 1) }},
+		{"fraction on an init container named by gpu-fraction-container-name",
+			newPod(ann{KeyFraction: "0.25", KeyContainerName: "setup"}).initContainer("setup"),
+			func(t *testing.T) []Request { return fractionReq(t, "setup", "0.25", "0.25", TimeSlicing, 1) }},
+		{"canonical keys on an init container",
+			newPod(ann{"nvidia.com/container.setup.gpu-memory.request": "2Gi"}).initContainer("setup"),
+			func(*testing.T) []Request { return mibReq("setup", 2048, 2048, TimeSlicing, 1) }},
+		{"KAI's portion limit resolves as the limit",
+			newPod(ann{KeyFraction: "0.5", PortionLimitKey("main"): "0.75"}),
+			func(t *testing.T) []Request { return fractionReq(t, "main", "0.5", "0.75", TimeSlicing, 1) }},
+		{"KAI's portion limit next to the same gpu-fraction.limit (KAI's admission writes one from the other)",
+			newPod(ann{KeyFraction: "0.5", KeyFractionLimit: "0.75", PortionLimitKey("main"): "0.75000"}),
+			func(t *testing.T) []Request { return fractionReq(t, "main", "0.5", "0.75", TimeSlicing, 1) }},
+		{"gpu-fraction-container-name alone is ignored, as in KAI", newPod(ann{KeyContainerName: "main"}).wholeGPUs(0, "1"),
+			func(*testing.T) []Request { return nil }},
 		{"shorthand fraction with canonical mode and matching container-name",
 			newPod(ann{KeyFraction: "0.5", KeyContainerName: "gpu", "nvidia.com/container.gpu.gpu-compute.mode": "sm-sharing"}, "web", "gpu"),
 			func(t *testing.T) []Request { return fractionReq(t, "gpu", "0.5", "0.5", SMSharing, 1) }},
@@ -168,9 +192,29 @@ func TestParseRejects(t *testing.T) {
 		{"fraction Inf", newPod(ann{KeyFraction: "+Inf"}),
 			[]string{`container "main": gpu-fraction "+Inf" must be a decimal number such as 0.5`}},
 		{"fraction negative", newPod(ann{KeyFraction: "-0.5"}),
-			[]string{`container "main": gpu-fraction "-0.5" must be a decimal number such as 0.5`}},
-		{"fraction exponent", newPod(ann{KeyFraction: "5e-1"}),
-			[]string{`container "main": gpu-fraction "5e-1" must be a decimal number such as 0.5`}},
+			[]string{`container "main": gpu-fraction "-0.5" must be greater than 0 and less than 1`}},
+		{"fraction exponent above 1", newPod(ann{KeyFraction: "5e-0"}),
+			[]string{`container "main": gpu-fraction "5e-0" must be greater than 0 and less than 1`}},
+		{"shorthand memory with canonical limit (KAI refuses the pair)",
+			newPod(ann{KeyMemory: "4096", "nvidia.com/container.main.gpu-memory.limit": "6Gi"}),
+			[]string{`container "main": nvidia.com/container.main.gpu-memory.limit "6Gi" cannot be combined with gpu-memory alone: set the limit with gpu-memory.limit too (KAI Scheduler refuses this pair)`}},
+		{"portion limit without gpu-fraction", newPod(ann{PortionLimitKey("main"): "0.75"}),
+			[]string{`container "main": kai.scheduler/container.main.gpu-memory.portion.limit "0.75" needs gpu-fraction: the limit is a share of the same GPU as the request`}},
+		{"portion limit not above the fraction", newPod(ann{KeyFraction: "0.5", PortionLimitKey("main"): "0.5"}),
+			[]string{`container "main": kai.scheduler/container.main.gpu-memory.portion.limit "0.5" must be greater than gpu-fraction (0.5) and less than 1`}},
+		{"portion limit with six decimals", newPod(ann{KeyFraction: "0.5", PortionLimitKey("main"): "0.600001"}),
+			[]string{`container "main": kai.scheduler/container.main.gpu-memory.portion.limit "0.600001" must have at most 5 decimal places`}},
+		{"portion limit of 1", newPod(ann{KeyFraction: "0.5", PortionLimitKey("main"): "1"}),
+			[]string{`container "main": kai.scheduler/container.main.gpu-memory.portion.limit "1" must be less than 1 and greater than gpu-fraction`}},
+		{"portion limit on another container than gpu-fraction's", newPod(ann{KeyFraction: "0.5", PortionLimitKey("side"): "0.75"}, "main", "side"),
+			[]string{`container "side": kai.scheduler/container.side.gpu-memory.portion.limit "0.75" must name the container gpu-fraction applies to ("main": gpu-fraction-container-name, or the first container)`}},
+		{"portion limit disagreeing with gpu-fraction.limit", newPod(ann{KeyFraction: "0.5", KeyFractionLimit: "0.75", PortionLimitKey("main"): "0.8"}),
+			[]string{`container "main": kai.scheduler/container.main.gpu-memory.portion.limit "0.8" disagrees with gpu-fraction.limit "0.75": set one, or make them equal`}},
+		{"unknown key under kai.scheduler/container.", newPod(ann{KeyFraction: "0.5", "kai.scheduler/container.main.gpu-memory.limit": "0.75"}),
+			[]string{`kai.scheduler/container.main.gpu-memory.limit "0.75" is not a known key: KAI Scheduler's per-container key is kai.scheduler/container.<container>.gpu-memory.portion.limit`}},
+		{"a share limit next to a canonical request that overrides the share",
+			newPod(ann{KeyFraction: "0.5", KeyFractionLimit: "0.75", "nvidia.com/container.main.gpu-memory.request": "4Gi"}),
+			[]string{`container "main": gpu-fraction.limit "0.75" cannot be combined with nvidia.com/container.main.gpu-memory.request: a limit as a share of the GPU needs the request as a share (gpu-fraction); set nvidia.com/container.main.gpu-memory.limit instead`}},
 		{"fraction blank", newPod(ann{KeyFraction: ""}),
 			[]string{`container "main": gpu-fraction "" must be a decimal number such as 0.5`}},
 		{"fraction with space", newPod(ann{KeyFraction: " 0.5"}),
@@ -228,9 +272,6 @@ func TestParseRejects(t *testing.T) {
 		{"canonical and shorthand limit disagree",
 			newPod(ann{KeyMemory: "4096", KeyMemoryLimit: "8Gi", "nvidia.com/container.main.gpu-memory.limit": "6Gi"}),
 			[]string{`container "main": nvidia.com/container.main.gpu-memory.limit "6Gi" disagrees with gpu-memory.limit "8Gi" (6144Mi vs 8192Mi): set one, or make them equal`}},
-		{"fraction with canonical memory",
-			newPod(ann{KeyFraction: "0.5", "nvidia.com/container.main.gpu-memory.request": "4Gi"}),
-			[]string{`container "main": nvidia.com/container.main.gpu-memory.request "4Gi" cannot be combined with gpu-fraction "0.5": a share is resolved to memory by the scheduler; ask for a share or for an amount, not both`}},
 		{"canonical limit below request",
 			newPod(ann{"nvidia.com/container.main.gpu-memory.request": "4Gi", "nvidia.com/container.main.gpu-memory.limit": "2Gi"}),
 			[]string{`container "main": nvidia.com/container.main.gpu-memory.limit "2Gi" must be at least the memory request (4096Mi)`}},
@@ -325,6 +366,33 @@ func TestParseRejects(t *testing.T) {
 func (b *podBuilder) noContainers() *podBuilder {
 	b.pod.Spec.Containers = nil
 	return b
+}
+
+func TestCheckWarns(t *testing.T) {
+	tests := []struct {
+		name string
+		pod  *podBuilder
+		want []string
+	}{
+		{"a valid fraction: no warning", newPod(ann{KeyFraction: "0.5"}), nil},
+		{"gpu-fraction-container-name on a pod that asks for nothing", newPod(ann{KeyContainerName: "main"}),
+			[]string{`gpu-fraction-container-name "main" is ignored: the pod asks for no GPU fraction (gpu-fraction, gpu-memory or nvidia.com/container.<container>.gpu-memory.request would ask for one)`}},
+		{"a shorthand next to a canonical request", newPod(ann{KeyFraction: "0.5", "nvidia.com/container.main.gpu-memory.request": "4Gi"}),
+			[]string{`container "main": gpu-fraction "0.5" is ignored: nvidia.com/container.main.gpu-memory.request is set too, and the canonical request wins, as in KAI Scheduler`}},
+		{"an exponent", newPod(ann{KeyFraction: "2.5e-1"}),
+			[]string{`container "main": gpu-fraction "2.5e-1" is read as 0.25: write it as a plain decimal`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, warnings, err := Check(tt.pod.pod.Annotations, &tt.pod.pod.Spec)
+			if err != nil {
+				t.Fatalf("Check refused: %v", err)
+			}
+			if diff := cmp.Diff(tt.want, warnings); diff != "" {
+				t.Errorf("warnings (-want +got):\n%s", diff)
+			}
+		})
+	}
 }
 
 func TestFieldErrorTruncatesLongValues(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 )
 
 // ComputeMode is how a container shares a GPU's compute with its neighbours.
@@ -130,4 +131,10 @@ func WholeGPUs(spec *corev1.PodSpec) int {
 		n = max(n, amount(c))
 	}
 	return n
+}
+
+// FormatMiB renders mib as KAI's admission and binder write memory: a
+// canonical Kubernetes quantity, so 2048 is "2Gi" and 2000 is "2000Mi".
+func FormatMiB(mib int64) string {
+	return resource.NewQuantity(mib*mebibyte, resource.BinarySI).String()
 }

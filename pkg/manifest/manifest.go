@@ -220,19 +220,19 @@ func podTemplate(kind string, raw []byte) (*corev1.PodTemplateSpec, error) {
 
 // Validate checks an object's GPU-fraction request with the same rules as
 // admission. It returns the normalised requests (nil when the object asks
-// for no fraction) or why the object is invalid. Kinds without a pod
-// template are valid and ask for nothing.
-func Validate(obj Object) ([]api.Request, error) {
+// for no fraction) and admission's warnings, or why the object is invalid.
+// Kinds without a pod template are valid and ask for nothing.
+func Validate(obj Object) ([]api.Request, []string, error) {
 	if obj.Err != nil {
-		return nil, obj.Err
+		return nil, nil, obj.Err
 	}
 	if obj.Template == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if err := misplacedAnnotations(obj); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return api.ParseTemplate(obj.Template.Annotations, &obj.Template.Spec)
+	return api.Check(obj.Template.Annotations, &obj.Template.Spec)
 }
 
 // misplacedAnnotations catches fraction annotations written on a

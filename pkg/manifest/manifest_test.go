@@ -34,12 +34,12 @@ func TestEveryKindWithAPodTemplateIsChecked(t *testing.T) {
 			if obj.Kind != kind || obj.Name != "x" || obj.Namespace != "n" || obj.Template == nil {
 				t.Fatalf("object = %+v", obj)
 			}
-			reqs, err := Validate(obj)
+			reqs, _, err := Validate(obj)
 			if err != nil || len(reqs) != 1 || reqs[0].Memory.Fraction.String() != "0.5" {
 				t.Errorf("valid template: %v, %v", reqs, err)
 			}
 			bad := FromJSON(kind, []byte(workload(kind, invalid)))
-			if _, err := Validate(bad); err == nil || !strings.Contains(err.Error(), `gpu-fraction "1.5" must be greater than 0 and less than 1`) {
+			if _, _, err := Validate(bad); err == nil || !strings.Contains(err.Error(), `gpu-fraction "1.5" must be greater than 0 and less than 1`) {
 				t.Errorf("invalid template: %v", err)
 			}
 		})
@@ -51,7 +51,7 @@ func TestKindsWithoutTemplateAskForNothing(t *testing.T) {
 	if obj.Template != nil {
 		t.Fatal("ConfigMap has a template")
 	}
-	if reqs, err := Validate(obj); reqs != nil || err != nil {
+	if reqs, _, err := Validate(obj); reqs != nil || err != nil {
 		t.Errorf("Validate = %v, %v", reqs, err)
 	}
 }
@@ -61,7 +61,7 @@ func TestWrongFieldTypeIsInvalidNotFatal(t *testing.T) {
 	if err != nil || len(objs) != 1 {
 		t.Fatalf("Decode: %v %v", objs, err)
 	}
-	_, err = Validate(objs[0])
+	_, _, err = Validate(objs[0])
 	if err == nil || !strings.Contains(err.Error(), "cannot read as Deployment") {
 		t.Errorf("Validate error = %v", err)
 	}
@@ -70,12 +70,12 @@ func TestWrongFieldTypeIsInvalidNotFatal(t *testing.T) {
 func TestMisplacedAnnotationsOnlyWhenTemplateLacksThem(t *testing.T) {
 	both := FromJSON("Deployment", []byte(`{"kind":"Deployment","metadata":{"name":"d","annotations":{"gpu-fraction":"0.5"}},
 		"spec":{"template":{"metadata":{"annotations":{"gpu-fraction":"0.5"}},"spec":{"containers":[{"name":"m"}]}}}}`))
-	if _, err := Validate(both); err != nil {
+	if _, _, err := Validate(both); err != nil {
 		t.Errorf("copy on the workload and the template: %v", err)
 	}
 	onlyWorkload := FromJSON("Job", []byte(`{"kind":"Job","metadata":{"name":"j","annotations":{"nvidia.com/container.m.gpu-memory.request":"1Gi"}},
 		"spec":{"template":{"spec":{"containers":[{"name":"m"}]}}}}`))
-	_, err := Validate(onlyWorkload)
+	_, _, err := Validate(onlyWorkload)
 	want := `metadata.annotations[nvidia.com/container.m.gpu-memory.request] "1Gi" is on the Job itself, where nothing reads it: move it to the pod template's metadata.annotations`
 	if err == nil || err.Error() != want {
 		t.Errorf("error = %v\nwant    %s", err, want)
@@ -94,7 +94,7 @@ func TestNonStringAnnotationValues(t *testing.T) {
 		if err != nil || len(objs) != 1 {
 			t.Fatalf("Decode(%q): %v", tt.yaml, err)
 		}
-		if _, err := Validate(objs[0]); err == nil || err.Error() != tt.want {
+		if _, _, err := Validate(objs[0]); err == nil || err.Error() != tt.want {
 			t.Errorf("Validate(%q) = %v\nwant %s", tt.yaml, err, tt.want)
 		}
 	}
@@ -124,7 +124,7 @@ func FuzzDecode(f *testing.F) {
 			}
 		}
 		for _, obj := range objs {
-			reqs, err := Validate(obj)
+			reqs, _, err := Validate(obj)
 			if err != nil && reqs != nil {
 				t.Fatalf("requests and error together: %v %v", reqs, err)
 			}
