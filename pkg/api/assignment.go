@@ -1,7 +1,9 @@
 package api
 
 import (
+	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,15 +17,40 @@ import (
 // pod claims elsewhere, whichever scheduler (gpufrac's or KAI's) wrote it.
 type Assignment struct {
 	Container string
-	// Devices are the assigned GPU UUIDs, distinct, in the scheduler's order.
+	// Devices are the assigned GPU UUIDs, distinct, in the scheduler's order,
+	// however the scheduler named them.
 	Devices []string
+	// CDIKind is the CDI kind the scheduler named the devices with
+	// (<kind>=<UUID>, e.g. k8s.device-plugin.nvidia.com/gpu, as KAI writes
+	// on CDI clusters); "" when it wrote bare UUIDs.
+	CDIKind string
 	// RequestMiB is the guaranteed (soft) limit on each device.
 	RequestMiB int64
 	// LimitMiB is the hard limit on each device, ≥ RequestMiB.
 	LimitMiB int64
 	Mode     ComputeMode
-	// Portion is the sm-sharing compute share in (0,1]; zero for time-slicing.
+	// Portion is the sm-sharing compute share in (0,1]; zero for
+	// time-slicing, and for sm-sharing when the scheduler wrote none (as
+	// released KAI does): the node then derives it from the memory share.
 	Portion Fraction
+}
+
+// CDIKindNVIDIAGPU is the CDI kind of NVIDIA's device plugin, the one KAI
+// names devices with on CDI clusters: its CDI spec carries the container
+// toolkit's memory-limit hook.
+const CDIKindNVIDIAGPU = "k8s.device-plugin.nvidia.com/gpu"
+
+// DeviceNames are the devices as the scheduler wrote them: bare UUIDs, or
+// CDI names <CDIKind>=<UUID>.
+func (a Assignment) DeviceNames() []string {
+	if a.CDIKind == "" {
+		return a.Devices
+	}
+	names := make([]string, len(a.Devices))
+	for i, d := range a.Devices {
+		names[i] = a.CDIKind + "=" + d
+	}
+	return names
 }
 
 // ActiveThreadPercentage is the MPS active-thread ceiling for an sm-sharing
@@ -39,12 +66,12 @@ func (a Assignment) ActiveThreadPercentage() int {
 func (a Assignment) Annotations() map[string]string {
 	key := func(suffix string) string { return ContainerKey(a.Container, suffix) }
 	out := map[string]string{
-		key(SuffixDevices):       strings.Join(a.Devices, ","),
+		key(SuffixDevices):       strings.Join(a.DeviceNames(), ","),
 		key(SuffixMemoryRequest): strconv.FormatInt(a.RequestMiB, 10) + "Mi",
 		key(SuffixMemoryLimit):   strconv.FormatInt(a.LimitMiB, 10) + "Mi",
 		key(SuffixComputeMode):   string(a.Mode),
 	}
-	if a.Mode == SMSharing {
+	if a.Mode == SMSharing && !a.Portion.IsZero() {
 		out[key(SuffixComputePortion)] = a.Portion.String()
 	}
 	return out
@@ -57,6 +84,16 @@ func (a Assignment) Annotations() map[string]string {
 // container that asks for a fraction but lacks a complete, consistent
 // decision is an error: the node must refuse it rather than run it
 // without limits.
+//
+// It reads every form a scheduler writes (KAI's binder included):
+// quantities canonical or not (2Gi, 2048Mi), values with surrounding
+// whitespace, a portion in exponent form, devices as bare UUIDs or as CDI
+// names, sm-sharing without a portion. It keeps refusing what no scheduler
+// writes.
+//
+// On error, the slice still holds the containers whose devices and memory
+// read cleanly, with Mode empty where only their mode or portion did not:
+// a node that fails open keeps their memory caps (see package injection).
 func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 	var errs ErrorList
 	fail := func(c, key, value, rule string, args ...any) {
@@ -71,7 +108,7 @@ func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 		if perContainer[c] == nil {
 			perContainer[c] = map[string]string{}
 		}
-		perContainer[c][suffix] = value
+		perContainer[c][suffix] = strings.TrimSpace(value)
 	}
 	if shorthand, asks := shorthandKey(annotations); asks {
 		target, named := annotations[KeyContainerName]
@@ -99,12 +136,12 @@ func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 			fail(c, devicesKey, "", "is missing: the container asks for a GPU fraction but no scheduler has assigned it GPUs")
 			continue
 		}
-		devices, bad := splitDevices(raw)
+		devices, kind, bad := ParseDeviceList(raw)
 		if bad != "" {
-			fail(c, devicesKey, raw, "must be a comma-separated list of distinct GPU UUIDs: %s", bad)
+			fail(c, devicesKey, raw, "must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): %s", bad)
 			continue
 		}
-		a := Assignment{Container: c, Devices: devices, Mode: TimeSlicing}
+		a := Assignment{Container: c, Devices: devices, CDIKind: kind}
 		p := parser{}
 		reqKey, limitKey := ContainerKey(c, SuffixMemoryRequest), ContainerKey(c, SuffixMemoryLimit)
 		req, hasReq := p.quantityMiB(c, reqKey, values, SuffixMemoryRequest, false)
@@ -126,33 +163,48 @@ func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 			continue
 		}
 		a.RequestMiB, a.LimitMiB = req, limit
+		// From here on the memory caps are known: a bad mode or portion
+		// leaves the assignment in the result, with no mode.
+		a.Mode = TimeSlicing
 		if m, present := values[SuffixComputeMode]; present {
 			mode, valid := ParseComputeMode(m)
 			if !valid {
 				fail(c, ContainerKey(c, SuffixComputeMode), m, "must be %s or %s", TimeSlicing, SMSharing)
-				continue
 			}
 			a.Mode = mode
 		}
-		portionKey := ContainerKey(c, SuffixComputePortion)
-		if v, present := values[SuffixComputePortion]; present {
-			f, err := ParseFraction(v)
-			if err != nil || f.IsZero() {
-				fail(c, portionKey, v, "must be a decimal greater than 0 and at most 1")
-				continue
+		if v, present := values[SuffixComputePortion]; present && a.Mode != "" {
+			f, ok := parsePortion(v)
+			if !ok {
+				fail(c, ContainerKey(c, SuffixComputePortion), v, "must be a decimal greater than 0 and at most 1")
+				a.Mode = ""
 			}
 			a.Portion = f
 		}
-		if a.Mode == SMSharing && a.Portion.IsZero() {
-			fail(c, portionKey, "", "is missing: sm-sharing needs the compute portion the scheduler assigns")
-			continue
+		if a.Mode == "" {
+			a.Portion = Fraction{}
 		}
 		out = append(out, a)
 	}
 	if len(errs) > 0 {
-		return nil, errs
+		return out, errs
 	}
 	return out, nil
+}
+
+// parsePortion reads a compute portion in (0,1]: a plain decimal, or any
+// form strconv.ParseFloat reads ("5e-01"), kept exact through its shortest
+// decimal rendering.
+func parsePortion(v string) (Fraction, bool) {
+	f, err := ParseFraction(v)
+	if errors.Is(err, errNotDecimal) {
+		x, perr := strconv.ParseFloat(v, 64)
+		if perr != nil || math.IsNaN(x) || math.IsInf(x, 0) || x <= 0 || x > 1 {
+			return Fraction{}, false
+		}
+		f, err = ParseFraction(strconv.FormatFloat(x, 'f', -1, 64))
+	}
+	return f, err == nil && !f.IsZero()
 }
 
 // shorthandKey is the first pod-level shorthand the pod carries, if any.
@@ -165,21 +217,83 @@ func shorthandKey(annotations map[string]string) (string, bool) {
 	return "", false
 }
 
-// splitDevices parses a device list; bad says what is wrong, if anything.
-func splitDevices(raw string) (devices []string, bad string) {
-	for _, d := range strings.Split(raw, ",") {
-		d = strings.TrimSpace(d)
-		switch {
-		case d == "":
-			return nil, "an entry is empty"
-		case strings.ContainsFunc(d, func(r rune) bool { return r <= ' ' || r > '~' }):
-			return nil, fmt.Sprintf("%q has characters a UUID does not", d)
-		case slices.Contains(devices, d):
-			return nil, fmt.Sprintf("%q is listed twice", d)
+// ParseDeviceList reads a .gpus.devices value: distinct GPU UUIDs, bare or
+// all as CDI names of one kind (<vendor>/<class>=<UUID>). It returns the
+// UUIDs and the CDI kind ("" for bare UUIDs); bad says what is wrong,
+// naming the entry, when the list is not one of those.
+func ParseDeviceList(raw string) (uuids []string, cdiKind, bad string) {
+	for i, entry := range strings.Split(raw, ",") {
+		entry = strings.TrimSpace(entry)
+		if entry == "" {
+			return nil, "", "an entry is empty"
 		}
-		devices = append(devices, d)
+		kind, uuid, isCDI := strings.Cut(entry, "=")
+		if !isCDI {
+			kind, uuid = "", entry
+		}
+		switch {
+		case isCDI && !isCDIKind(kind):
+			return nil, "", fmt.Sprintf("%q is not a CDI device name: the kind %q must be <vendor>/<class>, such as %s", entry, kind, CDIKindNVIDIAGPU)
+		case !isGPUUUID(uuid):
+			return nil, "", fmt.Sprintf("%q is not a GPU UUID (GPU-<hex digits and dashes>, as nvidia-smi -L prints)%s", entry, notUUIDHint(uuid))
+		case i > 0 && kind != cdiKind:
+			return nil, "", fmt.Sprintf("%q is named differently from the first entry: every entry must be a bare UUID, or every one a CDI name of one kind", entry)
+		case slices.Contains(uuids, uuid):
+			return nil, "", fmt.Sprintf("%q is listed twice", entry)
+		}
+		cdiKind = kind
+		uuids = append(uuids, uuid)
 	}
-	return devices, ""
+	return uuids, cdiKind, ""
+}
+
+// isGPUUUID reports whether s has the shape of an NVML GPU UUID: "GPU-"
+// and hex digits with dashes (8-4-4-4-12 on today's GPUs; the grouping is
+// not checked, so the reader does not guess at a future one).
+func isGPUUUID(s string) bool {
+	body, ok := strings.CutPrefix(s, "GPU-")
+	if !ok || strings.Trim(body, "-") == "" {
+		return false
+	}
+	for _, r := range body {
+		if !('0' <= r && r <= '9' || 'a' <= r && r <= 'f' || 'A' <= r && r <= 'F' || r == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+func notUUIDHint(s string) string {
+	switch {
+	case strings.HasPrefix(s, "MIG-"):
+		return "; a MIG device cannot be shared by fractions"
+	case allDigits(s):
+		return "; device indices differ from node to node and are not accepted"
+	}
+	return ""
+}
+
+// isCDIKind checks the CDI spec's kind syntax, <vendor>/<class>: each a
+// name of letters, digits, '-', '_' and '.', starting and ending with a
+// letter or digit.
+func isCDIKind(kind string) bool {
+	vendor, class, ok := strings.Cut(kind, "/")
+	name := func(s string) bool {
+		if s == "" || !isAlnum(rune(s[0])) || !isAlnum(rune(s[len(s)-1])) {
+			return false
+		}
+		for _, r := range s {
+			if !isAlnum(r) && r != '-' && r != '_' && r != '.' {
+				return false
+			}
+		}
+		return true
+	}
+	return ok && name(vendor) && name(class)
+}
+
+func isAlnum(r rune) bool {
+	return 'a' <= r && r <= 'z' || 'A' <= r && r <= 'Z' || '0' <= r && r <= '9'
 }
 
 // Intent returns the pod without the keys a scheduler writes when it

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"strconv"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -38,16 +39,40 @@ func TestParseAssignments(t *testing.T) {
 		{"devices without memory", map[string]string{dev: "GPU-a"}, nil,
 			`container "main": nvidia.com/container.main.gpu-memory.request "" is missing: the scheduler writes the resolved memory request with the devices`},
 		{"duplicate device", map[string]string{dev: "GPU-a,GPU-a", req: "1Gi"}, nil,
-			`container "main": nvidia.com/container.main.gpus.devices "GPU-a,GPU-a" must be a comma-separated list of distinct GPU UUIDs: "GPU-a" is listed twice`},
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-a,GPU-a" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "GPU-a" is listed twice`},
 		{"empty device entry", map[string]string{dev: "GPU-a,", req: "1Gi"}, nil,
-			`container "main": nvidia.com/container.main.gpus.devices "GPU-a," must be a comma-separated list of distinct GPU UUIDs: an entry is empty`},
+			`container "main": nvidia.com/container.main.gpus.devices "GPU-a," must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): an entry is empty`},
 		{"limit below request", map[string]string{dev: "GPU-a", req: "2Gi", limit: "1Gi"}, nil,
 			`container "main": nvidia.com/container.main.gpu-memory.limit "1Gi" must be at least the memory request (2048Mi)`},
-		{"sm-sharing without portion", map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing"}, nil,
-			`container "main": nvidia.com/container.main.gpu-compute.portion "" is missing: sm-sharing needs the compute portion the scheduler assigns`},
-		{"portion above 1", map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing", portion: "1.5"}, nil,
+		{"sm-sharing without portion, as released KAI's binder leaves it: the node derives one",
+			map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024, Mode: SMSharing}}, ""},
+		{"KAI's binder on a CDI cluster: CDI names, canonical quantities",
+			map[string]string{dev: "k8s.device-plugin.nvidia.com/gpu=GPU-a,k8s.device-plugin.nvidia.com/gpu=GPU-b", req: "2Gi", limit: "3Gi"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a", "GPU-b"}, CDIKind: CDIKindNVIDIAGPU, RequestMiB: 2048, LimitMiB: 3072, Mode: TimeSlicing}}, ""},
+		{"surrounding whitespace and a portion in exponent form",
+			map[string]string{dev: " GPU-a ", req: " 1000Mi", mode: "sm-sharing ", portion: "2.5e-01"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1000, LimitMiB: 1000, Mode: SMSharing, Portion: mustFraction(t, "0.25")}}, ""},
+		{"device index", map[string]string{dev: "0", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "0" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "0" is not a GPU UUID (GPU-<hex digits and dashes>, as nvidia-smi -L prints); device indices differ from node to node and are not accepted`},
+		{"MIG device", map[string]string{dev: "MIG-1234", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "MIG-1234" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "MIG-1234" is not a GPU UUID (GPU-<hex digits and dashes>, as nvidia-smi -L prints); a MIG device cannot be shared by fractions`},
+		{"all", map[string]string{dev: "all", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "all" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "all" is not a GPU UUID (GPU-<hex digits and dashes>, as nvidia-smi -L prints)`},
+		{"CDI name with a bad kind", map[string]string{dev: "gpu=GPU-a", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "gpu=GPU-a" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "gpu=GPU-a" is not a CDI device name: the kind "gpu" must be <vendor>/<class>, such as k8s.device-plugin.nvidia.com/gpu`},
+		{"CDI name and bare UUID mixed", map[string]string{dev: "k8s.device-plugin.nvidia.com/gpu=GPU-a,GPU-b", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "k8s.device-plugin.nvidia.com/gpu=GPU-a,GPU-b" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "GPU-b" is named differently from the first entry: every entry must be a bare UUID, or every one a CDI name of one kind`},
+		{"the same GPU under two names", map[string]string{dev: "nvidia.com/gpu=GPU-a,k8s.device-plugin.nvidia.com/gpu=GPU-a", req: "1Gi"}, nil,
+			`container "main": nvidia.com/container.main.gpus.devices "nvidia.com/gpu=GPU-a,k8s.device-plugin.nvidia.com/gpu=GPU-a" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "k8s.device-plugin.nvidia.com/gpu=GPU-a" is named differently from the first entry: every entry must be a bare UUID, or every one a CDI name of one kind`},
+		{"portion above 1: the memory caps are still read", map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing", portion: "1.5"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024}},
 			`container "main": nvidia.com/container.main.gpu-compute.portion "1.5" must be a decimal greater than 0 and at most 1`},
-		{"bad mode", map[string]string{dev: "GPU-a", req: "1Gi", mode: "mps"}, nil,
+		{"portion as a percentage", map[string]string{dev: "GPU-a", req: "1Gi", mode: "sm-sharing", portion: "50"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024}},
+			`container "main": nvidia.com/container.main.gpu-compute.portion "50" must be a decimal greater than 0 and at most 1`},
+		{"bad mode: the memory caps are still read", map[string]string{dev: "GPU-a", req: "1Gi", mode: "mps"},
+			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024}},
 			`container "main": nvidia.com/container.main.gpu-compute.mode "mps" must be time-slicing or sm-sharing`},
 	}
 	for _, tt := range tests {
@@ -87,18 +112,16 @@ func TestAssignmentAnnotationsRoundTrip(t *testing.T) {
 			Container: rapid.StringMatching(`[a-z]([-a-z0-9.]{0,20}[a-z0-9])?`).Draw(t, "container"),
 			Mode:      rapid.SampledFrom([]ComputeMode{TimeSlicing, SMSharing}).Draw(t, "mode"),
 		}
-		cdi := rapid.Bool().Draw(t, "cdi")
+		want.CDIKind = rapid.SampledFrom([]string{"", CDIKindNVIDIAGPU, "nvidia.com/gpu"}).Draw(t, "cdi kind")
 		for i := range rapid.IntRange(1, 8).Draw(t, "devices") {
-			d := "GPU-" + rapid.StringMatching(`[0-9a-f]{8}`).Draw(t, "uuid") + "-" + string(rune('a'+i))
-			if cdi {
-				d = "k8s.device-plugin.nvidia.com/gpu=" + d
-			}
+			d := "GPU-" + rapid.StringMatching(`[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{11}`).Draw(t, "uuid") + strconv.Itoa(i)
 			want.Devices = append(want.Devices, d)
 		}
 		want.RequestMiB = rapid.Int64Range(1, 1<<30).Draw(t, "request")
 		want.LimitMiB = want.RequestMiB + rapid.Int64Range(0, 1<<30-want.RequestMiB).Draw(t, "burst")
 		if want.Mode == SMSharing {
-			want.Portion = Thousandths(rapid.Int64Range(1, 1000).Draw(t, "thousandths"))
+			// 0: no portion written, as released KAI leaves sm-sharing.
+			want.Portion = Thousandths(rapid.Int64Range(0, 1000).Draw(t, "thousandths"))
 		}
 		got, err := ParseAssignments(want.Annotations())
 		if err != nil {

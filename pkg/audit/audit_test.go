@@ -72,7 +72,7 @@ func TestEveryViolationIsFound(t *testing.T) {
 	unannotated := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "bare", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	unannotated.Spec.NodeName = "n1"
 	unannotated.Spec.Containers = []corev1.Container{{Name: "main"}}
-	young := reservation("n2", "gy", "GPU-y")
+	young := reservation("n2", "gy", "GPU-0e")
 	young.CreationTimestamp = metav1.NewTime(now.Add(-time.Second))
 	whole := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "whole", Namespace: "team"}}
 	whole.Spec.NodeName = "n2"
@@ -84,7 +84,7 @@ func TestEveryViolationIsFound(t *testing.T) {
 		reservation("n1", "gb", "GPU-b"),
 		tenant("sm1", "n1", 10000, api.SMSharing, "0.6", "gb", "GPU-b"),
 		tenant("sm2", "n1", 10000, api.SMSharing, "0.6", "gb", "GPU-b"),
-		tenant("stray", "n1", 1000, api.TimeSlicing, "", "gz", "GPU-z"),
+		tenant("stray", "n1", 1000, api.TimeSlicing, "", "gz", "GPU-0f"),
 		unannotated,
 		reservation("n1", "gc", "GPU-c"), // no tenant
 		young,                            // no tenant yet, within the grace

@@ -40,6 +40,28 @@ type Args struct {
 	// BindTimeout bounds PreBind's wait for a reservation pod's GPU UUID.
 	// Default 2m.
 	BindTimeout Duration `json:"bindTimeout,omitempty"`
+	// DeviceNaming is how .gpus.devices names the GPUs: uuid (default,
+	// GPU-…, for gpufrac's node agent and non-CDI runtimes) or cdi
+	// (k8s.device-plugin.nvidia.com/gpu=GPU-…, as KAI writes on clusters
+	// whose NVIDIA device plugin uses CDI: with NVIDIA's node operator only
+	// that CDI spec carries the toolkit's memory-limit hook, so bare UUIDs
+	// there would run without driver limits). gpufrac's node agent reads
+	// both.
+	DeviceNaming string `json:"deviceNaming,omitempty"`
+}
+
+// Device namings.
+const (
+	DeviceNamingUUID = "uuid"
+	DeviceNamingCDI  = "cdi"
+)
+
+// CDIKind is the CDI kind .gpus.devices entries carry, "" for bare UUIDs.
+func (a Args) CDIKind() string {
+	if a.DeviceNaming == DeviceNamingCDI {
+		return api.CDIKindNVIDIAGPU
+	}
+	return ""
 }
 
 // Duration is a time.Duration written as "90s" or "2m".
@@ -134,6 +156,9 @@ func (a *Args) Default() {
 	if a.BindTimeout.Duration == 0 {
 		a.BindTimeout.Duration = DefaultBindTimeout
 	}
+	if a.DeviceNaming == "" {
+		a.DeviceNaming = DeviceNamingUUID
+	}
 }
 
 // Validate reports the first bad field: its name, value and rule.
@@ -157,6 +182,10 @@ func (a Args) Validate() error {
 	}
 	if a.BindTimeout.Duration < time.Second {
 		return fmt.Errorf("GPUFractions args: bindTimeout %s must be at least 1s", a.BindTimeout.Duration)
+	}
+	if a.DeviceNaming != DeviceNamingUUID && a.DeviceNaming != DeviceNamingCDI {
+		return fmt.Errorf("GPUFractions args: deviceNaming %q must be %s (bare GPU UUIDs) or %s (%s=<UUID>, for NVIDIA's node operator on CDI clusters)",
+			a.DeviceNaming, DeviceNamingUUID, DeviceNamingCDI, api.CDIKindNVIDIAGPU)
 	}
 	return nil
 }

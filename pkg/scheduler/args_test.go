@@ -10,7 +10,8 @@ import (
 
 func TestDecodeArgs(t *testing.T) {
 	a, err := DecodeArgs(nil)
-	if err != nil || a.Policy != "gpufrac" || a.ReservationNamespace != DefaultReservationNamespace || a.BindTimeout.Duration != DefaultBindTimeout {
+	if err != nil || a.Policy != "gpufrac" || a.ReservationNamespace != DefaultReservationNamespace || a.BindTimeout.Duration != DefaultBindTimeout ||
+		a.DeviceNaming != DeviceNamingUUID || a.CDIKind() != "" {
 		t.Fatalf("defaults: %+v, %v", a, err)
 	}
 	a, err = DecodeArgs(&runtime.Unknown{Raw: []byte("policy: spread\ngpuMemoryReserveMiB: 512\ngpuMemoryReserveMiBByModel: {H100: 1024}\nbindTimeout: 30s\n"), ContentType: runtime.ContentTypeYAML})
@@ -26,6 +27,7 @@ func TestDecodeArgs(t *testing.T) {
 		`{"bindTimeout":"soon"}`:                           `time: invalid duration "soon"`,
 		`{"bindTimeout":"10ms"}`:                           "bindTimeout 10ms must be at least 1s",
 		`{"reservationImage":"pause 3"}`:                   `reservationImage "pause 3" must be an image reference without spaces`,
+		`{"deviceNaming":"CDI"}`:                           `deviceNaming "CDI" must be uuid (bare GPU UUIDs) or cdi (k8s.device-plugin.nvidia.com/gpu=<UUID>, for NVIDIA's node operator on CDI clusters)`,
 		`{"policy":"random"}`:                              `policy "random" is not known`,
 		`{"policy":"gpufrac","gpuMemoryReserveMiB":"1Gi"}`: "cannot unmarshal string",
 	} {

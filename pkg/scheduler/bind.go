@@ -62,7 +62,7 @@ func (p *Plugin) reserveGPUs(ctx context.Context, d Decision) ([]string, error) 
 // and the GPU groups, from which a restarted scheduler rebuilds its state.
 func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuids []string) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"annotations": decisionPatch(d, uuids),
+		"annotations": decisionPatch(d, uuids, p.args.CDIKind()),
 		"labels":      decisionLabels(d),
 	}})
 	if err != nil {
@@ -74,9 +74,10 @@ func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuid
 	return nil
 }
 
-// assignment is the decision as the node side reads it.
-func (d Decision) assignment(uuids []string) api.Assignment {
-	a := api.Assignment{Container: d.Container, Devices: uuids, RequestMiB: d.Resolved.RequestMiB, LimitMiB: d.Resolved.LimitMiB, Mode: d.Mode}
+// assignment is the decision as the node side reads it, the devices named
+// with cdiKind ("" for bare UUIDs).
+func (d Decision) assignment(uuids []string, cdiKind string) api.Assignment {
+	a := api.Assignment{Container: d.Container, Devices: uuids, CDIKind: cdiKind, RequestMiB: d.Resolved.RequestMiB, LimitMiB: d.Resolved.LimitMiB, Mode: d.Mode}
 	if d.Mode == api.SMSharing {
 		// Never 0: an sm-sharing portion is in (0, 1].
 		a.Portion = api.Thousandths(max(d.Portion, 1))
@@ -87,12 +88,12 @@ func (d Decision) assignment(uuids []string) api.Assignment {
 // decisionPatch is what PreBind merges into the pod's annotations: the
 // decision as api.Assignment writes it, and the GPU groups. A nil value
 // removes a key: a stale compute portion when the mode is time-slicing.
-func decisionPatch(d Decision, uuids []string) map[string]any {
+func decisionPatch(d Decision, uuids []string, cdiKind string) map[string]any {
 	out := map[string]any{
 		api.ContainerKey(d.Container, api.SuffixComputePortion): nil,
 		api.GPUGroupsAnnotation:                                 strings.Join(d.Groups, ","),
 	}
-	for k, v := range d.assignment(uuids).Annotations() {
+	for k, v := range d.assignment(uuids, cdiKind).Annotations() {
 		out[k] = v
 	}
 	return out

@@ -204,7 +204,7 @@ func TestReserveUnreserve(t *testing.T) {
 			}
 			reserved := summary(c, "n1")
 			d, _ = c.Decision("uid-p2")
-			bound := placedPod("p2", "n1", 30000, api.TimeSlicing, "", d.Groups, []string{"GPU-x"})
+			bound := placedPod("p2", "n1", 30000, api.TimeSlicing, "", d.Groups, []string{"GPU-0d"})
 			c.SetPod(bound)
 			if got := summary(c, "n1"); got != reserved {
 				t.Fatalf("confirmed pod charged again:\n got  %s\n want %s", got, reserved)
@@ -300,10 +300,31 @@ func TestDecisionPatchWritesThePortionOnlyForSMSharing(t *testing.T) {
 		{api.TimeSlicing, 500, nil},
 	} {
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: api.Resolved{RequestMiB: 1, LimitMiB: 1}, Mode: tt.mode, Portion: tt.thousandths}
-		patch := decisionPatch(d, []string{"GPU-1"})
+		patch := decisionPatch(d, []string{"GPU-1"}, "")
 		if got, ok := patch[portionKey]; !ok || got != tt.want {
 			t.Errorf("%s %d‰: portion %v (present %v), want %v", tt.mode, tt.thousandths, got, ok, tt.want)
 		}
+	}
+}
+
+// deviceNaming: cdi writes the devices as KAI does on CDI clusters, and the
+// node side reads the same UUIDs back.
+func TestDecisionPatchNamesDevicesForCDI(t *testing.T) {
+	args := Args{DeviceNaming: DeviceNamingCDI}
+	d := Decision{Container: "main", Groups: []string{"g1", "g2"}, Resolved: api.Resolved{RequestMiB: 1024, LimitMiB: 1024}, Mode: api.TimeSlicing}
+	patch := decisionPatch(d, []string{"GPU-1", "GPU-2"}, args.CDIKind())
+	if got := patch[api.ContainerKey("main", api.SuffixDevices)]; got != "k8s.device-plugin.nvidia.com/gpu=GPU-1,k8s.device-plugin.nvidia.com/gpu=GPU-2" {
+		t.Fatalf("devices = %v", got)
+	}
+	annotations := map[string]string{}
+	for k, v := range patch {
+		if v != nil {
+			annotations[k] = v.(string)
+		}
+	}
+	got, err := api.ParseAssignments(annotations)
+	if err != nil || len(got) != 1 || !slices.Equal(got[0].Devices, []string{"GPU-1", "GPU-2"}) || got[0].CDIKind != api.CDIKindNVIDIAGPU {
+		t.Errorf("read back %+v, %v", got, err)
 	}
 }
 
@@ -327,7 +348,7 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: want[0].Mode, Portion: 500}
-		for k, v := range decisionPatch(d, []string{"GPU-1"}) {
+		for k, v := range decisionPatch(d, []string{"GPU-1"}, "") {
 			if v != nil {
 				patched.Annotations[k] = v.(string)
 			}

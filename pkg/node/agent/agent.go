@@ -243,6 +243,9 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	backend, backendErr := injection.ChooseBackend(a.opts.MemoryLimits, capability)
 	cfg := a.opts.Injection
 	cfg.Backend = backend
+	if invErr == nil && len(inv.GPUs) > 0 {
+		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
+	}
 	a.plugin.SetInjection(cfg)
 	if backendErr != nil {
 		logger.Error(backendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")

@@ -5,6 +5,7 @@
 package injection
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -121,6 +122,17 @@ type Config struct {
 	// ShimDir is the host directory holding the nvidia-smi view library;
 	// "" mounts nothing.
 	ShimDir string
+	// GPUMemoryMiB is the memory of each of the node's GPUs, as the node
+	// publishes it (nvidia.com/gpu.memory); 0 while unknown.
+	GPUMemoryMiB int64
+	// GPUMemoryReserveMiB is what the scheduler keeps back on each GPU
+	// (its gpuMemoryReserveMiB; KAI's default is 0): a share of the GPU is
+	// a share of GPUMemoryMiB − GPUMemoryReserveMiB.
+	GPUMemoryReserveMiB int64
+	// FailOpen starts a fractional container that cannot be enforced
+	// anyway: with its memory caps when only its compute mode or portion
+	// is unusable, with no GPU at all otherwise.
+	FailOpen bool
 }
 
 // Pod is what the injection needs of a pod: its UID (which names the MPS
@@ -130,57 +142,164 @@ type Pod struct {
 	Annotations map[string]string
 }
 
-// Adjust computes the adjustment for container (its name and current
-// environment, KEY=VALUE) of pod. It returns
-// nil for a pod that asks for no fraction. A pod that asks for one without
-// a complete scheduler decision is an error: the container must not run.
-// Containers of a fractional pod that get no GPU are shown none, so an
-// image's NVIDIA_VISIBLE_DEVICES=all cannot reach the pod's neighbours.
-func Adjust(pod Pod, container string, env []string, cfg Config) (*nriapi.ContainerAdjustment, error) {
-	if !hasFractionKeys(pod.Annotations) {
-		return nil, nil
-	}
-	assignments, err := api.ParseAssignments(pod.Annotations)
-	if err != nil {
-		return nil, err
-	}
-	if len(assignments) == 0 {
-		return nil, fmt.Errorf("the pod has GPU-fraction annotations but no scheduler decision (%s): refusing to run it without limits",
-			api.ContainerKeyPrefix+"<container>"+api.SuffixDevices)
-	}
-	adj := &nriapi.ContainerAdjustment{}
-	for _, a := range assignments {
-		if a.Container != container {
-			continue
-		}
-		if a.Mode == api.SMSharing && cfg.MPSPipeDir == "" {
-			return nil, fmt.Errorf("container %q: sm-sharing needs MPS, and this node has no MPS pipe directory configured", container)
-		}
-		switch cfg.Backend {
-		case BackendDriver:
-			if cfg.HookPath == "" {
-				return nil, fmt.Errorf("container %q: the driver memory-limit backend needs the hook binary (--hook-path)", container)
-			}
-		case BackendToolkit, BackendMPSPinned:
-		case BackendOff:
-			return nil, fmt.Errorf("container %q: this node enforces no GPU memory limits (memory-limit backend off)", container)
-		default:
-			return nil, fmt.Errorf("container %q: no memory-limit backend is in effect on this node yet", container)
-		}
-		inject(adj, a, mps.PipeDir(cfg.MPSPipeDir, mps.Key(pod.UID, container)), env, cfg)
-		return adj, nil
-	}
-	hideGPUs(adj)
-	return adj, nil
+// Verdict is what happens to a container at creation.
+type Verdict string
+
+// The verdicts.
+const (
+	// Run: the container starts as Adjustment makes it (enforced, or not
+	// fractional at all).
+	Run Verdict = "run"
+	// FailedOpen: the container's share cannot be enforced as written and
+	// the node fails open: it starts as Adjustment makes it, with its
+	// memory caps when they could be read, with no GPU otherwise.
+	FailedOpen Verdict = "fail-open"
+	// Refuse: the container must not start.
+	Refuse Verdict = "refuse"
+)
+
+// Decision is everything the node agent does for one container at
+// creation, decided before anything is done: the NRI plugin carries it
+// out and `gpufrac explain` prints it, so the two cannot differ.
+type Decision struct {
+	Verdict Verdict
+	// Adjustment is what the runtime applies; nil when nothing changes
+	// (a pod with no fraction) or the container is refused.
+	Adjustment *nriapi.ContainerAdjustment
+	// Assignment is the GPU share the container gets, as enforced (the
+	// portion derived where the scheduler wrote none); nil when it gets no
+	// GPU share.
+	Assignment *api.Assignment
+	// MPSNamespace is the MPS namespace to start, with the assignment's
+	// thread ceiling, before the container runs (sm-sharing); "" for none.
+	MPSNamespace string
+	// Notes say what the node did that the scheduler did not write, for
+	// the pod's Event.
+	Notes []string
+	// Reason is why the container is refused or failed open.
+	Reason error
 }
 
-// FailOpen is the adjustment for a container whose GPU fraction cannot be
-// enforced on a node configured to run such containers anyway: it gets no
-// GPU at all, never an unlimited one.
-func FailOpen() *nriapi.ContainerAdjustment {
+// Decide computes the decision for container (its name and current
+// environment, KEY=VALUE) of pod. A pod that asks for a fraction without
+// a complete scheduler decision is refused, unless the node fails open.
+// Containers of a fractional pod that get no GPU are shown none, so an
+// image's NVIDIA_VISIBLE_DEVICES=all cannot reach the pod's neighbours.
+func Decide(pod Pod, container string, env []string, cfg Config) Decision {
+	if !hasFractionKeys(pod.Annotations) {
+		return Decision{Verdict: Run}
+	}
+	assignments, err := api.ParseAssignments(pod.Annotations)
+	if err == nil && len(assignments) == 0 {
+		err = fmt.Errorf("the pod has GPU-fraction annotations but no scheduler decision (%s): refusing to run it without limits",
+			api.ContainerKeyPrefix+"<container>"+api.SuffixDevices)
+	}
+	var mine *api.Assignment
+	for i := range assignments {
+		if assignments[i].Container == container {
+			mine = &assignments[i]
+		}
+	}
+	if err != nil {
+		// A decision whose memory caps read cleanly keeps them when the
+		// node fails open; only its compute sharing is dropped.
+		if mine != nil && mine.Mode == "" {
+			return failOpenWithCaps(*mine, pod, env, cfg, err)
+		}
+		return Unenforceable(cfg, err)
+	}
+	if mine == nil {
+		adj := &nriapi.ContainerAdjustment{}
+		hideGPUs(adj)
+		return Decision{Verdict: Run, Adjustment: adj}
+	}
+	a := *mine
+	if a.Mode == api.SMSharing && cfg.MPSPipeDir == "" {
+		return Unenforceable(cfg, fmt.Errorf("container %q: sm-sharing needs MPS, and this node has no MPS pipe directory configured", container))
+	}
+	if err := checkBackend(container, cfg); err != nil {
+		return Unenforceable(cfg, err)
+	}
+	var notes []string
+	if a.Mode == api.SMSharing {
+		if a.Portion.IsZero() {
+			portion, note, err := derivePortion(a, cfg)
+			if err != nil {
+				a.Mode = ""
+				return failOpenWithCaps(a, pod, env, cfg, fmt.Errorf("container %q: %w", container, err))
+			}
+			a.Portion = portion
+			notes = append(notes, note)
+		}
+	}
+	adj := &nriapi.ContainerAdjustment{}
+	key := ""
+	if a.Mode == api.SMSharing {
+		key = mps.Key(pod.UID, container)
+	}
+	inject(adj, a, mps.PipeDir(cfg.MPSPipeDir, key), env, cfg)
+	return Decision{Verdict: Run, Adjustment: adj, Assignment: &a, MPSNamespace: key, Notes: notes}
+}
+
+// derivePortion gives an sm-sharing container the scheduler left without
+// a portion (released KAI writes none) the compute share matching its
+// memory share: request over the GPU's schedulable memory, in thousandths,
+// at least 0.001 and at most 1.
+func derivePortion(a api.Assignment, cfg Config) (api.Fraction, string, error) {
+	usable := cfg.GPUMemoryMiB - cfg.GPUMemoryReserveMiB
+	if cfg.GPUMemoryMiB <= 0 || usable <= 0 {
+		return api.Fraction{}, "", fmt.Errorf("sm-sharing without %s needs the GPU's memory to derive a portion, and this node does not know it yet",
+			api.ContainerKey(a.Container, api.SuffixComputePortion))
+	}
+	portion := api.Thousandths(max(a.RequestMiB*1000/usable, 1))
+	note := fmt.Sprintf("container %q: no compute portion was written (as released KAI Scheduler places sm-sharing pods); derived %s from the memory share, %dMi of %dMi schedulable (%dMi − %dMi reserve): MPS thread ceiling %d%%",
+		a.Container, portion, a.RequestMiB, usable, cfg.GPUMemoryMiB, cfg.GPUMemoryReserveMiB, max(int(portion.Of(100)), 1))
+	return portion, note, nil
+}
+
+func checkBackend(container string, cfg Config) error {
+	switch cfg.Backend {
+	case BackendDriver:
+		if cfg.HookPath == "" {
+			return fmt.Errorf("container %q: the driver memory-limit backend needs the hook binary (--hook-path)", container)
+		}
+	case BackendToolkit, BackendMPSPinned:
+	case BackendOff:
+		return fmt.Errorf("container %q: this node enforces no GPU memory limits (memory-limit backend off)", container)
+	default:
+		return fmt.Errorf("container %q: no memory-limit backend is in effect on this node yet", container)
+	}
+	return nil
+}
+
+// Unenforceable is the decision for a container whose share cannot be
+// enforced for reason err: without fail-open it does not start; with it,
+// it starts with no GPU at all, never an unlimited one.
+func Unenforceable(cfg Config, err error) Decision {
+	if !cfg.FailOpen {
+		return Decision{Verdict: Refuse, Reason: err}
+	}
 	adj := &nriapi.ContainerAdjustment{}
 	hideGPUs(adj)
-	return adj
+	return Decision{Verdict: FailedOpen, Adjustment: adj, Reason: err,
+		Notes: []string{"the node fails open: the container starts with no GPU"}}
+}
+
+// failOpenWithCaps is the decision for a container whose memory caps are
+// known but whose compute mode or portion is not usable: refused, or on a
+// node that fails open, started with its caps as a time-slicing tenant.
+func failOpenWithCaps(a api.Assignment, pod Pod, env []string, cfg Config, err error) Decision {
+	if !cfg.FailOpen {
+		return Decision{Verdict: Refuse, Reason: err}
+	}
+	if berr := checkBackend(a.Container, cfg); berr != nil {
+		return Unenforceable(cfg, errors.Join(err, berr))
+	}
+	a.Mode, a.Portion = api.TimeSlicing, api.Fraction{}
+	adj := &nriapi.ContainerAdjustment{}
+	inject(adj, a, "", env, cfg)
+	return Decision{Verdict: FailedOpen, Adjustment: adj, Assignment: &a, Reason: err,
+		Notes: []string{fmt.Sprintf("the node fails open: container %q starts with its memory caps (request %dMi, limit %dMi) but without compute sharing", a.Container, a.RequestMiB, a.LimitMiB)}}
 }
 
 func hideGPUs(adj *nriapi.ContainerAdjustment) {
@@ -192,7 +311,9 @@ func hideGPUs(adj *nriapi.ContainerAdjustment) {
 
 func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, mpsPipeDir string, env []string, cfg Config) {
 	request, limit := strconv.FormatInt(a.RequestMiB, 10), strconv.FormatInt(a.LimitMiB, 10)
-	setEnv(adj, EnvVisibleDevices, strings.Join(a.Devices, ","))
+	// As the scheduler named them: a CDI name is what makes NVIDIA's
+	// runtime apply that device's CDI spec (and its memory-limit hook).
+	setEnv(adj, EnvVisibleDevices, strings.Join(a.DeviceNames(), ","))
 	setEnv(adj, EnvMemoryRequest, request)
 	setEnv(adj, EnvMemoryLimit, limit)
 	// The devices appear in the container as ordinals 0..n-1.

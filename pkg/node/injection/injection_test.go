@@ -1,15 +1,28 @@
 package injection
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
+	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
-var cfg = Config{Backend: BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib"}
+var cfg = Config{Backend: BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib",
+	GPUMemoryMiB: 81920}
+
+// Adjust is Decide on a node that does not fail open, as the table tests
+// read it: the adjustment, or why the container is refused.
+func Adjust(pod Pod, container string, env []string, cfg Config) (*nriapi.ContainerAdjustment, error) {
+	d := Decide(pod, container, env, cfg)
+	if d.Verdict == Refuse {
+		return nil, d.Reason
+	}
+	return d.Adjustment, nil
+}
 
 func TestAdjust(t *testing.T) {
 	hostile := []string{
@@ -161,9 +174,83 @@ func TestSMSharingNeedsMPS(t *testing.T) {
 }
 
 func TestFailOpenInjectsNoGPU(t *testing.T) {
-	env := ApplyEnv([]string{"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=1"}, FailOpen())
+	open := cfg
+	open.FailOpen, open.Backend = true, BackendOff
+	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
+	d := Decide(Pod{Annotations: ann}, "main", nil, open)
+	if d.Verdict != FailedOpen || d.Assignment != nil || d.Reason == nil {
+		t.Fatalf("decision = %+v", d)
+	}
+	env := ApplyEnv([]string{"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=1"}, d.Adjustment)
 	if diff := cmp.Diff(map[string]string{"NVIDIA_VISIBLE_DEVICES": "void"}, env); diff != "" {
 		t.Errorf("(-want +got):\n%s", diff)
+	}
+}
+
+// Only the compute mode or portion being unusable keeps the memory caps
+// when failing open: the container runs capped, as a time-slicing tenant.
+func TestFailOpenKeepsMemoryCapsWhenOnlyComputeIsUnreadable(t *testing.T) {
+	open := cfg
+	open.FailOpen = true
+	for name, extra := range map[string]map[string]string{
+		"bad mode":    {"nvidia.com/container.main.gpu-compute.mode": "mps"},
+		"bad portion": {"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "50%"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+				"nvidia.com/container.main.gpu-memory.limit": "2Gi"}
+			for k, v := range extra {
+				ann[k] = v
+			}
+			if d := Decide(Pod{Annotations: ann}, "main", nil, cfg); d.Verdict != Refuse {
+				t.Fatalf("closed node: verdict %s, want refuse", d.Verdict)
+			}
+			d := Decide(Pod{Annotations: ann}, "main", nil, open)
+			if d.Verdict != FailedOpen || d.Reason == nil || d.MPSNamespace != "" {
+				t.Fatalf("decision = %+v", d)
+			}
+			env := ApplyEnv(nil, d.Adjustment)
+			for k, want := range map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-a", "NVIDIA_GPU_MEMORY_REQUEST": "1024", "NVIDIA_GPU_MEMORY_LIMIT": "2048"} {
+				if env[k] != want {
+					t.Errorf("%s = %q, want %q (env %v)", k, env[k], want, env)
+				}
+			}
+			if _, ok := env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; ok {
+				t.Errorf("compute sharing injected: %v", env)
+			}
+			if len(d.Adjustment.GetHooks().GetCreateRuntime()) != 1 {
+				t.Errorf("driver hook missing: %v", d.Adjustment.GetHooks())
+			}
+		})
+	}
+}
+
+// Released KAI writes no .gpu-compute.portion: the node derives the
+// share from the memory share and says so.
+func TestSMSharingWithoutPortionDerivesItFromMemory(t *testing.T) {
+	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "k8s.device-plugin.nvidia.com/gpu=GPU-a",
+		"nvidia.com/container.main.gpu-memory.request": "20Gi", "nvidia.com/container.main.gpu-compute.mode": "sm-sharing"}
+	c := cfg
+	c.GPUMemoryMiB, c.GPUMemoryReserveMiB = 81920+1024, 1024
+	d := Decide(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c)
+	if d.Verdict != Run || d.Assignment == nil || d.Assignment.Portion.String() != "0.25" || d.MPSNamespace == "" || len(d.Notes) != 1 {
+		t.Fatalf("decision = %+v", d)
+	}
+	if !strings.Contains(d.Notes[0], "derived 0.25 from the memory share, 20480Mi of 81920Mi schedulable") {
+		t.Errorf("note = %q", d.Notes[0])
+	}
+	env := ApplyEnv(nil, d.Adjustment)
+	if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "25" || env["NVIDIA_VISIBLE_DEVICES"] != "k8s.device-plugin.nvidia.com/gpu=GPU-a" {
+		t.Errorf("env = %v", env)
+	}
+	if hook := d.Adjustment.GetHooks().GetCreateRuntime()[0]; !slices.Contains(hook.Env, "GPUFRAC_DEVICES=GPU-a") {
+		t.Errorf("the hook must get the bare UUID for NVML: %v", hook.Env)
+	}
+
+	c.GPUMemoryMiB = 0
+	if d := Decide(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c); d.Verdict != Refuse ||
+		!strings.Contains(d.Reason.Error(), "needs the GPU's memory to derive a portion") {
+		t.Errorf("unknown GPU memory: %+v", d)
 	}
 }
 

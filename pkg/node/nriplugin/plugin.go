@@ -126,7 +126,11 @@ func (p *Plugin) EnableMPS(s *mps.Supervisor) { p.opts.MPS = s }
 // SetInjection replaces the node configuration used from the next
 // container on, e.g. once the agent knows which memory-limit backend the
 // driver allows.
-func (p *Plugin) SetInjection(cfg injection.Config) { p.injection.Store(&cfg) }
+// The plugin's FailOpen option wins over cfg's.
+func (p *Plugin) SetInjection(cfg injection.Config) {
+	cfg.FailOpen = p.opts.FailOpen
+	p.injection.Store(&cfg)
+}
 
 // Registered reports whether the runtime has accepted the plugin and
 // synchronized it (from then on it sees every container creation), for
@@ -177,44 +181,55 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 	return 0, nil // the stub subscribes to the events this type implements
 }
 
-// CreateContainer injects the container's GPU share, or refuses it.
+// CreateContainer injects the container's GPU share, or refuses it, as
+// injection.Decide says (the function `gpufrac explain` prints).
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
 	defer p.observe("CreateContainer", time.Now())
 	cfg := *p.injection.Load()
-	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
-	a, fractional := assignmentOf(pod, ctr)
-	if err == nil && fractional {
-		err = p.ensureMPS(ctx, pod.GetUid(), ctr.GetName(), a)
+	d := injection.Decide(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
+	if d.MPSNamespace != "" {
+		if err := p.ensureMPS(ctx, d.MPSNamespace, ctr.GetName(), *d.Assignment); err != nil {
+			// Started without its MPS namespace, its compute ceiling
+			// would be missing: refused, or on a fail-open node no GPU.
+			d = injection.Unenforceable(cfg, err)
+		}
 	}
-	if err == nil {
-		if fractional {
+	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+	switch d.Verdict {
+	case injection.Run:
+		if d.Assignment != nil {
 			state := StateEnforced
 			if cfg.Backend == injection.BackendDriver {
 				state = StateInjected // verified after start
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), a, string(cfg.Backend), state))
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *d.Assignment, string(cfg.Backend), state))
 			if state == StateEnforced && p.opts.Reporter != nil {
-				p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend))
+				p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), withNotes(fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend), d.Notes))
 			}
 		}
-		return adj, nil, nil
-	}
-	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-	if p.opts.FailOpen {
-		logger.Info("Starting the container without a GPU: its fraction cannot be enforced and the node fails open", "reason", err.Error())
+		return d.Adjustment, nil, nil
+	case injection.FailedOpen:
+		logger.Info("Starting the container although its fraction cannot be enforced as written: the node fails open", "reason", d.Reason.Error(), "notes", d.Notes)
 		if p.opts.Reporter != nil {
-			p.opts.Reporter.FailedOpen(refOf(pod), ctr.GetName(), err)
+			p.opts.Reporter.FailedOpen(refOf(pod), ctr.GetName(), fmt.Errorf("%w; %s", d.Reason, strings.Join(d.Notes, "; ")))
 		}
-		if fractional {
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), a, string(cfg.Backend), StateFailOpen))
+		if d.Assignment != nil {
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *d.Assignment, string(cfg.Backend), StateFailOpen))
 		}
-		return injection.FailOpen(), nil, nil
+		return d.Adjustment, nil, nil
 	}
-	logger.Info("Refusing the container: its GPU fraction cannot be enforced", "reason", err.Error())
+	logger.Info("Refusing the container: its GPU fraction cannot be enforced", "reason", d.Reason.Error())
 	if p.opts.Reporter != nil {
-		p.opts.Reporter.Refused(refOf(pod), ctr.GetName(), err)
+		p.opts.Reporter.Refused(refOf(pod), ctr.GetName(), d.Reason)
 	}
-	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), err)
+	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), d.Reason)
+}
+
+func withNotes(detail string, notes []string) string {
+	if len(notes) == 0 {
+		return detail
+	}
+	return detail + "; " + strings.Join(notes, "; ")
 }
 
 // PostStartContainer verifies, for the driver backend, that the limits the
@@ -228,10 +243,11 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	if cfg.Backend != injection.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
 		return nil
 	}
-	a, ok := assignmentOf(pod, ctr)
-	if !ok {
+	d := p.decide(pod, ctr)
+	if d.Assignment == nil {
 		return nil
 	}
+	a := *d.Assignment
 	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	limits := enforce.Limits{Container: a.Container, Devices: a.Devices, RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)}
 	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
@@ -246,8 +262,8 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	if err == nil {
 		p.tenants.setState(ctr.GetId(), StateEnforced)
 		if p.opts.Reporter != nil {
-			p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
-				cgroup, limits.RequestMiB, limits.LimitMiB, strings.Join(limits.Devices, ",")))
+			p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), withNotes(fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
+				cgroup, limits.RequestMiB, limits.LimitMiB, strings.Join(limits.Devices, ",")), d.Notes))
 		}
 		return nil
 	}
@@ -358,30 +374,19 @@ func podOf(pod *nriapi.PodSandbox) injection.Pod {
 
 // ensureMPS starts an sm-sharing container's MPS namespace, with its
 // thread ceiling, before the container's first client can connect.
-func (p *Plugin) ensureMPS(ctx context.Context, podUID, container string, a api.Assignment) error {
-	if a.Mode != api.SMSharing {
-		return nil
-	}
+func (p *Plugin) ensureMPS(ctx context.Context, key, container string, a api.Assignment) error {
 	if p.opts.MPS == nil {
 		return fmt.Errorf("container %q: sm-sharing needs MPS, and this node runs no MPS supervisor", container)
 	}
-	if err := p.opts.MPS.Ensure(ctx, mps.Key(podUID, container), a.ActiveThreadPercentage()); err != nil {
+	if err := p.opts.MPS.Ensure(ctx, key, a.ActiveThreadPercentage()); err != nil {
 		return fmt.Errorf("container %q: %w", container, err)
 	}
 	return nil
 }
 
-func assignmentOf(pod *nriapi.PodSandbox, ctr *nriapi.Container) (api.Assignment, bool) {
-	assignments, err := api.ParseAssignments(pod.GetAnnotations())
-	if err != nil {
-		return api.Assignment{}, false
-	}
-	for _, a := range assignments {
-		if a.Container == ctr.GetName() {
-			return a, true
-		}
-	}
-	return api.Assignment{}, false
+// decide is injection.Decide for a container the runtime reports.
+func (p *Plugin) decide(pod *nriapi.PodSandbox, ctr *nriapi.Container) injection.Decision {
+	return injection.Decide(podOf(pod), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
 }
 
 // Synchronize audits the containers that run already when the plugin
@@ -405,12 +410,12 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 		}
 		live[ctr.GetId()] = true
 		reason := p.missingEnforcement(pod, ctr)
-		if a, ok := assignmentOf(pod, ctr); ok {
+		if a := p.decide(pod, ctr).Assignment; a != nil {
 			state := StateEnforced
 			if reason != "" {
 				state = StateUnenforced
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), a, backend, state))
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *a, backend, state))
 		}
 		if reason == "" {
 			continue
@@ -438,21 +443,18 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 
 // missingEnforcement compares a running container's environment with what
 // CreateContainer would have injected; "" means it is enforced (or needs
-// nothing).
+// nothing, or failed open as the node allows).
 func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
-	adj, err := injection.Adjust(podOf(pod), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
-	if err != nil {
-		if p.opts.FailOpen && envValue(ctr.GetEnv(), injection.EnvVisibleDevices) == "void" {
-			return ""
-		}
-		return "running although its GPU fraction cannot be enforced: " + err.Error()
+	d := p.decide(pod, ctr)
+	if d.Verdict == injection.Refuse {
+		return "running although its GPU fraction cannot be enforced: " + d.Reason.Error()
 	}
-	if adj == nil {
+	if d.Adjustment == nil {
 		return ""
 	}
 	// The container's environment must already be what the injection
 	// would make it, for the variables that carry the limits.
-	want := injection.ApplyEnv(ctr.GetEnv(), adj)
+	want := injection.ApplyEnv(ctr.GetEnv(), d.Adjustment)
 	for _, key := range []string{injection.EnvVisibleDevices, injection.EnvMemoryRequest, injection.EnvMemoryLimit, injection.EnvMPSThreads} {
 		if got := envValue(ctr.GetEnv(), key); got != want[key] {
 			return fmt.Sprintf("%s is %q, want %q", key, got, want[key])
