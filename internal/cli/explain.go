@@ -1,0 +1,238 @@
+package cli
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+
+	nriapi "github.com/containerd/nri/pkg/api"
+	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/manifest"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+// Exit codes of `gpufrac explain`.
+const (
+	exitWouldRefuse = 1 // a container would not be allowed to start
+)
+
+type explainOptions struct {
+	memoryLimits string
+	failOpen     bool
+	simulateGPUs string
+	gpuMemoryMiB int64
+	cfg          injection.Config
+}
+
+func newExplainCommand() *cobra.Command {
+	var o explainOptions
+	cmd := &cobra.Command{
+		Use:   "explain FILE|-",
+		Short: "Show what the node agent would do to a scheduled pod's containers",
+		Long: `explain reads pod manifests as they stand after scheduling (kubectl get pod -o
+yaml, with the scheduler's annotations) and prints, per container and init
+container, exactly what gpufrac's node agent would do when the runtime creates
+it: the environment it sets and removes, the mounts, the createRuntime hook,
+the MPS namespace — or why it refuses the container. It runs the very decision
+the agent's NRI plugin runs (injection.Decide), with the node's settings given
+as flags and the GPU inventory of a go-nvml mock machine.
+
+For each container it prints a header line, then what is done:
+  <namespace>/<name> container <c>: RUN | FAIL-OPEN | REFUSE[: reason]
+
+Exit status: 0 when every container would run (failing open counts: it
+runs), 1 when any would be refused, 2 when the input cannot be read or holds
+no Pod.`,
+		Example: `  kubectl get pod llm-0 -o yaml | gpufrac explain -
+  gpufrac explain --memory-limits toolkit --fail-open pod.yaml`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runExplain(cmd.InOrStdin(), cmd.OutOrStdout(), args[0], o)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.memoryLimits, "memory-limits", string(injection.BackendDriver), "the node's memory-limit backend: driver, toolkit, mps-pinned, off, or auto (the strongest the --simulate-gpus machine's driver allows)")
+	f.BoolVar(&o.failOpen, "fail-open", false, "the node agent's --fail-open")
+	f.StringVar(&o.cfg.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "the node agent's --hook-path")
+	f.StringVar(&o.cfg.MPSPipeDir, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir")
+	f.StringVar(&o.cfg.ShimDir, "nvidia-smi-shim-dir", "", "the node agent's --nvidia-smi-shim-dir")
+	f.Int64Var(&o.cfg.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "the node agent's --gpu-memory-reserve-mib")
+	f.StringVar(&o.simulateGPUs, "simulate-gpus", "dgxh100", "the mock machine whose GPUs the node has: "+strings.Join(inventory.Machines, ", "))
+	f.Int64Var(&o.gpuMemoryMiB, "gpu-memory-mib", 0, "memory per GPU, MiB, instead of the mock machine's")
+	return cmd
+}
+
+func runExplain(stdin io.Reader, stdout io.Writer, file string, o explainOptions) error {
+	cfg, err := o.nodeConfig()
+	if err != nil {
+		return &ExitError{Code: exitUnreadable, Err: fmt.Errorf("explain: %w", err)}
+	}
+	objs, err := readManifest(stdin, file)
+	if err != nil {
+		return &ExitError{Code: exitUnreadable, Err: fmt.Errorf("explain: %w", err)}
+	}
+	out := bufio.NewWriter(stdout)
+	code, pods := 0, 0
+	for _, obj := range objs {
+		if obj.Kind != "Pod" {
+			continue
+		}
+		if obj.Err != nil {
+			if err := out.Flush(); err != nil {
+				return err
+			}
+			return &ExitError{Code: exitUnreadable, Err: fmt.Errorf("explain: %s/%s: %w", obj.Namespace, obj.Name, obj.Err)}
+		}
+		pods++
+		if c := explainPod(out, obj, cfg); c > code {
+			code = c
+		}
+	}
+	if err := out.Flush(); err != nil {
+		return err
+	}
+	if pods == 0 {
+		return &ExitError{Code: exitUnreadable, Err: fmt.Errorf("explain: %s holds no Pod (explain reads pods as scheduled: kubectl get pod NAME -o yaml)", file)}
+	}
+	if code != 0 {
+		return &ExitError{Code: code}
+	}
+	return nil
+}
+
+// nodeConfig is the injection configuration a node agent with these flags
+// would use on the mock machine.
+func (o explainOptions) nodeConfig() (injection.Config, error) {
+	cfg := o.cfg
+	cfg.FailOpen = o.failOpen
+	if cfg.GPUMemoryReserveMiB < 0 {
+		return cfg, fmt.Errorf("--gpu-memory-reserve-mib %d: must be 0 or more", cfg.GPUMemoryReserveMiB)
+	}
+	if err := injection.CheckBackendFlag(o.memoryLimits); err != nil {
+		return cfg, err
+	}
+	lib, err := inventory.Simulated(o.simulateGPUs)
+	if err != nil {
+		return cfg, err
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.Backend = injection.Backend(o.memoryLimits)
+	if o.memoryLimits == "auto" {
+		// As the agent resolves it; an explicit choice is taken as given,
+		// to show a node configured so.
+		cfg.Backend, _ = injection.ChooseBackend("auto", inv.Capability())
+	}
+	if len(inv.GPUs) > 0 {
+		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB
+	}
+	if o.gpuMemoryMiB != 0 {
+		if o.gpuMemoryMiB < 0 {
+			return cfg, fmt.Errorf("--gpu-memory-mib %d: must be more than 0", o.gpuMemoryMiB)
+		}
+		cfg.GPUMemoryMiB = o.gpuMemoryMiB
+	}
+	return cfg, nil
+}
+
+// explainPod prints the decision for each of the pod's containers, init
+// containers first (the order the kubelet creates them in), and returns
+// its exit code.
+func explainPod(out io.Writer, obj manifest.Object, cfg injection.Config) int {
+	ns := obj.Namespace
+	if ns == "" {
+		ns = "default"
+	}
+	pod := injection.Pod{UID: string(obj.Meta.UID), Annotations: obj.Template.Annotations}
+	if pod.UID == "" {
+		pod.UID = "<pod-uid>"
+	}
+	code := 0
+	containers := append(slices.Clone(obj.Template.Spec.InitContainers), obj.Template.Spec.Containers...)
+	for i, c := range containers {
+		kind := "container"
+		if i < len(obj.Template.Spec.InitContainers) {
+			kind = "init container"
+		}
+		d := injection.Decide(pod, c.Name, containerEnv(c), cfg)
+		head := fmt.Sprintf("%s/%s %s %s", ns, obj.Name, kind, c.Name)
+		switch d.Verdict {
+		case injection.Refuse:
+			fmt.Fprintf(out, "%s: REFUSE: %v\n", head, d.Reason)
+			code = exitWouldRefuse
+			continue
+		case injection.FailedOpen:
+			fmt.Fprintf(out, "%s: FAIL-OPEN: %v\n", head, d.Reason)
+		default:
+			fmt.Fprintf(out, "%s: RUN\n", head)
+		}
+		printDecision(out, d)
+	}
+	return code
+}
+
+func printDecision(out io.Writer, d injection.Decision) {
+	if d.Adjustment == nil {
+		fmt.Fprintln(out, "  nothing changed: the pod asks for no GPU fraction")
+		return
+	}
+	if a := d.Assignment; a != nil {
+		share := fmt.Sprintf("  share: %s on %s, request %dMi, limit %dMi", a.Mode, strings.Join(a.Devices, ","), a.RequestMiB, a.LimitMiB)
+		if !a.Portion.IsZero() {
+			share += fmt.Sprintf(", compute portion %s", a.Portion)
+		}
+		fmt.Fprintln(out, share)
+	} else {
+		fmt.Fprintln(out, "  share: none (the container is shown no GPU)")
+	}
+	var set, removed []string
+	for _, kv := range d.Adjustment.GetEnv() {
+		if k, gone := nriapi.IsMarkedForRemoval(kv.Key); gone {
+			removed = append(removed, k)
+		} else {
+			set = append(set, kv.Key+"="+kv.Value)
+		}
+	}
+	// A key removed and then set is replaced: list it once, as set.
+	removed = slices.DeleteFunc(removed, func(k string) bool {
+		return slices.ContainsFunc(set, func(kv string) bool { return strings.HasPrefix(kv, k+"=") })
+	})
+	for _, kv := range set {
+		fmt.Fprintf(out, "  env set: %s\n", kv)
+	}
+	for _, k := range removed {
+		fmt.Fprintf(out, "  env removed: %s\n", k)
+	}
+	for _, m := range d.Adjustment.GetMounts() {
+		fmt.Fprintf(out, "  mount: %s -> %s (%s, %s)\n", m.Source, m.Destination, m.Type, strings.Join(m.Options, ","))
+	}
+	for _, h := range d.Adjustment.GetHooks().GetCreateRuntime() {
+		fmt.Fprintf(out, "  hook createRuntime: %s env %s\n", strings.Join(h.Args, " "), strings.Join(h.Env, " "))
+	}
+	if d.MPSNamespace != "" {
+		fmt.Fprintf(out, "  mps: namespace %s, active-thread ceiling %d%%, set before the container starts\n", d.MPSNamespace, d.Assignment.ActiveThreadPercentage())
+	}
+	for _, n := range d.Notes {
+		fmt.Fprintf(out, "  note: %s\n", n)
+	}
+}
+
+// containerEnv is the container's literal environment, KEY=VALUE, as the
+// runtime will pass it (values from ConfigMaps or fields are not known
+// here and are left out).
+func containerEnv(c corev1.Container) []string {
+	var env []string
+	for _, e := range c.Env {
+		if e.ValueFrom == nil {
+			env = append(env, e.Name+"="+e.Value)
+		}
+	}
+	return env
+}
