@@ -62,11 +62,11 @@ func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (wa
 			return nil, nil
 		}
 	}
-	annotations := pod.Annotations
 	if scheduler {
-		annotations = withoutSchedulerKeys(annotations)
+		// What the scheduler wrote is not user intent.
+		pod = api.Intent(pod)
 	}
-	_, warnings, err = api.Check(annotations, &pod.Spec)
+	_, warnings, err = api.Check(pod.Annotations, &pod.Spec)
 	return warnings, err
 }
 
@@ -144,12 +144,6 @@ func changedFractionKeys(old, cur map[string]string) []string {
 
 func fractionKeysChanged(old, cur map[string]string) bool {
 	return len(changedFractionKeys(old, cur)) > 0
-}
-
-func withoutSchedulerKeys(annotations map[string]string) map[string]string {
-	out := maps.Clone(annotations)
-	maps.DeleteFunc(out, func(k, _ string) bool { return api.IsSchedulerOwned(k) })
-	return out
 }
 
 // ReviewWorkload validates the pod template of a workload (Deployment,

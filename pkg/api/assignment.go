@@ -181,7 +181,10 @@ func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 			}
 			a.Portion = f
 		}
-		if a.Mode == "" {
+		if a.Mode != SMSharing {
+			// A time-slicing tenant is never compute-capped; a binder that
+			// writes a portion for every fraction (KAI's newer one does)
+			// has it checked, and ignored.
 			a.Portion = Fraction{}
 		}
 		out = append(out, a)

@@ -32,6 +32,13 @@ func FuzzParse(f *testing.F) {
 		"nvidia.com/container.main.gpu-memory=1Gi",
 		"nvidia.com/container.main.gpus.devices=GPU-a,GPU-b\nnvidia.com/container.main.gpu-memory.request=4Gi\nnvidia.com/container.main.gpu-compute.mode=sm-sharing\nnvidia.com/container.main.gpu-compute.portion=0.5",
 		"gpu-fraction=0.5\nnvidia.com/container.main.gpus.devices=GPU-a\nnvidia.com/container.main.gpu-memory.limit=40448Mi",
+		"gpu-fraction=0.5\nkai.scheduler/container.main.gpu-memory.portion.limit=0.75",
+		"gpu-fraction=5e-1\ngpu-fraction.limit=0.75\nkai.scheduler/container.main.gpu-memory.portion.limit=0.75",
+		"gpu-fraction-container-name=main",
+		"gpu-fraction=0.5\nnvidia.com/container.main.gpu-memory.request=4Gi",
+		"nvidia.com/container.main.gpus.devices=k8s.device-plugin.nvidia.com/gpu=GPU-a\nnvidia.com/container.main.gpu-memory.request= 2Gi \nnvidia.com/container.main.gpu-compute.mode=sm-sharing",
+		"nvidia.com/container.main.gpus.devices=GPU-a\nnvidia.com/container.main.gpu-memory.request=2Gi\nnvidia.com/container.main.gpu-compute.mode=sm-sharing\nnvidia.com/container.main.gpu-compute.portion=2.5e-1",
+		"nvidia.com/container.main.gpus.devices=GPU-a\nnvidia.com/container.main.gpu-memory.request=2Gi\nnvidia.com/container.main.gpu-compute.mode=mps",
 	}
 	for _, s := range seeds {
 		f.Add(s, false)
@@ -108,30 +115,37 @@ func checkInvariants(t *testing.T, r Request) {
 }
 
 // checkAssignments holds ParseAssignments, which the node side trusts, to
-// the same standard: no panic, and nothing accepted that it could not
-// enforce.
+// the same standard: no panic, nothing accepted that it could not enforce,
+// and what it accepts written back by Assignment.Annotations reads the same.
 func checkAssignments(t *testing.T, annotations map[string]string) {
 	t.Helper()
 	as, err := ParseAssignments(annotations)
-	if err != nil {
-		if as != nil || strings.ContainsAny(err.Error(), "\n\r") {
-			t.Fatalf("assignments %v with error %q", as, err)
-		}
-		return
+	if err != nil && strings.ContainsAny(err.Error(), "\n\r") {
+		t.Fatalf("error spans several lines: %q", err)
 	}
 	for _, a := range as {
 		seen := map[string]bool{}
 		for _, d := range a.Devices {
-			if d == "" || seen[d] {
-				t.Fatalf("devices %q: empty or repeated", a.Devices)
+			if !isGPUUUID(d) || seen[d] {
+				t.Fatalf("devices %q: not a UUID, or repeated", a.Devices)
 			}
 			seen[d] = true
 		}
 		if len(a.Devices) == 0 || a.RequestMiB <= 0 || a.LimitMiB < a.RequestMiB {
 			t.Fatalf("assignment %+v breaks 0 < request <= limit with devices", a)
 		}
-		if a.Mode == SMSharing && (a.Portion.IsZero() || a.Portion.Cmp(Fraction{num: 1}) > 0 || a.ActiveThreadPercentage() < 1) {
-			t.Fatalf("sm-sharing assignment %+v without a portion in (0,1]", a)
+		if a.Portion.Cmp(Fraction{num: 1}) > 0 || (a.Mode != SMSharing && !a.Portion.IsZero()) {
+			t.Fatalf("assignment %+v has a portion outside (0,1] or one without sm-sharing", a)
+		}
+		switch {
+		case a.Mode == "" && err == nil:
+			t.Fatalf("assignment %+v without a mode and no error", a)
+		case a.Mode == "":
+			continue // the caps of a decision whose compute is unreadable
+		}
+		again, aerr := ParseAssignments(a.Annotations())
+		if aerr != nil || len(again) != 1 || !reflect.DeepEqual(again[0], a) {
+			t.Fatalf("%+v written back reads %+v, %v", a, again, aerr)
 		}
 	}
 }

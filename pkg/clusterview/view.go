@@ -111,7 +111,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string) 
 			continue
 		}
 		if p.Spec.NodeName == "" {
-			if reqs, err := api.Parse(p); err == nil && len(reqs) > 0 {
+			if reqs, err := api.Parse(api.Intent(p)); err == nil && len(reqs) > 0 {
 				v.Summary.Pending++
 			}
 			continue
