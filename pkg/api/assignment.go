@@ -258,12 +258,11 @@ func isGPUUUID(s string) bool {
 	if !ok || strings.Trim(body, "-") == "" {
 		return false
 	}
-	for _, r := range body {
-		if !('0' <= r && r <= '9' || 'a' <= r && r <= 'f' || 'A' <= r && r <= 'F' || r == '-') {
-			return false
-		}
-	}
-	return true
+	return !strings.ContainsFunc(body, func(r rune) bool { return !isHexDigit(r) && r != '-' })
+}
+
+func isHexDigit(r rune) bool {
+	return '0' <= r && r <= '9' || 'a' <= r && r <= 'f' || 'A' <= r && r <= 'F'
 }
 
 func notUUIDHint(s string) string {

@@ -138,3 +138,12 @@ func WholeGPUs(spec *corev1.PodSpec) int {
 func FormatMiB(mib int64) string {
 	return resource.NewQuantity(mib*mebibyte, resource.BinarySI).String()
 }
+
+// PortionOfMemory is the sm-sharing compute portion that matches a memory
+// share: request ÷ schedulable, in thousandths rounded down, at least
+// 0.001 and at most 1. gpufrac's scheduler assigns portions so (memory that
+// fits then brings compute that fits), and the node side derives one so
+// for a pod whose scheduler wrote none (released KAI).
+func PortionOfMemory(requestMiB, schedulableMiB int64) Fraction {
+	return Thousandths(min(max(requestMiB*1000/max(schedulableMiB, 1), 1), 1000))
+}

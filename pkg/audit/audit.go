@@ -10,14 +10,15 @@ package audit
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
-	"strconv"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 )
 
 // Kind names a violated invariant.
@@ -33,6 +34,8 @@ const (
 	NoReservation  Kind = "DeviceWithoutReservation"
 	OrphanReserve  Kind = "OrphanReservationPod"
 	TooManyGPUs    Kind = "NodeGPUsOverCommitted"
+	WholeShared    Kind = "WholeGPUShared"
+	Unaccounted    Kind = "GPUsNotAccounted"
 )
 
 // Violation is one broken invariant, with the objects involved.
@@ -58,124 +61,91 @@ type Options struct {
 	Now time.Time
 }
 
-type gpuKey struct{ node, uuid string }
-
-type gpuUse struct {
-	tenants []string
-	charged int64
-	portion int64
-	modes   map[api.ComputeMode]bool
+// ledgerKinds names the audit finding for each GPU promise the ledger
+// keeps.
+var ledgerKinds = map[gpu.ViolationKind]Kind{
+	gpu.OverCommitted:  OverCommitted,
+	gpu.MixedModes:     MixedModes,
+	gpu.ComputeOverOne: ComputeOverOne,
+	gpu.WholeShared:    WholeShared,
 }
 
-// Check returns every violation, sorted.
+// Check returns every violation, sorted. The GPU invariants are the
+// ledger's own (gpu.Node.Violations, on ledgers recorded from the pods as
+// they are); the rest are about reservation pods and decisions.
 func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 	var out []Violation
 	add := func(kind Kind, object, format string, args ...any) {
 		out = append(out, Violation{Kind: kind, Object: object, Message: fmt.Sprintf(format, args...)})
 	}
-	nodeByName := map[string]*corev1.Node{}
-	for i := range nodes {
-		nodeByName[nodes[i].Name] = &nodes[i]
-	}
-	// The GPUs held by reservation pods, per node, and who uses them.
-	reserved := map[gpuKey]*corev1.Pod{}
-	gpusOnNode := map[string]int{}
-	for i := range pods {
-		pod := &pods[i]
-		if pod.Spec.NodeName == "" || terminated(pod) {
-			continue
-		}
-		gpusOnNode[pod.Spec.NodeName] += api.WholeGPUs(&pod.Spec)
-		if pod.Namespace == o.ReservationNamespace {
-			if uuid := pod.Annotations[api.ReservedGPUAnnotation]; uuid != "" {
-				reserved[gpuKey{pod.Spec.NodeName, uuid}] = pod
-			}
-		}
-	}
-	used := map[gpuKey]*gpuUse{}
-	// A reservation pod is used when a tenant names its group (node/group)
-	// or its GPU (namespace/name of the reservation pod).
-	usedGroups, usedReservations := map[string]bool{}, map[string]bool{}
-	for i := range pods {
-		pod := &pods[i]
-		if pod.Namespace == o.ReservationNamespace || pod.Spec.NodeName == "" || terminated(pod) {
-			continue
-		}
-		name := pod.Namespace + "/" + pod.Name
-		assignments, err := api.ParseAssignments(pod.Annotations)
-		if err != nil {
-			if !api.HasContainerKey(pod.Annotations, api.SuffixDevices) {
-				add(NoDevices, name, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", pod.Spec.NodeName, api.SuffixDevices)
-			} else {
-				add(BadDecision, name, "%v", err)
-			}
-			continue
-		}
-		for _, g := range api.SplitList(pod.Annotations[api.GPUGroupsAnnotation]) {
-			usedGroups[pod.Spec.NodeName+"/"+g] = true
-		}
-		for _, a := range assignments {
-			for _, uuid := range a.Devices {
-				k := gpuKey{pod.Spec.NodeName, uuid}
-				r, ok := reserved[k]
-				if !ok {
-					add(NoReservation, name, "uses GPU %s on %s, which no reservation pod on that node holds: the device plugin may give it to another pod", uuid, pod.Spec.NodeName)
-				} else {
-					usedReservations[r.Namespace+"/"+r.Name] = true
-				}
-				u := used[k]
-				if u == nil {
-					u = &gpuUse{modes: map[api.ComputeMode]bool{}}
-					used[k] = u
-				}
-				u.tenants = append(u.tenants, name)
-				u.charged += a.RequestMiB
-				u.portion += a.Portion.Of(gpu.FullPortion)
-				u.modes[a.Mode] = true
-			}
-		}
-	}
-	for k, u := range used {
-		object := k.node + "/" + k.uuid
-		slices.Sort(u.tenants)
-		if node := nodeByName[k.node]; node != nil {
-			if mem, err := strconv.ParseInt(node.Labels[api.LabelGPUMemory], 10, 64); err == nil {
-				reserve := int64(0)
-				if o.ReserveMiB != nil {
-					reserve = o.ReserveMiB(node.Labels[api.LabelGPUProduct])
-				}
-				if u.charged > mem-reserve {
-					add(OverCommitted, object, "tenants request %dMi of %dMi schedulable (%dMi − %dMi reserve): %v", u.charged, mem-reserve, mem, reserve, u.tenants)
-				}
-			}
-		}
-		if len(u.modes) > 1 {
-			add(MixedModes, object, "runs both %s and %s: %v", api.TimeSlicing, api.SMSharing, u.tenants)
-		}
-		if u.portion > gpu.FullPortion {
-			add(ComputeOverOne, object, "sm-sharing portions sum to %d/1000: %v", u.portion, u.tenants)
-		}
-	}
-	for i := range pods {
-		r := &pods[i]
-		name := r.Namespace + "/" + r.Name
-		if r.Namespace != o.ReservationNamespace || r.Spec.NodeName == "" || terminated(r) ||
-			usedReservations[name] || usedGroups[r.Spec.NodeName+"/"+r.Labels[api.GPUGroupLabel]] || o.Now.Sub(r.CreationTimestamp.Time) < o.OrphanGrace {
-			continue
-		}
-		if uuid := r.Annotations[api.ReservedGPUAnnotation]; uuid != "" {
-			add(OrphanReserve, name, "holds GPU %s on %s for no pod: the GPU is lost to the cluster until it is deleted", uuid, r.Spec.NodeName)
+	cluster := ledgers.Build(nodes, pods, ledgers.Options{ReservationNamespace: o.ReservationNamespace, Reserve: o.ReserveMiB})
+	for _, p := range cluster.Problems {
+		if p.NoDecision {
+			add(NoDevices, p.Pod, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", p.Node, api.SuffixDevices)
 		} else {
-			add(OrphanReserve, name, "holds a GPU on %s for no pod, and has not been told which", r.Spec.NodeName)
+			add(BadDecision, p.Pod, "%v", p.Err)
 		}
 	}
-	for name, n := range gpusOnNode {
-		node := nodeByName[name]
-		if node == nil {
-			continue
+	for _, name := range slices.Sorted(maps.Keys(cluster.Nodes)) {
+		n := cluster.Nodes[name]
+		podOf := func(tenant string) string {
+			if t, ok := n.Tenants[tenant]; ok {
+				return t.Pod
+			}
+			return tenant
 		}
-		if q, ok := node.Status.Allocatable[api.ResourceGPU]; ok && int64(n) > q.Value() {
-			add(TooManyGPUs, name, "pods and reservation pods hold %d GPUs of %d allocatable", n, q.Value())
+		if n.Ledger != nil {
+			for _, v := range n.Ledger.Violations() {
+				gpuName := n.UUID(v.Device)
+				if gpuName == "" {
+					gpuName = fmt.Sprintf("GPU %d", v.Device)
+				}
+				tenants := make([]string, len(v.Tenants))
+				for i, t := range v.Tenants {
+					tenants[i] = podOf(t)
+				}
+				slices.Sort(tenants)
+				add(ledgerKinds[v.Kind], name+"/"+gpuName, "%s (memory in MiB): %v", v.Detail, tenants)
+			}
+		}
+		for _, key := range slices.Sorted(maps.Keys(n.Conflicts)) {
+			if _, pod := n.Tenants[key]; pod { // reservation pods: TooManyGPUs says it
+				add(Unaccounted, podOf(key), "holds GPUs on %s that its %d GPUs cannot account for: %s", name, n.Inventory.Count, n.Conflicts[key])
+			}
+		}
+		// A reservation pod is used when a tenant names its group or its GPU.
+		usedGroups, usedUUIDs := map[string]bool{}, map[string]bool{}
+		reservedUUIDs := map[string]bool{}
+		for _, r := range n.Reservations {
+			if r.UUID != "" {
+				reservedUUIDs[r.UUID] = true
+			}
+		}
+		for _, key := range slices.Sorted(maps.Keys(n.Tenants)) {
+			t := n.Tenants[key]
+			for _, g := range t.Groups {
+				usedGroups[g] = true
+			}
+			for _, uuid := range t.UUIDs {
+				usedUUIDs[uuid] = true
+				if !reservedUUIDs[uuid] {
+					add(NoReservation, t.Pod, "uses GPU %s on %s, which no reservation pod on that node holds: the device plugin may give it to another pod", uuid, name)
+				}
+			}
+		}
+		for _, g := range slices.Sorted(maps.Keys(n.Reservations)) {
+			r := n.Reservations[g]
+			if usedGroups[g] || (r.UUID != "" && usedUUIDs[r.UUID]) || o.Now.Sub(r.Created) < o.OrphanGrace {
+				continue
+			}
+			if r.UUID != "" {
+				add(OrphanReserve, r.Pod, "holds GPU %s on %s for no pod: the GPU is lost to the cluster until it is deleted", r.UUID, name)
+			} else {
+				add(OrphanReserve, r.Pod, "holds a GPU on %s for no pod, and has not been told which", name)
+			}
+		}
+		if n.WholeGPUs > n.Inventory.Count {
+			add(TooManyGPUs, name, "pods and reservation pods hold %d GPUs of %d allocatable", n.WholeGPUs, n.Inventory.Count)
 		}
 	}
 	slices.SortFunc(out, func(a, b Violation) int {
@@ -198,8 +168,4 @@ func OnNodes(pods []corev1.Pod, nodes []corev1.Node) []corev1.Pod {
 		}
 	}
 	return out
-}
-
-func terminated(pod *corev1.Pod) bool {
-	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed || pod.DeletionTimestamp != nil
 }

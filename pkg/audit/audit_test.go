@@ -2,6 +2,7 @@ package audit
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -108,5 +109,26 @@ func TestEveryViolationIsFound(t *testing.T) {
 	}
 	if strings.Join(kinds, "\n") != strings.Join(want, "\n") {
 		t.Fatalf("violations:\n%s\nwant:\n%s\n(full: %v)", strings.Join(kinds, "\n"), strings.Join(want, "\n"), got)
+	}
+}
+
+// A pod the node's ledger has no GPU left for is a finding of its own,
+// named by the pod: here a whole-GPU pod on the one GPU fractions share.
+func TestPodWithNoGPULeftIsFound(t *testing.T) {
+	whole := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "whole", Namespace: "team"}}
+	whole.Spec.NodeName = "n1"
+	whole.Spec.Containers = []corev1.Container{{Name: "main", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}}}}
+	got := check([]corev1.Node{gpuNode("n1", 1)},
+		reservation("n1", "ga", "GPU-a"),
+		tenant("p1", "n1", 40000, api.TimeSlicing, "", "ga", "GPU-a"),
+		whole,
+	)
+	var kinds []string
+	for _, v := range got {
+		kinds = append(kinds, string(v.Kind)+" "+v.Object)
+	}
+	want := []string{"GPUsNotAccounted team/whole", "NodeGPUsOverCommitted n1"}
+	if !slices.Equal(kinds, want) {
+		t.Errorf("violations %v, want %v (%v)", kinds, want, got)
 	}
 }

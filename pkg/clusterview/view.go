@@ -10,12 +10,12 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"strconv"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 )
 
 // View is the whole cluster.
@@ -45,7 +45,8 @@ type GPU struct {
 	UUID    string          `json:"uuid"`
 	Mode    api.ComputeMode `json:"mode"`
 	Tenants []Tenant        `json:"tenants"`
-	// FreeMiB is the memory no tenant's request holds.
+	// FreeMiB is the schedulable memory (total − the scheduler's reserve)
+	// no tenant's request holds: what the scheduler would still place.
 	FreeMiB int64 `json:"freeMiB"`
 }
 
@@ -77,101 +78,64 @@ type Summary struct {
 	Pending int `json:"pending"`
 }
 
-// Build makes the view from nodes and pods; reservationNamespace holds the
-// reservation pods, which tell which GPU a group shares.
-func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string) View {
-	byNode := map[string]*Node{}
+// Build makes the view from nodes and pods, read into ledgers as the
+// scheduler reads them (package ledgers): reservationNamespace holds the
+// reservation pods, which tell which GPU a group shares, and reserve is
+// the per-GPU memory the scheduler keeps back (by model; nil for none), so
+// that free memory is what the scheduler would still place.
+func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, reserve func(model string) int64) View {
 	var v View
-	for _, n := range nodes {
-		count := 0
-		if q, ok := n.Status.Allocatable[api.ResourceGPU]; ok {
-			count = int(q.Value())
-		}
-		if count == 0 {
-			continue
-		}
-		mem, _ := strconv.ParseInt(n.Labels[api.LabelGPUMemory], 10, 64)
-		node := Node{Name: n.Name, Model: n.Labels[api.LabelGPUProduct], GPUs: count, MemoryMiB: mem}
-		for _, c := range n.Status.Conditions {
-			if string(c.Type) == api.ConditionFractioningReady && c.Status == corev1.ConditionTrue {
-				node.Ready = true
-			}
-		}
-		v.Nodes = append(v.Nodes, node)
-	}
-	for i := range v.Nodes {
-		byNode[v.Nodes[i].Name] = &v.Nodes[i]
-	}
-	shared := map[string]map[string]*GPU{} // node → UUID → GPU
-	reserved := map[string]int{}           // node → reservation pods
+	c := ledgers.Build(nodes, pods, ledgers.Options{ReservationNamespace: reservationNamespace, Reserve: reserve})
 	for i := range pods {
 		p := &pods[i]
-		node := byNode[p.Spec.NodeName]
-		if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
-			continue
-		}
-		if p.Spec.NodeName == "" {
+		if p.Spec.NodeName == "" && p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
 			if reqs, err := api.Parse(api.Intent(p)); err == nil && len(reqs) > 0 {
 				v.Summary.Pending++
-			}
-			continue
-		}
-		if node == nil {
-			continue
-		}
-		if p.Namespace == reservationNamespace {
-			reserved[node.Name]++
-			continue
-		}
-		if n := api.WholeGPUs(&p.Spec); n > 0 {
-			node.Whole = append(node.Whole, WholePod{Pod: p.Namespace + "/" + p.Name, GPUs: n})
-			continue
-		}
-		assignments, err := api.ParseAssignments(p.Annotations)
-		if err != nil || len(assignments) == 0 {
-			continue
-		}
-		for _, a := range assignments {
-			for _, uuid := range a.Devices {
-				if shared[node.Name] == nil {
-					shared[node.Name] = map[string]*GPU{}
-				}
-				g := shared[node.Name][uuid]
-				if g == nil {
-					g = &GPU{UUID: uuid, Mode: a.Mode, FreeMiB: node.MemoryMiB}
-					shared[node.Name][uuid] = g
-				}
-				t := Tenant{Pod: p.Namespace + "/" + p.Name, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB}
-				if a.Mode == api.SMSharing {
-					t.Portion = a.Portion.String()
-				}
-				g.Tenants = append(g.Tenants, t)
-				g.FreeMiB -= a.RequestMiB
 			}
 		}
 	}
 	var held, total, free, stranded int64
-	for i := range v.Nodes {
-		n := &v.Nodes[i]
-		for _, g := range shared[n.Name] {
-			slices.SortFunc(g.Tenants, func(a, b Tenant) int { return strings.Compare(a.Pod, b.Pod) })
-			n.Shared = append(n.Shared, *g)
-			held += n.MemoryMiB - g.FreeMiB
-			free += max(g.FreeMiB, 0)
-			stranded += max(g.FreeMiB, 0)
+	for _, ln := range c.Nodes {
+		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready}
+		for _, t := range ln.Tenants {
+			if t.Request.Whole > 0 {
+				n.Whole = append(n.Whole, WholePod{Pod: t.Pod, GPUs: t.Request.Whole})
+			}
+		}
+		if ln.Ledger != nil {
+			for slot, d := range ln.Ledger.Devices {
+				total += d.Total
+				shares := d.Shares()
+				switch {
+				case len(shares) > 0:
+					g := GPU{UUID: ln.UUID(slot), Mode: d.Mode(), FreeMiB: d.Free()}
+					if g.UUID == "" {
+						g.UUID = fmt.Sprintf("GPU %d", slot)
+					}
+					for key := range shares {
+						t := ln.Tenants[key]
+						tenant := Tenant{Pod: t.Pod, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit}
+						if a := t.Assignment; a != nil && a.Mode == api.SMSharing && !a.Portion.IsZero() {
+							tenant.Portion = a.Portion.String()
+						}
+						g.Tenants = append(g.Tenants, tenant)
+					}
+					slices.SortFunc(g.Tenants, func(a, b Tenant) int { return strings.Compare(a.Pod, b.Pod) })
+					n.Shared = append(n.Shared, g)
+					held += d.Charged()
+					free += max(d.Free(), 0)
+					stranded += max(d.Free(), 0)
+				case d.Idle():
+					n.Idle++
+					free += d.Schedulable()
+				case !ledgers.IsPlaceholder(d.Whole()):
+					held += d.Total // a whole-GPU pod; a reservation pod's empty GPU is neither held nor free
+				}
+			}
 		}
 		slices.SortFunc(n.Shared, func(a, b GPU) int { return strings.Compare(a.UUID, b.UUID) })
 		slices.SortFunc(n.Whole, func(a, b WholePod) int { return strings.Compare(a.Pod, b.Pod) })
-		wholeGPUs := 0
-		for _, w := range n.Whole {
-			wholeGPUs += w.GPUs
-		}
-		// A reservation pod whose GPU no tenant names yet still holds it.
-		sharedGPUs := max(len(n.Shared), reserved[n.Name])
-		n.Idle = max(n.GPUs-wholeGPUs-sharedGPUs, 0)
-		held += int64(wholeGPUs) * n.MemoryMiB
-		free += int64(n.Idle) * n.MemoryMiB
-		total += int64(n.GPUs) * n.MemoryMiB
+		v.Nodes = append(v.Nodes, n)
 		v.Summary.GPUs += n.GPUs
 	}
 	slices.SortFunc(v.Nodes, func(a, b Node) int { return cmp.Compare(a.Name, b.Name) })

@@ -16,7 +16,8 @@ import (
 )
 
 func gpuNode(name string, gpus int64, ready bool) corev1.Node {
-	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{api.LabelGPUMemory: "81920", api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3"}}}
+	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{api.LabelGPUMemory: "81920", api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3",
+		api.LabelGPUCount: fmt.Sprint(gpus)}}}
 	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(gpus, resource.DecimalSI)}
 	if ready {
 		n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue}}
@@ -53,7 +54,9 @@ func reservation(node, group string) corev1.Pod {
 	return p
 }
 
-func cluster() View {
+func cluster() View { return clusterWithReserve(nil) }
+
+func clusterWithReserve(reserve func(string) int64) View {
 	pending := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	pending.Spec.Containers = []corev1.Container{{Name: "main"}}
 	return Build(
@@ -66,7 +69,22 @@ func cluster() View {
 			whole("trainer", "n1", 1),
 			pending,
 		},
-		"gpufrac-reservations")
+		"gpufrac-reservations", reserve)
+}
+
+// Free memory is what the scheduler would still place: the reserve it
+// keeps back on each GPU is not free.
+func TestBuildCountsTheSchedulersReserve(t *testing.T) {
+	v := clusterWithReserve(func(model string) int64 {
+		if model == "NVIDIA-H100-80GB-HBM3" {
+			return 1024
+		}
+		return 0
+	})
+	a, b := v.Nodes[1].Shared[0], v.Nodes[1].Shared[1]
+	if a.FreeMiB != 20480-1024 || b.FreeMiB != 71680-1024 {
+		t.Errorf("free %d, %d: want the reserve off each", a.FreeMiB, b.FreeMiB)
+	}
 }
 
 func TestBuild(t *testing.T) {

@@ -291,8 +291,103 @@ func (n *Node) Holds(tenant string) ([]int, bool) {
 // Used returns the node's charged CPU and memory.
 func (n *Node) Used() (cpu, memory int64) { return n.cpuUsed, n.memUsed }
 
-// Check verifies every invariant; the ledger keeps them, so an error is a
-// bug to report.
+// Record books the tenant on exactly the given devices as the cluster
+// reports it, whether or not it fits: an audit, or a view of what runs,
+// must count every pod the API shows, and Violations then says what the
+// booking breaks. Only the bookkeeping is checked (a valid request, a
+// tenant booked once, distinct devices of the node, as many as asked).
+func (n *Node) Record(r Request, devices []int) error {
+	if _, taken := n.held[r.Tenant]; taken {
+		return fmt.Errorf("tenant %s already holds resources on node %s", r.Tenant, n.Name)
+	}
+	if u := validate(r); u != nil {
+		return fmt.Errorf("node %s: %w", n.Name, u)
+	}
+	if need := max(r.Whole, r.Devices); len(devices) != need {
+		return fmt.Errorf("tenant %s: %d devices given, %d needed", r.Tenant, len(devices), need)
+	}
+	seen := map[int]bool{}
+	for _, i := range devices {
+		if seen[i] || i < 0 || i >= len(n.Devices) {
+			return fmt.Errorf("tenant %s: device %d is repeated or not on node %s", r.Tenant, i, n.Name)
+		}
+		seen[i] = true
+	}
+	for _, i := range devices {
+		d := n.Devices[i]
+		if r.Whole > 0 {
+			if d.whole != "" {
+				return fmt.Errorf("tenant %s: GPU %d is already held whole by %s", r.Tenant, d.Index, d.whole)
+			}
+		}
+	}
+	for _, i := range devices {
+		d := n.Devices[i]
+		if r.Whole > 0 {
+			d.whole = r.Tenant
+			continue
+		}
+		d.shares[r.Tenant] = r.Share
+		d.charged += r.Share.Request
+		d.portion += r.Share.Portion
+	}
+	n.cpuUsed += r.CPU
+	n.memUsed += r.Memory
+	n.held[r.Tenant] = holding{Request: r, Devices: slices.Clone(devices)}
+	return nil
+}
+
+// Violation is one GPU breaking a promise the ledger keeps, with the
+// tenants involved.
+type Violation struct {
+	// Device is the index into the node's Devices.
+	Device  int
+	Kind    ViolationKind
+	Detail  string
+	Tenants []string
+}
+
+// ViolationKind names the promise broken.
+type ViolationKind string
+
+// The promises of SPEC §2 a GPU can break.
+const (
+	OverCommitted  ViolationKind = "OverCommitted"
+	MixedModes     ViolationKind = "MixedModes"
+	ComputeOverOne ViolationKind = "ComputeOverOne"
+	WholeShared    ViolationKind = "WholeShared"
+)
+
+// Violations lists every GPU invariant the node's bookings break, GPU by
+// GPU. A ledger filled by Assign has none; one filled by Record has those
+// of the cluster it was read from. A device of unknown size (Total 0) is
+// not judged for memory.
+func (n *Node) Violations() []Violation {
+	var out []Violation
+	for i, d := range n.Devices {
+		tenants := slices.Sorted(maps.Keys(d.shares))
+		modes := map[api.ComputeMode]bool{}
+		for _, s := range d.shares {
+			modes[s.Mode] = true
+		}
+		if d.Total > 0 && d.charged > d.Schedulable() {
+			out = append(out, Violation{i, OverCommitted, fmt.Sprintf("tenants request %d of %d schedulable (%d − %d reserve)", d.charged, d.Schedulable(), d.Total, d.Reserve), tenants})
+		}
+		if len(modes) > 1 {
+			out = append(out, Violation{i, MixedModes, fmt.Sprintf("runs both %s and %s", api.TimeSlicing, api.SMSharing), tenants})
+		}
+		if d.portion > FullPortion {
+			out = append(out, Violation{i, ComputeOverOne, fmt.Sprintf("sm-sharing portions sum to %d/1000", d.portion), tenants})
+		}
+		if d.whole != "" && len(d.shares) > 0 {
+			out = append(out, Violation{i, WholeShared, fmt.Sprintf("held whole by %s and shared by fractions", d.whole), append([]string{d.whole}, tenants...)})
+		}
+	}
+	return out
+}
+
+// Check verifies every invariant and the ledger's own sums; a ledger
+// filled by Assign keeps them, so an error there is a bug to report.
 func (n *Node) Check() error {
 	var cpu, mem int64
 	for _, h := range n.held {
@@ -304,28 +399,19 @@ func (n *Node) Check() error {
 	}
 	for _, d := range n.Devices {
 		var charged, portion int64
-		var mode api.ComputeMode
 		for tenant, s := range d.shares {
 			charged += s.Request
 			portion += s.Portion
-			if mode != "" && s.Mode != mode {
-				return fmt.Errorf("GPU %d mixes %s and %s", d.Index, mode, s.Mode)
-			}
-			mode = s.Mode
 			if h, ok := n.held[tenant]; !ok || !slices.Contains(h.Devices, slices.Index(n.Devices, d)) {
 				return fmt.Errorf("GPU %d: share of %s not recorded as held", d.Index, tenant)
 			}
 		}
-		switch {
-		case charged != d.charged || portion != d.portion:
+		if charged != d.charged || portion != d.portion {
 			return fmt.Errorf("GPU %d: charged %d (sum %d), portion %d (sum %d)", d.Index, d.charged, charged, d.portion, portion)
-		case charged > d.Schedulable():
-			return fmt.Errorf("GPU %d over-committed: %d charged of %d schedulable", d.Index, charged, d.Schedulable())
-		case portion > FullPortion:
-			return fmt.Errorf("GPU %d: compute portions sum to %d/1000", d.Index, portion)
-		case d.whole != "" && len(d.shares) > 0:
-			return fmt.Errorf("GPU %d: whole-GPU tenant %s shares it with fractions", d.Index, d.whole)
 		}
+	}
+	if v := n.Violations(); len(v) > 0 {
+		return fmt.Errorf("GPU %d: %s: %s: %v", n.Devices[v[0].Device].Index, v[0].Kind, v[0].Detail, v[0].Tenants)
 	}
 	return nil
 }

@@ -184,3 +184,62 @@ func TestLedgerProperties(t *testing.T) {
 		}
 	})
 }
+
+// Record books what a cluster reports, broken or not, and Violations names
+// each broken promise with its tenants; Assign would have refused them all.
+func TestRecordKeepsWhatRunsAndViolationsSayWhatItBreaks(t *testing.T) {
+	n := node(3, "H100") // 80896 schedulable per GPU
+	book := func(tenant string, r Request, devices ...int) {
+		t.Helper()
+		r.Tenant = tenant
+		if err := n.Record(r, devices); err != nil {
+			t.Fatalf("Record %s: %v", tenant, err)
+		}
+	}
+	book("big1", Request{Devices: 1, Share: share(50000, api.TimeSlicing, 0)}, 0)
+	book("big2", Request{Devices: 1, Share: share(40000, api.TimeSlicing, 0)}, 0)
+	book("sm1", Request{Devices: 1, Share: share(1000, api.SMSharing, 600)}, 1)
+	book("sm2", Request{Devices: 1, Share: share(1000, api.SMSharing, 600)}, 1)
+	book("ts", Request{Devices: 1, Share: share(1000, api.TimeSlicing, 0)}, 1)
+	book("whole", Request{Whole: 1}, 2)
+	book("squatter", Request{Devices: 1, Share: share(1000, api.TimeSlicing, 0)}, 2)
+	got := map[ViolationKind][]string{}
+	for _, v := range n.Violations() {
+		got[v.Kind] = append(got[v.Kind], fmt.Sprintf("%d %v", v.Device, v.Tenants))
+	}
+	want := map[ViolationKind][]string{
+		OverCommitted:  {"0 [big1 big2]"},
+		MixedModes:     {"1 [sm1 sm2 ts]"},
+		ComputeOverOne: {"1 [sm1 sm2 ts]"},
+		WholeShared:    {"2 [whole squatter]"},
+	}
+	if !maps.EqualFunc(got, want, slices.Equal) {
+		t.Errorf("violations %v, want %v", got, want)
+	}
+	if err := n.Check(); err == nil {
+		t.Error("Check passes a ledger that breaks its invariants")
+	}
+	for _, bad := range []struct {
+		r       Request
+		devices []int
+	}{
+		{Request{Tenant: "big1", Whole: 1}, []int{1}}, // booked twice
+		{Request{Tenant: "x", Whole: 1}, []int{2}},    // held whole already
+		{Request{Tenant: "y", Devices: 1}, []int{0}},  // invalid share
+		{Request{Tenant: "z", Whole: 1}, []int{7}},    // not a device
+		{Request{Tenant: "w", Whole: 2}, []int{0, 0}}, // repeated
+		{Request{Tenant: "v", Whole: 2}, []int{0}},    // too few
+	} {
+		if err := n.Record(bad.r, bad.devices); err == nil {
+			t.Errorf("Record(%+v, %v) accepted", bad.r, bad.devices)
+		}
+	}
+	for _, tenant := range []string{"big1", "big2", "sm1", "sm2", "ts", "whole", "squatter"} {
+		if err := n.Release(tenant); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if v := n.Violations(); len(v) > 0 || n.Check() != nil {
+		t.Errorf("after release: %v, %v", v, n.Check())
+	}
+}

@@ -1,14 +1,12 @@
 package scheduler
 
 import (
-	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
 	"maps"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -16,6 +14,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 )
 
 // Cache is the scheduler's view of every GPU: which pods share it, which
@@ -49,19 +48,18 @@ type shapeKey struct {
 
 // nodeState is one node's GPUs.
 type nodeState struct {
-	inv    api.Inventory
-	ready  bool
-	why    string    // why fractions cannot land here, when !ready
-	ledger *gpu.Node // nil without a GPU inventory
-	// groups maps a GPU group to its slot in the ledger.
-	groups map[string]int
+	inv   api.Inventory
+	ready bool
+	why   string // why fractions cannot land here, when !ready
+	// Layout is the node's ledger (nil without a GPU inventory), its slots
+	// by GPU group, and its conflicts: tenants the ledger could not place,
+	// pods the API says are there though they do not fit (bound by
+	// someone else, or the inventory shrank). The node takes no new
+	// fractions while any.
+	ledgers.Layout
 	// reservations are the reservation pods on the node, by GPU group.
 	reservations map[string]*reservation
 	tenants      map[types.UID]*tenant
-	// conflicts counts tenants the ledger could not place: pods the API
-	// says are there though they do not fit (bound by someone else, or
-	// the inventory shrank). The node takes no new fractions while any.
-	conflicts map[types.UID]string
 	// waiting are bound pods not yet turned into tenants: their node's
 	// inventory was unknown, or they did not fit. Each rebuild retries.
 	waiting map[types.UID]*corev1.Pod
@@ -93,7 +91,13 @@ type tenant struct {
 	resolved api.Resolved
 }
 
-func placeholder(group string) string { return "reservation/" + group }
+func placeholder(group string) string { return ledgers.Placeholder(group) }
+
+// lt is the tenant as the ledger layout books it.
+func (t *tenant) lt() ledgers.Tenant { return ledgers.Tenant{Request: t.request, Groups: t.groups} }
+
+// reserved says whether a GPU group has a reservation pod on the node.
+func (ns *nodeState) reserved(g string) bool { _, ok := ns.reservations[g]; return ok }
 
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
@@ -116,7 +120,7 @@ func (c *Cache) markDirty() {
 func (c *Cache) node(name string) *nodeState {
 	ns, ok := c.nodes[name]
 	if !ok {
-		ns = &nodeState{groups: map[string]int{}, reservations: map[string]*reservation{}, tenants: map[types.UID]*tenant{}, conflicts: map[types.UID]string{}, waiting: map[types.UID]*corev1.Pod{}}
+		ns = &nodeState{Layout: ledgers.NewLayout(name, api.Inventory{}, 0), reservations: map[string]*reservation{}, tenants: map[types.UID]*tenant{}, waiting: map[types.UID]*corev1.Pod{}}
 		c.nodes[name] = ns
 	}
 	return ns
@@ -129,7 +133,7 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(node.Name)
-	changed := inv != ns.inv || (ns.ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
+	changed := inv != ns.inv || (ns.Ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
 	ns.ready, ns.why = ready, why
 	if changed {
 		ns.inv = inv
@@ -152,30 +156,22 @@ func (c *Cache) DeleteNode(name string) {
 }
 
 // rebuild makes a fresh ledger for the node's inventory and places every
-// reservation pod and tenant on it again: GPU groups first, then the
-// whole-GPU pods.
+// reservation pod and tenant on it again, in the order every ledger
+// reader fills one (ledgers.Layout.Fill).
 func (c *Cache) rebuild(name string, ns *nodeState) {
-	ns.ledger, ns.groups, ns.conflicts = nil, map[string]int{}, map[types.UID]string{}
-	if ns.inv.Count > 0 && ns.inv.MemoryMiB > 0 {
-		devices := make([]*gpu.Device, ns.inv.Count)
-		for i := range devices {
-			devices[i] = &gpu.Device{Index: i, Model: ns.inv.Model, Total: ns.inv.MemoryMiB, Reserve: c.args.Reserve(ns.inv.Model)}
-		}
-		ns.ledger = gpu.NewNode(name, 0, 0, devices...)
+	inv := ns.inv
+	if inv.MemoryMiB <= 0 {
+		inv.Count = 0 // no ledger until the GPUs' memory is known
 	}
-	// Shares first, so whole-GPU pods take the slots left over.
-	tenants := slices.SortedFunc(maps.Values(ns.tenants), func(a, b *tenant) int {
-		return cmp.Compare(a.request.Whole, b.request.Whole)
-	})
-	for _, t := range tenants {
-		c.place(ns, t)
+	ns.Layout = ledgers.NewLayout(name, inv, c.args.Reserve(inv.Model))
+	tenants := make([]ledgers.Tenant, 0, len(ns.tenants))
+	for _, t := range ns.tenants {
+		tenants = append(tenants, t.lt())
 	}
-	for _, g := range slices.Sorted(maps.Keys(ns.reservations)) {
-		c.holdIfEmpty(ns, g)
-	}
+	ns.Fill(tenants, slices.Collect(maps.Keys(ns.reservations)), true)
 	for uid, pod := range ns.waiting {
 		if t, err := tenantOf(pod, ns, c.args); err != nil {
-			ns.conflicts[uid] = err.Error()
+			ns.Conflicts[string(uid)] = err.Error()
 		} else {
 			delete(ns.waiting, uid)
 			if t != nil {
@@ -185,108 +181,14 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 	}
 }
 
-// place puts a tenant on the node's ledger: a share on its groups' slots
-// (a group seen for the first time takes the lowest idle slot), whole GPUs
-// on the lowest idle slots. A tenant that does not fit is a conflict.
-func (c *Cache) place(ns *nodeState, t *tenant) {
-	if ns.ledger == nil {
-		return // counted once the node reports its GPUs
-	}
-	var slots []int
-	if t.request.Whole > 0 {
-		fit, unfit := ns.ledger.Fit(t.request)
-		if unfit != nil {
-			ns.conflicts[t.uid] = unfit.Error()
-			return
-		}
-		slots = fit[:t.request.Whole]
-	} else {
-		for _, g := range t.groups {
-			slot, ok := ns.groups[g]
-			if !ok {
-				if slot = lowestIdle(ns.ledger, slots); slot < 0 {
-					ns.conflicts[t.uid] = fmt.Sprintf("no idle GPU for GPU group %s", g)
-					c.dropEmptyGroups(ns, t.groups)
-					return
-				}
-				ns.groups[g] = slot
-			}
-			if ns.ledger.Devices[slot].Whole() == placeholder(g) {
-				_ = ns.ledger.Release(placeholder(g))
-			}
-			slots = append(slots, slot)
-		}
-	}
-	if err := ns.ledger.Assign(t.request, slots); err != nil {
-		ns.conflicts[t.uid] = err.Error()
-		c.dropEmptyGroups(ns, t.groups)
-	}
-}
-
-// lowestIdle is the lowest idle slot not among taken, or -1.
-func lowestIdle(n *gpu.Node, taken []int) int {
-	for i, d := range n.Devices {
-		if d.Idle() && !slices.Contains(taken, i) {
-			return i
-		}
-	}
-	return -1
-}
-
-// dropEmptyGroups forgets the slots of groups that hold nothing: no share,
-// and no reservation pod.
-func (c *Cache) dropEmptyGroups(ns *nodeState, groups []string) {
-	for _, g := range groups {
-		slot, ok := ns.groups[g]
-		if !ok {
-			continue
-		}
-		if ns.ledger.Devices[slot].Idle() {
-			if _, held := ns.reservations[g]; held {
-				c.holdIfEmpty(ns, g)
-				continue
-			}
-			delete(ns.groups, g)
-		}
-	}
-}
-
-// holdIfEmpty keeps the slot of a reservation pod whose group has no
-// tenants: the device plugin still holds that GPU for it, so no one may
-// take it until the pod is gone (the collector deletes it).
-func (c *Cache) holdIfEmpty(ns *nodeState, g string) {
-	if ns.ledger == nil {
-		return
-	}
-	slot, ok := ns.groups[g]
-	if ok && !ns.ledger.Devices[slot].Idle() {
-		return // tenants, or already held
-	}
-	if !ok {
-		if slot = lowestIdle(ns.ledger, nil); slot < 0 {
-			ns.conflicts[types.UID(placeholder(g))] = fmt.Sprintf("no idle GPU for reservation pod of GPU group %s", g)
-			return
-		}
-		ns.groups[g] = slot
-	}
-	if err := ns.ledger.Assign(gpu.Request{Tenant: placeholder(g), Whole: 1}, []int{slot}); err != nil {
-		ns.conflicts[types.UID(placeholder(g))] = err.Error()
-	}
-}
-
 func (c *Cache) remove(ns *nodeState, t *tenant) {
-	if _, conflict := ns.conflicts[t.uid]; conflict {
-		delete(ns.conflicts, t.uid)
-	} else if ns.ledger != nil {
-		_ = ns.ledger.Release(string(t.uid))
-		c.dropEmptyGroups(ns, t.groups)
-	}
+	ns.Release(t.lt(), ns.reserved)
 	delete(ns.tenants, t.uid)
 	delete(c.pods, t.uid)
 	c.forgetShape(t)
 	c.markDirty()
 	// A conflict may have cleared now that room was freed.
-	if len(ns.conflicts) > 0 {
+	if len(ns.Conflicts) > 0 {
 		c.rebuild(t.node, ns)
 	}
 }
@@ -294,7 +196,7 @@ func (c *Cache) remove(ns *nodeState, t *tenant) {
 // add records a tenant and places it on the node's ledger.
 func (c *Cache) add(ns *nodeState, t *tenant) {
 	c.register(ns, t)
-	c.place(ns, t)
+	ns.Place(t.lt(), ns.reserved)
 }
 
 // register records a tenant already on the ledger (or not to be placed).
@@ -331,7 +233,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 		if known {
 			c.remove(c.node(old.node), old)
 		} else if ns, ok := c.nodes[pod.Spec.NodeName]; ok {
-			delete(ns.conflicts, pod.UID)
+			delete(ns.Conflicts, string(pod.UID))
 			delete(ns.waiting, pod.UID)
 		}
 		return
@@ -348,12 +250,12 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	}
 	ns := c.node(pod.Spec.NodeName)
 	delete(ns.waiting, pod.UID)
-	delete(ns.conflicts, pod.UID)
+	delete(ns.Conflicts, string(pod.UID))
 	t, err := tenantOf(pod, ns, c.args)
 	if err != nil {
 		ns.waiting[pod.UID] = pod
-		if ns.ledger != nil {
-			ns.conflicts[pod.UID] = err.Error()
+		if ns.Ledger != nil {
+			ns.Conflicts[string(pod.UID)] = err.Error()
 		}
 		return
 	}
@@ -375,47 +277,33 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 		return
 	}
 	if ns, ok := c.nodes[pod.Spec.NodeName]; ok {
-		delete(ns.conflicts, pod.UID)
+		delete(ns.Conflicts, string(pod.UID))
 		delete(ns.waiting, pod.UID)
 	}
 }
 
-// tenantOf says what a bound pod holds on its node: whole GPUs, the shares
-// its scheduler wrote (on its GPU groups, or on the GPUs named by UUID
-// when another scheduler placed it), or, for a fractional pod bound but
-// not yet annotated, its request on the GPUs that fit it best. It returns
-// nil for a pod that holds no GPU.
+// tenantOf says what a bound pod holds on its node: what ledgers.TenantOf
+// reads (whole GPUs, or the shares its scheduler wrote), or, for a
+// fractional pod bound but not yet annotated, its request on the GPUs that
+// fit it best. It returns nil for a pod that holds no GPU.
 func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 	t := &tenant{uid: pod.UID, namespace: pod.Namespace, name: pod.Name, node: pod.Spec.NodeName}
+	if lt, held, err := ledgers.TenantOf(pod, ns.groupOfUUID, ns.inv.MemoryMiB-args.Reserve(ns.inv.Model)); err == nil && held {
+		t.request, t.groups = lt.Request, lt.Groups
+		if a := lt.Assignment; a != nil {
+			t.container = a.Container
+			t.resolved = api.Resolved{RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB}
+		}
+		return t, nil
+	}
 	t.request.Tenant = string(pod.UID)
-	if n := api.WholeGPUs(&pod.Spec); n > 0 {
-		t.request.Whole = n
-		return t, nil
-	}
-	if assignments, err := api.ParseAssignments(pod.Annotations); err == nil && len(assignments) > 0 {
-		a := assignments[0]
-		t.container = a.Container
-		t.request.Devices = len(a.Devices)
-		t.request.Share = gpu.Share{Request: a.RequestMiB, Limit: a.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}
-		t.resolved = api.Resolved{RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB}
-		if groups := api.SplitList(pod.Annotations[api.GPUGroupsAnnotation]); len(groups) == len(a.Devices) {
-			t.groups = groups
-			return t, nil
-		}
-		// Placed by another scheduler (KAI writes no groups of ours): the
-		// GPU is the group, joined with the reservation pod holding it.
-		for _, uuid := range a.Devices {
-			t.groups = append(t.groups, groupOfUUID(ns, uuid))
-		}
-		return t, nil
-	}
 	reqs, err := api.Parse(api.Intent(pod))
 	if err != nil || len(reqs) == 0 {
 		return nil, err
 	}
 	// Bound but not annotated: charge its request where it fits best, so
 	// the node is never over-committed while its decision is unknown.
-	if ns.ledger == nil {
+	if ns.Ledger == nil {
 		return nil, fmt.Errorf("pod %s/%s asks for a GPU fraction on a node without a GPU inventory", pod.Namespace, pod.Name)
 	}
 	share, resolved, err := shareOn(reqs[0], ns, args)
@@ -423,7 +311,7 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 		return nil, err
 	}
 	t.request.Devices, t.request.Share, t.resolved, t.container = reqs[0].Devices, share, resolved, reqs[0].Container
-	fit, unfit := ns.ledger.Fit(t.request)
+	fit, unfit := ns.Ledger.Fit(t.request)
 	if unfit != nil {
 		return nil, fmt.Errorf("pod %s/%s is bound without a GPU decision and does not fit: %w", pod.Namespace, pod.Name, unfit)
 	}
@@ -437,19 +325,21 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 	return t, nil
 }
 
-func groupOfUUID(ns *nodeState, uuid string) string {
+// groupOfUUID joins a GPU named by UUID with the reservation pod holding
+// it (a pod placed by another scheduler names no groups of ours).
+func (ns *nodeState) groupOfUUID(uuid string) string {
 	for g, r := range ns.reservations {
 		if r.uuid == uuid {
 			return g
 		}
 	}
-	return "uuid-" + strings.ToLower(uuid)
+	return ledgers.UUIDGroup(uuid)
 }
 
 // groupAt is the live GPU group on a slot, or "".
 func groupAt(ns *nodeState, slot int) string {
-	for g, s := range ns.groups {
-		if s == slot && shared(ns.ledger.Devices[slot]) {
+	for g, s := range ns.Groups {
+		if s == slot && shared(ns.Ledger.Devices[slot]) {
 			return g
 		}
 	}
@@ -483,8 +373,7 @@ func shareOn(r api.Request, ns *nodeState, args Args) (gpu.Share, api.Resolved, 
 	}
 	share := gpu.Share{Request: resolved.RequestMiB, Limit: resolved.LimitMiB, Mode: r.Mode}
 	if r.Mode == api.SMSharing {
-		schedulable := max(ns.inv.MemoryMiB-reserve, 1)
-		share.Portion = min(max(resolved.RequestMiB*gpu.FullPortion/schedulable, 1), gpu.FullPortion)
+		share.Portion = api.PortionOfMemory(resolved.RequestMiB, ns.inv.MemoryMiB-reserve).Of(gpu.FullPortion)
 	}
 	return share, resolved, nil
 }

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -79,12 +80,12 @@ func summary(c *Cache, name string) string {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	ns := c.nodes[name]
-	if ns == nil || ns.ledger == nil {
+	if ns == nil || ns.Ledger == nil {
 		return "no ledger"
 	}
 	var parts []string
 	idle, whole := 0, 0
-	for i, d := range ns.ledger.Devices {
+	for i, d := range ns.Ledger.Devices {
 		switch {
 		case d.Idle():
 			idle++
@@ -94,7 +95,7 @@ func summary(c *Cache, name string) string {
 			continue
 		}
 		group := "?"
-		for g, s := range ns.groups {
+		for g, s := range ns.Groups {
 			if s == i {
 				group = g
 			}
@@ -102,7 +103,7 @@ func summary(c *Cache, name string) string {
 		parts = append(parts, fmt.Sprintf("%s:%dMi/%d‰/%d/%s", group, d.Charged(), d.Portion(), len(d.Shares()), d.Whole()))
 	}
 	slices.Sort(parts)
-	return fmt.Sprintf("idle=%d whole=%d conflicts=%d %s", idle, whole, len(ns.conflicts), strings.Join(parts, " "))
+	return fmt.Sprintf("idle=%d whole=%d conflicts=%d %s", idle, whole, len(ns.Conflicts), strings.Join(parts, " "))
 }
 
 // The cache is the same whatever order the informers deliver the objects
@@ -145,6 +146,45 @@ func TestCacheRebuildIsOrderIndependent(t *testing.T) {
 		if o := c.Orphans(); len(o) != 1 || o[0].Name != ReservationName("n1", "gc") {
 			t.Fatalf("orphans %v, want the reservation pod of gc", o)
 		}
+	}
+}
+
+// The scheduler's cache and gpufrac audit/top read a cluster through the
+// one builder (package ledgers): on the same pods — gpufrac's, and KAI's
+// as its binder leaves them (no groups, CDI names, sm-sharing without a
+// portion) — they book the same charges on the same groups.
+func TestCacheAndLedgersBuildAgree(t *testing.T) {
+	n := node("n1", 4, 80000, true)
+	kai := pod("kai", "n1", map[string]string{
+		api.ContainerKey("main", api.SuffixDevices):       "k8s.device-plugin.nvidia.com/gpu=GPU-d",
+		api.ContainerKey("main", api.SuffixMemoryRequest): "20Gi",
+		api.ContainerKey("main", api.SuffixComputeMode):   "sm-sharing",
+	})
+	pods := []*corev1.Pod{
+		reservationPod("n1", "ga", "GPU-a"),
+		reservationPod("n1", "gd", "GPU-d"),
+		placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
+		placedPod("p2", "n1", 30000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
+		kai,
+		wholePod("w1", "n1", 1),
+	}
+	c := NewCache(testArgs())
+	c.SetNode(n)
+	var items []corev1.Pod
+	for _, p := range pods {
+		c.SetPod(p)
+		items = append(items, *p)
+	}
+	got := summary(c, "n1")
+	if want := "idle=1 whole=1 conflicts=0 ga:50000Mi/0‰/2/ gd:20480Mi/256‰/1/"; got != want {
+		t.Fatalf("cache: %s, want %s", got, want)
+	}
+	built := ledgers.Build([]corev1.Node{*n}, items, ledgers.Options{ReservationNamespace: testArgs().ReservationNamespace})
+	b := built.Nodes["n1"]
+	from := NewCache(testArgs())
+	from.nodes["n1"] = &nodeState{Layout: b.Layout}
+	if other := summary(from, "n1"); other != got {
+		t.Errorf("ledgers.Build: %s\ncache:         %s", other, got)
 	}
 }
 

@@ -55,11 +55,11 @@ func (c *Cache) Filter(node string, ask Ask) Verdict {
 	if ask.Fraction == nil {
 		// Whole GPUs: the default plugins count the device plugin's
 		// GPUs; here only the shared ones are kept out of reach.
-		if !ok || ns.ledger == nil {
+		if !ok || ns.Ledger == nil {
 			return Verdict{Fits: true}
 		}
 		r, _, _ := c.request(ns, ask)
-		if _, unfit := ns.ledger.Fit(r); unfit != nil {
+		if _, unfit := ns.Ledger.Fit(r); unfit != nil {
 			return Verdict{Resolvable: true, Reason: fmt.Sprintf("%s: fewer than %d idle GPUs (GPUs shared by fractions are not given whole)", gpu.ReasonWhole, ask.Whole)}
 		}
 		return Verdict{Fits: true}
@@ -69,14 +69,14 @@ func (c *Cache) Filter(node string, ask Ask) Verdict {
 		return Verdict{Reason: "node has not reported its GPUs to gpufrac yet"}
 	case !ns.ready:
 		return Verdict{Reason: ns.why}
-	case len(ns.conflicts) > 0:
-		return Verdict{Resolvable: true, Reason: fmt.Sprintf("node has %d pod(s) holding GPUs that gpufrac cannot account for; it takes no fractions until they are gone (see gpufrac audit)", len(ns.conflicts))}
+	case len(ns.Conflicts) > 0:
+		return Verdict{Resolvable: true, Reason: fmt.Sprintf("node has %d pod(s) holding GPUs that gpufrac cannot account for; it takes no fractions until they are gone (see gpufrac audit)", len(ns.Conflicts))}
 	}
 	r, _, err := c.request(ns, ask)
 	if err != nil {
 		return Verdict{Reason: err.Error()}
 	}
-	if _, unfit := ns.ledger.Fit(r); unfit != nil {
+	if _, unfit := ns.Ledger.Fit(r); unfit != nil {
 		return Verdict{Resolvable: true, Reason: explain(unfit.Reason, r)}
 	}
 	return Verdict{Fits: true}
@@ -111,18 +111,18 @@ func (c *Cache) Score(node string, ask Ask, policy placement.Policy) (float64, b
 
 func (c *Cache) choose(node string, ask Ask, policy placement.Policy) (placement.Choice, bool) {
 	ns, ok := c.nodes[node]
-	if !ok || ns.ledger == nil {
+	if !ok || ns.Ledger == nil {
 		return placement.Choice{}, false
 	}
 	r, _, err := c.request(ns, ask)
 	if err != nil {
 		return placement.Choice{}, false
 	}
-	fit, unfit := ns.ledger.Fit(r)
+	fit, unfit := ns.Ledger.Fit(r)
 	if unfit != nil {
 		return placement.Choice{}, false
 	}
-	choice := policy.Score(ns.ledger, r, fit)
+	choice := policy.Score(ns.Ledger, r, fit)
 	if math.IsNaN(choice.Score) {
 		choice.Score = math.Inf(-1)
 	}
@@ -139,7 +139,7 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 		return fmt.Errorf("pod %s/%s already holds GPUs", namespace, name)
 	}
 	ns, ok := c.nodes[node]
-	if !ok || ns.ledger == nil {
+	if !ok || ns.Ledger == nil {
 		if ask.Fraction != nil {
 			return fmt.Errorf("node %s has no GPU inventory", node)
 		}
@@ -154,7 +154,7 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 	if ask.Fraction == nil {
 		// Whole GPUs go where the policy chose (place would take the
 		// lowest idle ones).
-		if err := ns.ledger.Assign(r, choice.Devices); err != nil {
+		if err := ns.Ledger.Assign(r, choice.Devices); err != nil {
 			return err
 		}
 		c.register(ns, t)
@@ -166,12 +166,12 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 		if g == "" {
 			// A new group opens on the GPU the policy chose.
 			g = newGroup()
-			ns.groups[g] = slot
+			ns.Groups[g] = slot
 		}
 		t.groups = append(t.groups, g)
 	}
 	c.add(ns, t)
-	if why, conflict := ns.conflicts[t.uid]; conflict {
+	if why, conflict := ns.Conflicts[string(t.uid)]; conflict {
 		c.remove(ns, t)
 		return fmt.Errorf("pod %s/%s cannot be assumed on node %s: %s", namespace, name, node, why)
 	}
@@ -265,8 +265,8 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 
 // live says whether a GPU group has a tenant.
 func (c *Cache) live(ns *nodeState, g string) bool {
-	slot, ok := ns.groups[g]
-	return ok && ns.ledger != nil && shared(ns.ledger.Devices[slot])
+	slot, ok := ns.Groups[g]
+	return ok && ns.Ledger != nil && shared(ns.Ledger.Devices[slot])
 }
 
 // Shapes returns the workload's typical shapes from the GPU tenants the
@@ -287,11 +287,11 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
 	}
 	capacity := placement.Capacity{CPU: 1, GPU: 1}
 	for _, ns := range c.nodes {
-		if ns.ledger == nil {
+		if ns.Ledger == nil {
 			continue
 		}
 		var sum int64
-		for _, d := range ns.ledger.Devices {
+		for _, d := range ns.Ledger.Devices {
 			sum += d.Schedulable()
 		}
 		capacity.GPU = max(capacity.GPU, sum)

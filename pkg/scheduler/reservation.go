@@ -8,7 +8,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
@@ -96,7 +95,7 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 	_, known := ns.reservations[group]
 	ns.reservations[group] = r
 	if !known {
-		c.holdIfEmpty(ns, group)
+		ns.Hold(group)
 		c.markDirty()
 	}
 }
@@ -110,15 +109,15 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 		return
 	}
 	delete(ns.reservations, group)
-	delete(ns.conflicts, types.UID(placeholder(group)))
-	if ns.ledger == nil {
+	delete(ns.Conflicts, placeholder(group))
+	if ns.Ledger == nil {
 		return
 	}
-	if slot, ok := ns.groups[group]; ok && ns.ledger.Devices[slot].Whole() == placeholder(group) {
-		_ = ns.ledger.Release(placeholder(group))
-		delete(ns.groups, group)
+	if slot, ok := ns.Groups[group]; ok && ns.Ledger.Devices[slot].Whole() == placeholder(group) {
+		_ = ns.Ledger.Release(placeholder(group))
+		delete(ns.Groups, group)
 	}
-	if len(ns.conflicts) > 0 {
+	if len(ns.Conflicts) > 0 {
 		c.rebuild(pod.Spec.NodeName, ns)
 	}
 }

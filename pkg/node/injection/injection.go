@@ -251,7 +251,7 @@ func derivePortion(a api.Assignment, cfg Config) (api.Fraction, string, error) {
 		return api.Fraction{}, "", fmt.Errorf("sm-sharing without %s needs the GPU's memory to derive a portion, and this node does not know it yet",
 			api.ContainerKey(a.Container, api.SuffixComputePortion))
 	}
-	portion := api.Thousandths(max(a.RequestMiB*1000/usable, 1))
+	portion := api.PortionOfMemory(a.RequestMiB, usable)
 	note := fmt.Sprintf("container %q: no compute portion was written (as released KAI Scheduler places sm-sharing pods); derived %s from the memory share, %dMi of %dMi schedulable (%dMi − %dMi reserve): MPS thread ceiling %d%%",
 		a.Container, portion, a.RequestMiB, usable, cfg.GPUMemoryMiB, cfg.GPUMemoryReserveMiB, max(int(portion.Of(100)), 1))
 	return portion, note, nil

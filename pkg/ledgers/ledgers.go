@@ -1,0 +1,398 @@
+// Package ledgers reads nodes and pods, as the API reports them, into
+// gpu.Node ledgers: the one reading of who holds which GPU, shared by the
+// scheduler's cache (which places tenants and so keeps every invariant),
+// by `gpufrac audit` (which records tenants as they are, so the ledger's
+// own Violations say what a cluster breaks) and by `gpufrac top`. It is
+// pure: objects in, ledgers out.
+//
+// A ledger's slots have no identity of their own. A shared GPU is a GPU
+// group, held by one reservation pod, and the physical GPU is whichever
+// the device plugin gave that pod; so a slot is named by its group, and
+// by the GPU's UUID once a decision or a reservation pod says it.
+package ledgers
+
+import (
+	"cmp"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/gpu"
+)
+
+// Tenant is what one pod holds on its node.
+type Tenant struct {
+	// Request is what the ledger books; Request.Tenant is the pod's UID
+	// (its namespace/name when it has none).
+	Request gpu.Request
+	// Groups are a share tenant's GPU groups, one per device.
+	Groups []string
+	// UUIDs are the GPUs of a share tenant's decision, one per device.
+	UUIDs []string
+	// Pod is namespace/name.
+	Pod string
+	// Assignment is a share tenant's decision; nil for whole GPUs.
+	Assignment *api.Assignment
+}
+
+// Placeholder is the ledger tenant that holds a reservation pod's GPU
+// while its group has no tenant: the device plugin still holds the GPU
+// for the reservation pod, so nobody else may take it.
+func Placeholder(group string) string { return placeholderPrefix + group }
+
+const placeholderPrefix = "reservation/"
+
+// IsPlaceholder reports whether a ledger tenant is a reservation pod's
+// placeholder rather than a pod.
+func IsPlaceholder(tenant string) bool { return strings.HasPrefix(tenant, placeholderPrefix) }
+
+// UUIDGroup names the group of a GPU known only by its UUID: a pod placed
+// by another scheduler (KAI writes no groups of ours), whose GPU no
+// reservation pod of ours names.
+func UUIDGroup(uuid string) string { return "uuid-" + strings.ToLower(uuid) }
+
+// TenantOf reads what a bound pod holds: whole GPUs, or the shares its
+// scheduler wrote, on the GPU groups it names (gpufrac's scheduler) or on
+// groupOf(uuid) for each GPU (another scheduler; groupOf joins a UUID with
+// the reservation pod holding it). An sm-sharing share its scheduler gave
+// no portion (released KAI) is charged the portion the node derives from
+// its memory share of schedulableMiB. held is false for a pod that holds
+// no GPU; err says why a pod that asks for a fraction carries no readable
+// decision.
+func TenantOf(pod *corev1.Pod, groupOf func(uuid string) string, schedulableMiB int64) (t Tenant, held bool, err error) {
+	t = Tenant{Request: gpu.Request{Tenant: string(pod.UID)}, Pod: pod.Namespace + "/" + pod.Name}
+	if t.Request.Tenant == "" {
+		t.Request.Tenant = t.Pod // a manifest read from a file has no UID
+	}
+	if n := api.WholeGPUs(&pod.Spec); n > 0 {
+		t.Request.Whole = n
+		return t, true, nil
+	}
+	assignments, err := api.ParseAssignments(pod.Annotations)
+	if err != nil || len(assignments) == 0 {
+		return Tenant{}, false, err
+	}
+	a := assignments[0]
+	t.Assignment = &a
+	t.UUIDs = a.Devices
+	t.Request.Devices = len(a.Devices)
+	t.Request.Share = gpu.Share{Request: a.RequestMiB, Limit: a.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}
+	if a.Mode == api.SMSharing && a.Portion.IsZero() && schedulableMiB > 0 {
+		t.Request.Share.Portion = api.PortionOfMemory(a.RequestMiB, schedulableMiB).Of(gpu.FullPortion)
+	}
+	if groups := api.SplitList(pod.Annotations[api.GPUGroupsAnnotation]); len(groups) == len(a.Devices) {
+		t.Groups = groups
+		return t, true, nil
+	}
+	for _, uuid := range a.Devices {
+		t.Groups = append(t.Groups, groupOf(uuid))
+	}
+	return t, true, nil
+}
+
+// Layout is one node's ledger with its slots named by GPU group.
+type Layout struct {
+	// Ledger is nil while the node's GPU inventory is unknown.
+	Ledger *gpu.Node
+	// Groups maps a GPU group to its slot.
+	Groups map[string]int
+	// Conflicts are the tenants (and reservation placeholders) the
+	// ledger could not book, with why.
+	Conflicts map[string]string
+}
+
+// NewLayout returns an empty layout over the node's GPUs, each of
+// inv.MemoryMiB with reserve kept back; without GPUs it has no ledger.
+func NewLayout(name string, inv api.Inventory, reserve int64) Layout {
+	l := Layout{Groups: map[string]int{}, Conflicts: map[string]string{}}
+	if inv.Count > 0 {
+		devices := make([]*gpu.Device, inv.Count)
+		for i := range devices {
+			devices[i] = &gpu.Device{Index: i, Model: inv.Model, Total: inv.MemoryMiB, Reserve: reserve}
+		}
+		l.Ledger = gpu.NewNode(name, 0, 0, devices...)
+	}
+	return l
+}
+
+// booker books a request on slots: gpu.Node.Assign (keeping every
+// invariant) or gpu.Node.Record (keeping what the cluster reports).
+type booker func(n *gpu.Node, r gpu.Request, slots []int) error
+
+func assign(n *gpu.Node, r gpu.Request, slots []int) error { return n.Assign(r, slots) }
+func record(n *gpu.Node, r gpu.Request, slots []int) error { return n.Record(r, slots) }
+
+// Place books a tenant, keeping the ledger's invariants: a share on its
+// groups' slots (a group seen for the first time takes the lowest idle
+// slot, releasing its reservation placeholder), whole GPUs on the lowest
+// idle slots. A tenant that does not fit is a conflict. reserved says
+// which groups have a reservation pod, whose slots outlive their tenants.
+func (l *Layout) Place(t Tenant, reserved func(group string) bool) {
+	l.book(t, reserved, assign)
+}
+
+// Record books a tenant as the cluster reports it, fitting or not (see
+// gpu.Node.Record); only a tenant with no slot left is a conflict.
+func (l *Layout) Record(t Tenant) {
+	l.book(t, func(string) bool { return false }, record)
+}
+
+func (l *Layout) book(t Tenant, reserved func(string) bool, book booker) {
+	if l.Ledger == nil {
+		return // counted once the node reports its GPUs
+	}
+	key := t.Request.Tenant
+	var slots []int
+	if t.Request.Whole > 0 {
+		fit, unfit := l.Ledger.Fit(t.Request)
+		if unfit != nil {
+			l.Conflicts[key] = unfit.Error()
+			return
+		}
+		slots = fit[:t.Request.Whole]
+	} else {
+		for _, g := range t.Groups {
+			slot, ok := l.Groups[g]
+			if !ok {
+				if slot = lowestIdle(l.Ledger, slots); slot < 0 {
+					l.Conflicts[key] = fmt.Sprintf("no idle GPU for GPU group %s", g)
+					l.DropEmpty(t.Groups, reserved)
+					return
+				}
+				l.Groups[g] = slot
+			}
+			if l.Ledger.Devices[slot].Whole() == Placeholder(g) {
+				_ = l.Ledger.Release(Placeholder(g))
+			}
+			slots = append(slots, slot)
+		}
+	}
+	if err := book(l.Ledger, t.Request, slots); err != nil {
+		l.Conflicts[key] = err.Error()
+		l.DropEmpty(t.Groups, reserved)
+	}
+}
+
+// lowestIdle is the lowest idle slot not among taken, or -1.
+func lowestIdle(n *gpu.Node, taken []int) int {
+	for i, d := range n.Devices {
+		if d.Idle() && !slices.Contains(taken, i) {
+			return i
+		}
+	}
+	return -1
+}
+
+// DropEmpty forgets the slots of groups that hold nothing: no share, and
+// no reservation pod (whose slot it holds again).
+func (l *Layout) DropEmpty(groups []string, reserved func(group string) bool) {
+	for _, g := range groups {
+		slot, ok := l.Groups[g]
+		if !ok {
+			continue
+		}
+		if l.Ledger.Devices[slot].Idle() {
+			if reserved(g) {
+				l.Hold(g)
+				continue
+			}
+			delete(l.Groups, g)
+		}
+	}
+}
+
+// Hold keeps the slot of a reservation pod whose group has no tenants.
+func (l *Layout) Hold(g string) {
+	if l.Ledger == nil {
+		return
+	}
+	slot, ok := l.Groups[g]
+	if ok && !l.Ledger.Devices[slot].Idle() {
+		return // tenants, or already held
+	}
+	if !ok {
+		if slot = lowestIdle(l.Ledger, nil); slot < 0 {
+			l.Conflicts[Placeholder(g)] = fmt.Sprintf("no idle GPU for reservation pod of GPU group %s", g)
+			return
+		}
+		l.Groups[g] = slot
+	}
+	if err := l.Ledger.Assign(gpu.Request{Tenant: Placeholder(g), Whole: 1}, []int{slot}); err != nil {
+		l.Conflicts[Placeholder(g)] = err.Error()
+	}
+}
+
+// Release returns a tenant's slots; its groups' slots are dropped unless
+// reserved.
+func (l *Layout) Release(t Tenant, reserved func(group string) bool) {
+	if _, conflict := l.Conflicts[t.Request.Tenant]; conflict {
+		delete(l.Conflicts, t.Request.Tenant)
+		return
+	}
+	if l.Ledger != nil {
+		_ = l.Ledger.Release(t.Request.Tenant)
+		l.DropEmpty(t.Groups, reserved)
+	}
+}
+
+// Fill books tenants and holds the reservation groups on a fresh layout,
+// in the one order every reader uses: shares first (so whole-GPU pods take
+// the slots left over), then whole GPUs, then the reservation pods whose
+// groups have no tenant. place books with Place or, when false, Record.
+func (l *Layout) Fill(tenants []Tenant, reservations []string, place bool) {
+	reserved := func(g string) bool { return slices.Contains(reservations, g) }
+	sorted := slices.SortedFunc(slices.Values(tenants), func(a, b Tenant) int {
+		return cmp.Or(cmp.Compare(a.Request.Whole, b.Request.Whole), cmp.Compare(a.Request.Tenant, b.Request.Tenant))
+	})
+	for _, t := range sorted {
+		if place {
+			l.Place(t, reserved)
+		} else {
+			l.Record(t)
+		}
+	}
+	for _, g := range slices.Sorted(slices.Values(reservations)) {
+		l.Hold(g)
+	}
+}
+
+// Options say how to read a cluster.
+type Options struct {
+	// ReservationNamespace holds the reservation pods.
+	ReservationNamespace string
+	// Reserve is the per-GPU memory the scheduler keeps back, by model;
+	// nil keeps none.
+	Reserve func(model string) int64
+}
+
+// Reservation is a reservation pod.
+type Reservation struct {
+	Pod     string // namespace/name
+	Group   string
+	UUID    string // the physical GPU, once the node agent has written it
+	Created time.Time
+}
+
+// Node is one node's GPUs as the cluster reports them.
+type Node struct {
+	Name      string
+	Inventory api.Inventory
+	Ready     bool
+	// ReserveMiB is kept back on each GPU.
+	ReserveMiB int64
+	Layout
+	// Tenants are the pods holding GPUs here, by ledger tenant (pod UID).
+	Tenants map[string]Tenant
+	// Reservations are the reservation pods here, by GPU group.
+	Reservations map[string]Reservation
+	// WholeGPUs counts the GPUs pods and reservation pods ask the device
+	// plugin for.
+	WholeGPUs int
+}
+
+// UUID is the physical GPU on a slot, when a decision or a reservation
+// pod names it; "" otherwise.
+func (n *Node) UUID(slot int) string {
+	for g, s := range n.Groups {
+		if s != slot {
+			continue
+		}
+		if r, ok := n.Reservations[g]; ok && r.UUID != "" {
+			return r.UUID
+		}
+		for _, t := range n.Tenants {
+			if i := slices.Index(t.Groups, g); i >= 0 && i < len(t.UUIDs) {
+				return t.UUIDs[i]
+			}
+		}
+	}
+	return ""
+}
+
+// Problem is a bound pod whose GPUs cannot be read: it asks for a
+// fraction and carries no readable decision.
+type Problem struct {
+	Pod  string // namespace/name
+	Node string
+	// NoDecision is set when no scheduler has written devices at all.
+	NoDecision bool
+	Err        error
+}
+
+// Cluster is every node with GPUs, its ledger recorded from the pods.
+type Cluster struct {
+	Nodes    map[string]*Node
+	Problems []Problem
+}
+
+// Build records every live bound pod and reservation pod on its node's
+// ledger, as the API reports them (gpu.Node.Record): the view of what
+// runs, with nothing dropped for breaking an invariant. Nodes without
+// GPUs are left out, and so are pods on nodes the list does not hold.
+func Build(nodes []corev1.Node, pods []corev1.Pod, o Options) Cluster {
+	c := Cluster{Nodes: map[string]*Node{}}
+	for i := range nodes {
+		inv, ready, _ := api.InventoryOf(&nodes[i])
+		if inv.Count <= 0 {
+			continue
+		}
+		reserve := int64(0)
+		if o.Reserve != nil {
+			reserve = o.Reserve(inv.Model)
+		}
+		c.Nodes[nodes[i].Name] = &Node{Name: nodes[i].Name, Inventory: inv, Ready: ready, ReserveMiB: reserve,
+			Layout: NewLayout(nodes[i].Name, inv, reserve), Tenants: map[string]Tenant{}, Reservations: map[string]Reservation{}}
+	}
+	live := func(p *corev1.Pod) *Node {
+		if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+			return nil
+		}
+		return c.Nodes[p.Spec.NodeName]
+	}
+	for i := range pods {
+		p := &pods[i]
+		if n := live(p); n != nil && p.Namespace == o.ReservationNamespace {
+			n.WholeGPUs += api.WholeGPUs(&p.Spec)
+			if g := p.Labels[api.GPUGroupLabel]; g != "" {
+				n.Reservations[g] = Reservation{Pod: p.Namespace + "/" + p.Name, Group: g, UUID: p.Annotations[api.ReservedGPUAnnotation], Created: p.CreationTimestamp.Time}
+			}
+		}
+	}
+	for i := range pods {
+		p := &pods[i]
+		n := live(p)
+		if n == nil || p.Namespace == o.ReservationNamespace {
+			continue
+		}
+		n.WholeGPUs += api.WholeGPUs(&p.Spec)
+		t, held, err := TenantOf(p, n.groupOf, n.Inventory.MemoryMiB-n.ReserveMiB)
+		switch {
+		case err != nil:
+			c.Problems = append(c.Problems, Problem{Pod: p.Namespace + "/" + p.Name, Node: n.Name,
+				NoDecision: !api.HasContainerKey(p.Annotations, api.SuffixDevices), Err: err})
+		case held:
+			n.Tenants[t.Request.Tenant] = t
+		}
+	}
+	for _, n := range c.Nodes {
+		n.Fill(slices.Collect(maps.Values(n.Tenants)), slices.Collect(maps.Keys(n.Reservations)), false)
+	}
+	slices.SortFunc(c.Problems, func(a, b Problem) int { return cmp.Compare(a.Pod, b.Pod) })
+	return c
+}
+
+// groupOf is the group of the reservation pod holding a GPU, or the
+// GPU's own group when none does.
+func (n *Node) groupOf(uuid string) string {
+	for g, r := range n.Reservations {
+		if r.UUID == uuid {
+			return g
+		}
+	}
+	return UUIDGroup(uuid)
+}

@@ -1,0 +1,152 @@
+package ledgers
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/gpu"
+)
+
+const ns = "gpufrac-reservations"
+
+func node(name string, gpus int) corev1.Node {
+	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
+		api.LabelGPUMemory: "81920", api.LabelGPUProduct: "H100", api.LabelGPUCount: fmt.Sprint(gpus)}}}
+	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(int64(gpus), resource.DecimalSI)}
+	n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue}}
+	return n
+}
+
+func pod(name, node string, annotations map[string]string) corev1.Pod {
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", UID: types.UID("uid-" + name), Annotations: annotations}}
+	p.Spec.NodeName = node
+	p.Spec.Containers = []corev1.Container{{Name: "main"}}
+	return p
+}
+
+func reservation(node, group, uuid string) corev1.Pod {
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "r-" + group, Namespace: ns, UID: types.UID("uid-r-" + group),
+		Labels: map[string]string{api.GPUGroupLabel: group}, Annotations: map[string]string{}}}
+	if uuid != "" {
+		p.Annotations[api.ReservedGPUAnnotation] = uuid
+	}
+	p.Spec.NodeName = node
+	p.Spec.Containers = []corev1.Container{{Name: "r", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}}}}
+	return p
+}
+
+func decision(mib int64, mode api.ComputeMode, portion, devices, groups string) map[string]string {
+	a := map[string]string{
+		api.ContainerKey("main", api.SuffixDevices):       devices,
+		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
+		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
+	}
+	if portion != "" {
+		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+	}
+	if groups != "" {
+		a[api.GPUGroupsAnnotation] = groups
+	}
+	return a
+}
+
+// Build reads gpufrac's pods by their groups, KAI's by their GPUs joined
+// with the reservation pods, and books them all on the node's ledger.
+func TestBuildReadsBothSchedulersPods(t *testing.T) {
+	c := Build([]corev1.Node{node("n1", 4), {ObjectMeta: metav1.ObjectMeta{Name: "cpu"}}}, []corev1.Pod{
+		reservation("n1", "ga", "GPU-aa"),
+		pod("ours", "n1", decision(40960, api.TimeSlicing, "", "GPU-aa", "ga")),
+		// KAI's binder: CDI names, no groups of ours, sm-sharing without a portion.
+		pod("kai", "n1", decision(20480, api.SMSharing, "", "k8s.device-plugin.nvidia.com/gpu=GPU-bb", "")),
+		reservation("n1", "gb", "GPU-bb"),
+		pod("bare", "n1", map[string]string{api.KeyFraction: "0.5"}),
+		pod("broken", "n1", decision(1, api.TimeSlicing, "", "0", "")),
+		pod("elsewhere", "n9", decision(1, api.TimeSlicing, "", "GPU-cc", "")),
+	}, Options{ReservationNamespace: ns, Reserve: func(string) int64 { return 1024 }})
+	if len(c.Nodes) != 1 {
+		t.Fatalf("nodes %v: want only n1", c.Nodes)
+	}
+	n := c.Nodes["n1"]
+	if len(n.Tenants) != 2 || n.WholeGPUs != 2 || len(n.Conflicts) != 0 {
+		t.Fatalf("tenants %v, whole %d, conflicts %v", n.Tenants, n.WholeGPUs, n.Conflicts)
+	}
+	if g := n.Tenants["uid-kai"].Groups; len(g) != 1 || g[0] != "gb" {
+		t.Errorf("KAI's pod is in groups %v, want the reservation pod's gb", g)
+	}
+	// No portion written: charged what the node derives, 20480 / 80896.
+	if p := n.Tenants["uid-kai"].Request.Share.Portion; p != 253 {
+		t.Errorf("KAI's sm-sharing pod is charged %d/1000 compute, want 253", p)
+	}
+	for uuid, want := range map[string]int64{"GPU-aa": 80896 - 40960, "GPU-bb": 80896 - 20480} {
+		slot := n.Groups[n.groupOf(uuid)]
+		if d := n.Ledger.Devices[slot]; d.Free() != want || n.UUID(slot) != uuid {
+			t.Errorf("%s: slot %d (%s) free %d, want %d", uuid, slot, n.UUID(slot), d.Free(), want)
+		}
+	}
+	if len(c.Problems) != 2 || c.Problems[0].Pod != "team/bare" || !c.Problems[0].NoDecision || c.Problems[1].NoDecision {
+		t.Errorf("problems %+v", c.Problems)
+	}
+	if err := n.Ledger.Check(); err != nil {
+		t.Error(err)
+	}
+}
+
+// Record keeps what breaks an invariant, so that Violations can say so;
+// Place (the scheduler's) refuses it as a conflict.
+func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
+	pods := []corev1.Pod{
+		reservation("n1", "ga", "GPU-aa"),
+		pod("big1", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga")),
+		pod("big2", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "ga")),
+	}
+	c := Build([]corev1.Node{node("n1", 1)}, pods, Options{ReservationNamespace: ns})
+	n := c.Nodes["n1"]
+	if v := n.Ledger.Violations(); len(v) != 1 || v[0].Kind != gpu.OverCommitted || len(n.Conflicts) != 0 {
+		t.Errorf("recorded: violations %v, conflicts %v", v, n.Conflicts)
+	}
+
+	placed := NewLayout("n1", n.Inventory, 0)
+	tenants := []Tenant{n.Tenants["uid-big1"], n.Tenants["uid-big2"]}
+	placed.Fill(tenants, []string{"ga"}, true)
+	if v := placed.Ledger.Violations(); len(v) != 0 || len(placed.Conflicts) != 1 || placed.Conflicts["uid-big2"] == "" {
+		t.Errorf("placed: violations %v, conflicts %v", v, placed.Conflicts)
+	}
+	if err := placed.Ledger.Check(); err != nil {
+		t.Error(err)
+	}
+	// Releasing the tenant that fits leaves the reservation pod's slot held.
+	placed.Release(tenants[0], func(g string) bool { return g == "ga" })
+	if d := placed.Ledger.Devices[placed.Groups["ga"]]; d.Whole() != Placeholder("ga") || !IsPlaceholder(d.Whole()) {
+		t.Errorf("after release the GPU is held by %q, want the reservation placeholder", d.Whole())
+	}
+}
+
+func TestTenantOf(t *testing.T) {
+	whole := pod("w", "n1", nil)
+	whole.Spec.InitContainers = []corev1.Container{{Name: "i", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("2")}}}}
+	if tn, held, err := TenantOf(&whole, UUIDGroup, 80000); err != nil || !held || tn.Request.Whole != 2 {
+		t.Errorf("whole: %+v %v %v", tn, held, err)
+	}
+	plain := pod("p", "n1", map[string]string{"app": "web"})
+	if _, held, err := TenantOf(&plain, UUIDGroup, 80000); held || err != nil {
+		t.Errorf("ordinary pod: held %v, %v", held, err)
+	}
+	bad := pod("b", "n1", decision(1024, "mps", "", "GPU-aa", ""))
+	var list api.ErrorList
+	if _, held, err := TenantOf(&bad, UUIDGroup, 80000); held || !errors.As(err, &list) {
+		t.Errorf("bad mode: held %v, %v", held, err)
+	}
+	sm := pod("s", "n1", decision(1024, api.SMSharing, "0.25", "GPU-AA", ""))
+	sm.UID = ""
+	tn, held, err := TenantOf(&sm, UUIDGroup, 80000)
+	if err != nil || !held || tn.Request.Tenant != "team/s" || tn.Groups[0] != "uuid-gpu-aa" || tn.Request.Share.Portion != 250 {
+		t.Errorf("sm-sharing without UID: %+v %v %v", tn, held, err)
+	}
+}
