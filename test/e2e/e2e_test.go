@@ -4,7 +4,9 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -17,12 +19,20 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"sigs.k8s.io/yaml"
 
+	"github.com/gpufrac/gpufrac/internal/cli"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/admission"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -270,6 +280,10 @@ func TestEndToEnd(t *testing.T) {
 		checkAudit(t, c)
 	})
 
+	t.Run("a pod as KAI Scheduler's binder leaves it is run by our node side", func(t *testing.T) {
+		kaiPod(t, c)
+	})
+
 	t.Run("down leaves no process", func(t *testing.T) {
 		raw, err := os.ReadFile(filepath.Join(dir, "up.pid"))
 		if err != nil {
@@ -294,5 +308,142 @@ func pod(name string, annotations map[string]string) *corev1.Pod {
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: annotations},
 		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
+	}
+}
+
+// kaiPod places a pod as KAI Scheduler does — KAI's admission keys, the
+// fraction on an init container, sm-sharing; then, as KAI's binder, CDI
+// device names and the resolved request but no compute portion, and the
+// binding — and checks that our side takes it: the webhook admits it and
+// keeps the binder-owned keys to the binder, the node agent's decision
+// (gpufrac explain runs the very function its NRI plugin does) runs both
+// containers, and gpufrac audit and top read it through the same ledgers
+// as the scheduler. KWOK's fake kubelets start no containers, so the NRI
+// round trip itself is TestKAIShapedPodRunsOverNRI's.
+func kaiPod(t *testing.T, c *localcluster.Cluster) {
+	ctx := context.Background()
+	const ns, name, node = "kai", "kai-sm", "gpu-node-7"
+	const uuid = "GPU-0e2e0000-0000-4000-8000-000000000001" // a GPU of KAI's reservation pod, in KAI's namespace
+	if _, err := c.Admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{
+			api.KeyFraction: "0.25", api.KeyContainerName: "setup",
+			api.ContainerKey("setup", api.SuffixComputeMode): string(api.SMSharing),
+		}},
+		Spec: corev1.PodSpec{SchedulerName: "kai-scheduler",
+			InitContainers: []corev1.Container{{Name: "setup", Image: "cuda"}},
+			Containers:     []corev1.Container{{Name: "main", Image: "cuda"}}},
+	}
+	created, err := c.Admin.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("our webhook refused a pod KAI admits: %v", err)
+	}
+	if created.Spec.SchedulerName != "kai-scheduler" {
+		t.Errorf("the webhook changed the pod's scheduler to %q", created.Spec.SchedulerName)
+	}
+
+	binder := map[string]string{
+		api.ContainerKey("setup", api.SuffixDevices):       api.CDIKindNVIDIAGPU + "=" + uuid,
+		api.ContainerKey("setup", api.SuffixMemoryRequest): "20Gi", // 81920Mi × 0.25, as Quantity.String()
+		"received-resource-type":                           "Fraction",
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": binder}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Admin.CoreV1().Pods(ns).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err == nil ||
+		!strings.Contains(err.Error(), "can be set, changed or removed only by the scheduler") {
+		t.Fatalf("a user wrote the binder's keys: %v", err)
+	}
+	// KAI's binder is an identity the webhook trusts with those keys, as
+	// gpufrac's scheduler is; this stands in for it.
+	cfg, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: admission.DefaultSchedulerUser}
+	asBinder, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := asBinder.CoreV1().Pods(ns).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("the binder's annotations: %v", err)
+	}
+	binding := &corev1.Binding{ObjectMeta: metav1.ObjectMeta{Name: name}, Target: corev1.ObjectReference{Kind: "Node", Name: node}}
+	if err := asBinder.CoreV1().Pods(ns).Bind(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("binding: %v", err)
+	}
+	running(t, c, ns)
+
+	placed, err := c.Admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	placed.APIVersion, placed.Kind = "v1", "Pod"
+	manifest, err := yaml.Marshal(placed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The local cluster's node agents: go-nvml's dgxh100 mock, auto
+	// backend, no hook binary, the default MPS pipe directory.
+	explain := cli.NewRootCommand()
+	var out bytes.Buffer
+	explain.SetIn(bytes.NewReader(manifest))
+	explain.SetOut(&out)
+	explain.SetErr(&out)
+	explain.SetArgs([]string{"explain", "--simulate-gpus", "dgxh100", "--memory-limits", "auto", "--hook-path", "", "-"})
+	if err := explain.Execute(); err != nil {
+		t.Fatalf("gpufrac explain: %v\n%s", err, out.String())
+	}
+	remaining := out.String()
+	for _, want := range []string{
+		"kai/kai-sm init container setup: RUN",
+		"share: sm-sharing on " + uuid + ", request 20480Mi, limit 20480Mi, compute portion 0.25",
+		"env set: NVIDIA_VISIBLE_DEVICES=" + api.CDIKindNVIDIAGPU + "=" + uuid,
+		"env set: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+		"mps: namespace " + string(placed.UID) + "_setup",
+		"derived 0.25 from the memory share",
+		"kai/kai-sm container main: RUN",
+		"env set: NVIDIA_VISIBLE_DEVICES=void",
+	} {
+		i := strings.Index(remaining, want)
+		if i < 0 {
+			t.Fatalf("the node side's decision lacks %q (in order):\n%s", want, out.String())
+		}
+		remaining = remaining[i+len(want):]
+	}
+
+	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pods, err := c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// KAI's reservation pod lives in KAI's namespace, which gpufrac does
+	// not read: that, and only that, is what the audit says of the pod.
+	v := audit.Check(nodes.Items, pods.Items, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()})
+	if len(v) != 1 || v[0].Kind != audit.NoReservation || v[0].Object != ns+"/"+name {
+		t.Errorf("audit: %v, want only %s for %s/%s", v, audit.NoReservation, ns, name)
+	}
+	view := clusterview.Build(nodes.Items, pods.Items, scheduler.DefaultReservationNamespace, nil)
+	found := false
+	for _, n := range view.Nodes {
+		for _, g := range n.Shared {
+			for _, tn := range g.Tenants {
+				if n.Name == node && g.UUID == uuid && g.Mode == api.SMSharing && tn.Pod == ns+"/"+name && tn.RequestMiB == 20480 {
+					found = true
+				}
+			}
+		}
+	}
+	if !found {
+		t.Errorf("gpufrac top does not show %s/%s on %s %s: %+v", ns, name, node, uuid, view.Nodes)
+	}
+	if err := c.Admin.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
 	}
 }

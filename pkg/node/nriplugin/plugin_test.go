@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -600,5 +601,67 @@ func TestUnverifiedLimitsFailingOpenAreReportedNotEvicted(t *testing.T) {
 	}
 	if got := rec.get(&rec.unenforced); len(got) != 1 || !strings.HasPrefix(got[0], "unverified/main: GPU memory limits not in force") {
 		t.Errorf("unenforced reports = %v", got)
+	}
+}
+
+// A pod exactly as KAI Scheduler's binder leaves it — bare KAI keys, CDI
+// device names, sm-sharing without a portion, the fraction on an init
+// container — runs through the NRI protocol: the init container gets its
+// share, with a portion derived from its memory share in its own MPS
+// namespace and the Event saying so; the app container gets no GPU.
+func TestKAIShapedPodRunsOverNRI(t *testing.T) {
+	mpstest.Use(t)
+	root := t.TempDir()
+	sup := mps.New(os.Args[0], root)
+	rt := startRuntime(t, nil, nil)
+	c := cfg
+	c.Backend, c.MPSPipeDir, c.GPUMemoryMiB = injection.BackendToolkit, root, 81920
+	rec := &recorder{}
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
+	p.EnableMPS(sup)
+	connect(t, p, rt)
+	ctx := context.Background()
+
+	pod := sandbox("pk", "kai", map[string]string{
+		"gpu-fraction": "0.25", "gpu-fraction-container-name": "setup", "received-resource-type": "Fraction",
+		"nvidia.com/container.setup.gpu-compute.mode":   "sm-sharing",
+		"nvidia.com/container.setup.gpus.devices":       "k8s.device-plugin.nvidia.com/gpu=GPU-5d8f3b2a-1c4e-4f6a-9b7d-2e1f0a3c5b6d",
+		"nvidia.com/container.setup.gpu-memory.request": "20Gi",
+	})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	initCtr := container("ck-init", "pk", "setup", "NVIDIA_VISIBLE_DEVICES=all")
+	resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: initCtr})
+	if err != nil {
+		t.Fatalf("init container refused: %v", err)
+	}
+	env := injection.ApplyEnv(initCtr.Env, resp.GetAdjust())
+	for k, want := range map[string]string{
+		"NVIDIA_VISIBLE_DEVICES":            "k8s.device-plugin.nvidia.com/gpu=GPU-5d8f3b2a-1c4e-4f6a-9b7d-2e1f0a3c5b6d",
+		"NVIDIA_GPU_MEMORY_REQUEST":         "20480",
+		"NVIDIA_GPU_MEMORY_LIMIT":           "20480",
+		"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+	} {
+		if env[k] != want {
+			t.Errorf("%s = %q, want %q", k, env[k], want)
+		}
+	}
+	key := mps.Key(pod.GetUid(), "setup")
+	if got, _ := os.ReadFile(filepath.Join(mps.PipeDir(root, key), "threads")); string(got) != "25" {
+		t.Errorf("namespace ceiling = %q, want 25", got)
+	}
+	if got := rec.get(&rec.enforced); !slices.ContainsFunc(got, func(e string) bool {
+		return strings.HasPrefix(e, "kai/setup: ") && strings.Contains(e, "derived 0.25 from the memory share")
+	}) {
+		t.Errorf("Events: %v, want kai/setup's saying the portion was derived", got)
+	}
+	app := container("ck-app", "pk", "main", "NVIDIA_VISIBLE_DEVICES=all")
+	resp, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: app})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if env := injection.ApplyEnv(app.Env, resp.GetAdjust()); env["NVIDIA_VISIBLE_DEVICES"] != "void" {
+		t.Errorf("the app container sees GPUs: %v", env)
 	}
 }
