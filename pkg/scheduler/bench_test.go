@@ -15,8 +15,9 @@ func BenchmarkFilterScore(b *testing.B) {
 	c.SetNode(node("n1", 8, 81920, true))
 	for i := range 4 {
 		g := fmt.Sprintf("g%d", i)
-		c.SetPod(reservationPod("n1", g, "GPU-"+g))
-		c.SetPod(placedPod("p"+g, "n1", int64(10000*(i+1)), api.TimeSlicing, "", []string{g}, []string{"GPU-" + g}))
+		uuid := fmt.Sprintf("GPU-%04x", i)
+		c.SetPod(reservationPod("n1", g, uuid))
+		c.SetPod(placedPod("p"+g, "n1", int64(10000*(i+1)), api.TimeSlicing, "", []string{g}, []string{uuid}))
 	}
 	share := ask("new", 24576, api.TimeSlicing, 1)
 	b.Run("whole/filter", func(b *testing.B) {

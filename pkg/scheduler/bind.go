@@ -43,6 +43,14 @@ func (p *Plugin) reserveGPUs(ctx context.Context, d Decision) ([]string, error) 
 				waitingFor = ReservationName(d.Node, g)
 				return false, nil
 			}
+			// What the node side would refuse is never written as a decision.
+			if _, kind, bad := api.ParseDeviceList(uuid); bad != "" || kind != "" {
+				if bad == "" {
+					bad = "a CDI name, where the node agent writes the bare UUID"
+				}
+				return false, fmt.Errorf("reservation pod %s/%s reports GPU %q (annotation %s), which is not a GPU UUID: %s",
+					p.args.ReservationNamespace, ReservationName(d.Node, g), uuid, api.ReservedGPUAnnotation, bad)
+			}
 			uuids[i] = uuid
 		}
 		return true, nil

@@ -209,8 +209,8 @@ func TestValidPodAdmittedAndNormalised(t *testing.T) {
 		"gpu-memory":                                   "4096",
 		"gpu-memory.limit":                             "6Gi",
 		"kai.scheduler/gpu-compute-sharing-mode":       "sm-sharing",
-		"nvidia.com/container.main.gpu-memory.request": "4096Mi",
-		"nvidia.com/container.main.gpu-memory.limit":   "6144Mi",
+		"nvidia.com/container.main.gpu-memory.request": "4Gi", // as KAI's admission writes it
+		"nvidia.com/container.main.gpu-memory.limit":   "6Gi",
 		"nvidia.com/container.main.gpu-compute.mode":   "sm-sharing",
 	}
 	for k, v := range want {

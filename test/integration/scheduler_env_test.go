@@ -183,7 +183,7 @@ func runDevicePlugin(ctx context.Context, client kubernetes.Interface) {
 			}
 			var uuid string
 			for i := 0; ; i++ {
-				if uuid = fmt.Sprintf("GPU-%s-%d", p.Spec.NodeName, i); !held[uuid] {
+				if uuid = fmt.Sprintf("GPU-%x-%d", p.Spec.NodeName, i); !held[uuid] {
 					break
 				}
 			}

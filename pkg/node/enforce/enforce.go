@@ -21,6 +21,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	rspec "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 )
 
@@ -42,7 +43,13 @@ func LimitsFromEnv(getenv func(string) string) (Limits, error) {
 	if devices == "" {
 		return Limits{}, fmt.Errorf("%s is empty: the hook was not configured by the gpufrac NRI plugin", injection.EnvHookDevices)
 	}
-	l.Devices = strings.Split(devices, ",")
+	// The plugin passes bare UUIDs; CDI names are read too, since the
+	// device list is the scheduler's and NVML wants the UUID.
+	uuids, _, bad := api.ParseDeviceList(devices)
+	if bad != "" {
+		return Limits{}, fmt.Errorf("%s %q: %s", injection.EnvHookDevices, devices, bad)
+	}
+	l.Devices = uuids
 	var err error
 	if l.RequestMiB, err = positive(getenv, injection.EnvHookRequestMiB); err != nil {
 		return Limits{}, err

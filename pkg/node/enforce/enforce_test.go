@@ -80,11 +80,18 @@ func TestLimitsFromEnv(t *testing.T) {
 	if err != nil || l.Container != "main" || len(l.Devices) != 2 || l.RequestMiB != 1024 || l.LimitMiB != 2048 {
 		t.Errorf("LimitsFromEnv = %+v, %v", l, err)
 	}
+	cdi, err := LimitsFromEnv(env(map[string]string{"GPUFRAC_DEVICES": "k8s.device-plugin.nvidia.com/gpu=GPU-a",
+		"GPUFRAC_MEMORY_REQUEST_MIB": "1", "GPUFRAC_MEMORY_LIMIT_MIB": "1"}))
+	if err != nil || len(cdi.Devices) != 1 || cdi.Devices[0] != "GPU-a" {
+		t.Errorf("CDI name: %+v, %v (NVML wants the bare UUID)", cdi, err)
+	}
 	for _, bad := range []map[string]string{
 		{},
 		{"GPUFRAC_DEVICES": "GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB": "x", "GPUFRAC_MEMORY_LIMIT_MIB": "1"},
 		{"GPUFRAC_DEVICES": "GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB": "2", "GPUFRAC_MEMORY_LIMIT_MIB": "1"},
 		{"GPUFRAC_DEVICES": "GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB": "0", "GPUFRAC_MEMORY_LIMIT_MIB": "1"},
+		{"GPUFRAC_DEVICES": "0,1", "GPUFRAC_MEMORY_REQUEST_MIB": "1", "GPUFRAC_MEMORY_LIMIT_MIB": "1"},
+		{"GPUFRAC_DEVICES": "GPU-a,GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB": "1", "GPUFRAC_MEMORY_LIMIT_MIB": "1"},
 	} {
 		if _, err := LimitsFromEnv(env(bad)); err == nil {
 			t.Errorf("accepted %v", bad)
