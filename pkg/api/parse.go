@@ -46,7 +46,7 @@ func ParseTemplate(annotations map[string]string, spec *corev1.PodSpec) ([]Reque
 // warning never stands in for an error: when err is not nil the pod is
 // refused, whatever the warnings.
 func Check(annotations map[string]string, spec *corev1.PodSpec) (reqs []Request, warnings []string, err error) {
-	p := parser{annotations: annotations, spec: spec, canonical: map[string]map[string]string{}, portionLimits: map[string]string{}}
+	p := parser{annotations: annotations, spec: spec, canonical: map[string]map[string]string{}}
 	req := p.parse()
 	for _, w := range p.warnings {
 		warnings = append(warnings, w.Error())
@@ -128,6 +128,9 @@ func (p *parser) collectKeys() {
 			case c == "":
 				p.fail("", key, value, "names no container: the key is %s", PortionLimitKey("<container>"))
 			default:
+				if p.portionLimits == nil {
+					p.portionLimits = map[string]string{}
+				}
 				p.portionLimits[c] = value
 			}
 			continue
@@ -201,7 +204,7 @@ func (p *parser) target() (string, bool) {
 			key := firstKey(p.shorthands)
 			value := p.shorthands[key]
 			if key == "" {
-				c := slices.Sorted(maps.Keys(p.portionLimits))[0]
+				c := sortedKeys(p.portionLimits)[0]
 				key, value = PortionLimitKey(c), p.portionLimits[c]
 			}
 			p.fail("", key, value, "applies to the first container, but the pod has none")
@@ -211,7 +214,7 @@ func (p *parser) target() (string, bool) {
 		if len(p.shorthands) > 0 && !slices.Contains(named, shorthandTarget) {
 			named = append(named, shorthandTarget)
 		}
-		for _, c := range slices.Sorted(maps.Keys(p.portionLimits)) {
+		for _, c := range sortedKeys(p.portionLimits) {
 			if c != shorthandTarget {
 				p.fail(c, PortionLimitKey(c), p.portionLimits[c], "must name the container %s applies to (%q: %s, or the first container)",
 					KeyFraction, shorthandTarget, KeyContainerName)
@@ -603,6 +606,14 @@ func firstSuffix(values map[string]string) string {
 		}
 	}
 	return ""
+}
+
+// sortedKeys is m's keys in order; nil, without allocating, for an empty m.
+func sortedKeys(m map[string]string) []string {
+	if len(m) == 0 {
+		return nil
+	}
+	return slices.Sorted(maps.Keys(m))
 }
 
 func firstKey(m map[string]string) string {

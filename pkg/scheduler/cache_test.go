@@ -188,6 +188,25 @@ func TestCacheAndLedgersBuildAgree(t *testing.T) {
 	}
 }
 
+// KAI's portion limit (what its admission writes from gpu-fraction.limit)
+// is resolved on the chosen GPU into the limit the scheduler writes.
+func TestKAIPortionLimitResolvesIntoTheLimit(t *testing.T) {
+	reqs, err := api.Parse(pod("p", "", map[string]string{api.KeyFraction: "0.25", api.PortionLimitKey("main"): "0.5"}))
+	if err != nil || len(reqs) != 1 {
+		t.Fatalf("Parse: %v, %v", reqs, err)
+	}
+	args := testArgs()
+	args.GPUMemoryReserveMiB = 1024
+	share, resolved, err := shareOn(reqs[0], &nodeState{inv: api.Inventory{Count: 1, MemoryMiB: 81920, Model: "H100"}}, args)
+	if err != nil || resolved.RequestMiB != 20224 || resolved.LimitMiB != 40448 || share.Request != 20224 || share.Limit != 40448 {
+		t.Errorf("resolved %+v, share %+v, %v: want request 20224Mi and limit 40448Mi of 80896Mi schedulable", resolved, share, err)
+	}
+	d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: api.TimeSlicing}
+	if got := decisionPatch(d, []string{"GPU-1"}, "")[api.ContainerKey("main", api.SuffixMemoryLimit)]; got != "40448Mi" {
+		t.Errorf("written limit %v, want 40448Mi", got)
+	}
+}
+
 // A fractional pod bound without a decision (by hand, or by a scheduler
 // that crashed) is charged where it fits, so the node is never
 // over-committed meanwhile.
