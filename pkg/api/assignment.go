@@ -110,20 +110,31 @@ func ParseAssignments(annotations map[string]string) ([]Assignment, error) {
 		}
 		perContainer[c][suffix] = strings.TrimSpace(value)
 	}
-	if shorthand, asks := shorthandKey(annotations); asks {
+	// The containers with a decision, or asking for one: a mode or a
+	// portion alone asks for nothing, as KAI's node operator reads it
+	// (KAI's own reservation pods carry .gpu-compute.mode and a whole GPU).
+	var names []string
+	for c, values := range perContainer {
+		_, devices := values[SuffixDevices]
+		_, req := values[SuffixMemoryRequest]
+		_, limit := values[SuffixMemoryLimit]
+		if devices || req || limit {
+			names = append(names, c)
+		}
+	}
+	if shorthand, asks := memoryShorthand(annotations); asks {
 		target, named := annotations[KeyContainerName]
 		switch {
-		case named && perContainer[target] == nil:
-			perContainer[target] = map[string]string{}
-		case !named && len(perContainer) == 0:
+		case named && !slices.Contains(names, target):
+			names = append(names, target)
+			if perContainer[target] == nil {
+				perContainer[target] = map[string]string{}
+			}
+		case !named && len(names) == 0:
 			// Which container the shorthand targets (the first) only the
 			// pod's spec says; that none has a decision is enough to refuse.
 			fail("", shorthand, annotations[shorthand], "asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no %s)", ContainerKey("<container>", SuffixDevices))
 		}
-	}
-	names := make([]string, 0, len(perContainer))
-	for c := range perContainer {
-		names = append(names, c)
 	}
 	slices.Sort(names)
 
@@ -210,14 +221,34 @@ func parsePortion(v string) (Fraction, bool) {
 	return f, err == nil && !f.IsZero()
 }
 
-// shorthandKey is the first pod-level shorthand the pod carries, if any.
-func shorthandKey(annotations map[string]string) (string, bool) {
-	for _, k := range shorthandKeys {
+// memoryShorthand is the first pod-level shorthand the pod carries that
+// asks for memory, if any: a container name, a device count or a compute
+// mode alone asks for no GPU share (KAI ignores them then).
+func memoryShorthand(annotations map[string]string) (string, bool) {
+	for _, k := range []string{KeyFraction, KeyMemory, KeyFractionLimit, KeyMemoryLimit} {
 		if _, ok := annotations[k]; ok {
 			return k, true
 		}
 	}
 	return "", false
+}
+
+// AsksForFraction reports whether a pod's annotations ask for a GPU share
+// the node must enforce: a memory shorthand, or a container's memory or
+// devices key. A compute mode or a container name alone asks for none. A
+// malformed key under ContainerKeyPrefix, which no scheduler writes,
+// counts as asking, so that the node refuses the pod rather than guess.
+func AsksForFraction(annotations map[string]string) bool {
+	if _, ok := memoryShorthand(annotations); ok {
+		return true
+	}
+	for k := range annotations {
+		c, suffix, ok := SplitContainerKey(k)
+		if ok && (c == "" || suffix == "" || suffix == SuffixDevices || suffix == SuffixMemoryRequest || suffix == SuffixMemoryLimit) {
+			return true
+		}
+	}
+	return false
 }
 
 // ParseDeviceList reads a .gpus.devices value: distinct GPU UUIDs, bare or
@@ -300,19 +331,23 @@ func isAlnum(r rune) bool {
 
 // Intent returns the pod without the keys a scheduler writes when it
 // places it, so that a placed pod, or one whose binding failed after it
-// was annotated, is read by Parse for what its author asked. The resolved
-// memory keys go too when a shorthand asked for the memory: their values
-// came from the scheduler.
+// was annotated, is read by Parse for what its author asked. gpufrac's
+// scheduler lists the memory keys it added (ResolvedKeysAnnotation), and
+// exactly those go; for another scheduler's decision (KAI's binder), the
+// memory keys go when a shorthand asked for the memory, since their
+// values then came from the scheduler.
 func Intent(pod *corev1.Pod) *corev1.Pod {
 	if !HasContainerKey(pod.Annotations, SuffixDevices, SuffixComputePortion) && !hasGroups(pod) {
 		return pod
 	}
 	out := pod.DeepCopy()
+	resolved, listed := out.Annotations[ResolvedKeysAnnotation]
 	_, shorthand := out.Annotations[KeyFraction]
 	if _, mem := out.Annotations[KeyMemory]; mem {
 		shorthand = true
 	}
 	delete(out.Annotations, GPUGroupsAnnotation)
+	delete(out.Annotations, ResolvedKeysAnnotation)
 	for k := range out.Annotations {
 		_, suffix, ok := SplitContainerKey(k)
 		if !ok {
@@ -321,11 +356,28 @@ func Intent(pod *corev1.Pod) *corev1.Pod {
 		switch {
 		case suffix == SuffixDevices || suffix == SuffixComputePortion:
 			delete(out.Annotations, k)
-		case shorthand && (suffix == SuffixMemoryRequest || suffix == SuffixMemoryLimit):
+		case listed && slices.Contains(SplitList(resolved), suffix):
+			delete(out.Annotations, k)
+		case !listed && shorthand && (suffix == SuffixMemoryRequest || suffix == SuffixMemoryLimit):
 			delete(out.Annotations, k)
 		}
 	}
 	return out
+}
+
+// ResolvedMemoryKeys are the suffixes of the memory keys a decision adds to
+// a pod that lacks them: what a scheduler records in
+// ResolvedKeysAnnotation so that Intent can tell them from its author's.
+// previous is the annotation's value from an earlier attempt, if any.
+func ResolvedMemoryKeys(annotations map[string]string, container, previous string) string {
+	keys := SplitList(previous)
+	for _, suffix := range []string{SuffixMemoryRequest, SuffixMemoryLimit} {
+		if _, set := annotations[ContainerKey(container, suffix)]; !set && !slices.Contains(keys, suffix) {
+			keys = append(keys, suffix)
+		}
+	}
+	slices.Sort(keys)
+	return strings.Join(keys, ",")
 }
 
 // HasContainerKey says whether a per-container key with one of the

@@ -56,6 +56,11 @@ func TestParseAssignments(t *testing.T) {
 		{"a portion on a time-slicing tenant is ignored (never compute-capped)",
 			map[string]string{dev: "GPU-a", req: "1Gi", portion: "0.5"},
 			[]Assignment{{Container: "main", Devices: []string{"GPU-a"}, RequestMiB: 1024, LimitMiB: 1024, Mode: TimeSlicing}}, ""},
+		{"KAI's reservation pod: a mode and a whole GPU ask for no share",
+			map[string]string{"nvidia.com/container.resource-reservation.gpu-compute.mode": "sm-sharing", "karpenter.sh/do-not-disrupt": "true"}, nil, ""},
+		{"a chart's container name alone asks for nothing", map[string]string{KeyContainerName: "main"}, nil, ""},
+		{"a mode written by admission before the scheduler decided", map[string]string{KeyFraction: "0.5", mode: "time-slicing"}, nil,
+			`gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`},
 		{"device index", map[string]string{dev: "0", req: "1Gi"}, nil,
 			`container "main": nvidia.com/container.main.gpus.devices "0" must be a comma-separated list of distinct GPU UUIDs or CDI device names (<kind>=<UUID>): "0" is not a GPU UUID (GPU-<hex digits and dashes>, as nvidia-smi -L prints); device indices differ from node to node and are not accepted`},
 		{"MIG device", map[string]string{dev: "MIG-1234", req: "1Gi"}, nil,
@@ -93,6 +98,25 @@ func TestParseAssignments(t *testing.T) {
 				t.Errorf("(-want +got):\n%s", diff)
 			}
 		})
+	}
+}
+
+func TestAsksForFraction(t *testing.T) {
+	for ann, want := range map[string]bool{
+		"gpu-fraction": true, "gpu-memory": true, "gpu-fraction.limit": true, "gpu-memory.limit": true,
+		"nvidia.com/container.main.gpus.devices": true, "nvidia.com/container.main.gpu-memory.request": true,
+		"nvidia.com/container.main.gpu-memory.limit": true,
+		"nvidia.com/container.main":                  true, // malformed: refused rather than guessed
+		"nvidia.com/container..gpu-memory.request":   true,
+		"gpu-fraction-container-name":                false,
+		"gpu-fraction-num-devices":                   false,
+		"kai.scheduler/gpu-compute-sharing-mode":     false,
+		"nvidia.com/container.main.gpu-compute.mode": false,
+		"app": false,
+	} {
+		if got := AsksForFraction(map[string]string{ann: "x"}); got != want {
+			t.Errorf("AsksForFraction(%s) = %v, want %v", ann, got, want)
+		}
 	}
 }
 
@@ -146,5 +170,23 @@ func TestThousandths(t *testing.T) {
 		if parsed, err := ParseFraction(want); err != nil || parsed != got {
 			t.Errorf("Thousandths(%d) = %#v, ParseFraction(%q) = %#v (%v)", in, got, want, parsed, err)
 		}
+	}
+}
+
+func TestIntentRemovesExactlyTheKeysTheDecisionAdded(t *testing.T) {
+	req, limit := ContainerKey("main", SuffixMemoryRequest), ContainerKey("main", SuffixMemoryLimit)
+	author := map[string]string{KeyFraction: "0.5", req: "10Gi"}
+	added := ResolvedMemoryKeys(author, "main", "")
+	if added != SuffixMemoryLimit {
+		t.Fatalf("ResolvedMemoryKeys = %q, want only the limit", added)
+	}
+	if again := ResolvedMemoryKeys(map[string]string{KeyFraction: "0.5", req: "10240Mi", limit: "10240Mi"}, "main", added); again != added {
+		t.Errorf("a retry's record %q, want the first attempt's %q", again, added)
+	}
+	placed := newPod(map[string]string{KeyFraction: "0.5", req: "10240Mi", limit: "10240Mi", ResolvedKeysAnnotation: added,
+		ContainerKey("main", SuffixDevices): "GPU-a", GPUGroupsAnnotation: "g"}).pod
+	got := Intent(placed).Annotations
+	if _, ok := got[limit]; ok || got[req] != "10240Mi" || got[ResolvedKeysAnnotation] != "" || got[GPUGroupsAnnotation] != "" {
+		t.Errorf("Intent kept %v", got)
 	}
 }

@@ -74,6 +74,12 @@ const DefaultReservationNamespace = "gpufrac-reservations"
 // rebuilds its state from this after a restart.
 const GPUGroupsAnnotation = "gpufrac.io/gpu-groups"
 
+// ResolvedKeysAnnotation is written by gpufrac's scheduler with its
+// decision: the suffixes of the memory keys the decision added (that the
+// pod's author had not set), so that api.Intent removes exactly those, and
+// a canonical request its author set next to gpu-fraction stays theirs.
+const ResolvedKeysAnnotation = "gpufrac.io/resolved-keys"
+
 // GPUGroupLabel carries the GPU group on a reservation pod, and on a
 // fractional pod that has one device, so that kubectl can list a GPU's
 // tenants (kubectl get pods -A -l gpufrac.io/gpu-group=<group>).

@@ -200,6 +200,10 @@ func (p *parser) target() (string, bool) {
 		switch {
 		case explicit && !p.hasContainer(shorthandTarget):
 			p.fail("", KeyContainerName, shorthandTarget, "names a container that is not in the pod (%s)", p.containerNames())
+		case !explicit && len(named) == 1:
+			// KAI: the container of the canonical keys wins over the
+			// default first container.
+			shorthandTarget = named[0]
 		case !explicit && len(p.spec.Containers) == 0:
 			key := firstKey(p.shorthands)
 			value := p.shorthands[key]

@@ -82,7 +82,10 @@ func TenantOf(pod *corev1.Pod, groupOf func(uuid string) string, schedulableMiB 
 	t.UUIDs = a.Devices
 	t.Request.Devices = len(a.Devices)
 	t.Request.Share = gpu.Share{Request: a.RequestMiB, Limit: a.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}
-	if a.Mode == api.SMSharing && a.Portion.IsZero() && schedulableMiB > 0 {
+	if a.Mode == api.SMSharing && a.Portion.IsZero() {
+		if schedulableMiB <= 0 {
+			return Tenant{}, false, fmt.Errorf("pod %s is sm-sharing without a compute portion, which is derived from its node's GPU memory, not known yet", t.Pod)
+		}
 		t.Request.Share.Portion = api.PortionOfMemory(a.RequestMiB, schedulableMiB).Of(gpu.FullPortion)
 	}
 	if groups := api.SplitList(pod.Annotations[api.GPUGroupsAnnotation]); len(groups) == len(a.Devices) {
@@ -380,10 +383,43 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, o Options) Cluster {
 		}
 	}
 	for _, n := range c.Nodes {
+		n.sameGPUSameGroup()
 		n.Fill(slices.Collect(maps.Values(n.Tenants)), slices.Collect(maps.Keys(n.Reservations)), false)
 	}
 	slices.SortFunc(c.Problems, func(a, b Problem) int { return cmp.Compare(a.Pod, b.Pod) })
 	return c
+}
+
+// sameGPUSameGroup books tenants that name one physical GPU on one slot,
+// whatever groups their decisions name (edited, or stale): the cluster's
+// view is of GPUs, so that two groups on one GPU show as what they are.
+func (n *Node) sameGPUSameGroup() {
+	canonical := map[string]string{} // UUID → group
+	for _, g := range slices.Sorted(maps.Keys(n.Reservations)) {
+		if uuid := n.Reservations[g].UUID; uuid != "" && canonical[uuid] == "" {
+			canonical[uuid] = g
+		}
+	}
+	for _, key := range slices.Sorted(maps.Keys(n.Tenants)) {
+		t := n.Tenants[key]
+		changed := false
+		for i, uuid := range t.UUIDs {
+			if i >= len(t.Groups) {
+				break
+			}
+			switch g, ok := canonical[uuid]; {
+			case !ok:
+				canonical[uuid] = t.Groups[i]
+			case g != t.Groups[i]:
+				if !changed {
+					t.Groups = slices.Clone(t.Groups)
+					changed = true
+				}
+				t.Groups[i] = g
+			}
+		}
+		n.Tenants[key] = t
+	}
 }
 
 // groupOf is the group of the reservation pod holding a GPU, or the

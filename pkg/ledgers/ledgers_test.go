@@ -150,3 +150,26 @@ func TestTenantOf(t *testing.T) {
 		t.Errorf("sm-sharing without UID: %+v %v %v", tn, held, err)
 	}
 }
+
+// The cluster's view is of GPUs: two groups that name one physical GPU
+// are booked on one slot, so their sum shows.
+func TestBuildBooksOneGPUOnce(t *testing.T) {
+	c := Build([]corev1.Node{node("n1", 2)}, []corev1.Pod{
+		reservation("n1", "ga", "GPU-aa"),
+		pod("p1", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga")),
+		pod("p2", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "gstale")),
+	}, Options{ReservationNamespace: ns})
+	v := c.Nodes["n1"].Ledger.Violations()
+	if len(v) != 1 || v[0].Kind != gpu.OverCommitted || len(v[0].Tenants) != 2 {
+		t.Errorf("violations %+v, want one over-commit of both pods on GPU-aa", v)
+	}
+}
+
+// A KAI sm-sharing pod's portion comes from its node's GPU memory; while
+// that is unknown it cannot be charged, and says why.
+func TestSMSharingWithoutPortionNeedsTheNodesMemory(t *testing.T) {
+	p := pod("kai", "n1", decision(20480, api.SMSharing, "", "GPU-aa", ""))
+	if _, held, err := TenantOf(&p, UUIDGroup, 0); held || err == nil {
+		t.Errorf("held %v, err %v: want an error while the node's memory is unknown", held, err)
+	}
+}

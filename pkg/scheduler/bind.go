@@ -70,7 +70,7 @@ func (p *Plugin) reserveGPUs(ctx context.Context, d Decision) ([]string, error) 
 // and the GPU groups, from which a restarted scheduler rebuilds its state.
 func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuids []string) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"annotations": decisionPatch(d, uuids, p.args.CDIKind()),
+		"annotations": decisionPatch(d, uuids, p.args.CDIKind(), pod.Annotations),
 		"labels":      decisionLabels(d),
 	}})
 	if err != nil {
@@ -94,12 +94,14 @@ func (d Decision) assignment(uuids []string, cdiKind string) api.Assignment {
 }
 
 // decisionPatch is what PreBind merges into the pod's annotations: the
-// decision as api.Assignment writes it, and the GPU groups. A nil value
+// decision as api.Assignment writes it, the GPU groups, and which memory
+// keys the decision added to the current ones (api.Intent's to remove). A nil value
 // removes a key: a stale compute portion when the mode is time-slicing.
-func decisionPatch(d Decision, uuids []string, cdiKind string) map[string]any {
+func decisionPatch(d Decision, uuids []string, cdiKind string, current map[string]string) map[string]any {
 	out := map[string]any{
 		api.ContainerKey(d.Container, api.SuffixComputePortion): nil,
 		api.GPUGroupsAnnotation:                                 strings.Join(d.Groups, ","),
+		api.ResolvedKeysAnnotation:                              api.ResolvedMemoryKeys(current, d.Container, current[api.ResolvedKeysAnnotation]),
 	}
 	for k, v := range d.assignment(uuids, cdiKind).Annotations() {
 		out[k] = v

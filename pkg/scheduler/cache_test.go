@@ -188,6 +188,22 @@ func TestCacheAndLedgersBuildAgree(t *testing.T) {
 	}
 }
 
+// A KAI sm-sharing pod seen before its node's inventory waits for it,
+// rather than being frozen with no compute portion and closing the node.
+func TestKAIPodBeforeItsNodeWaitsForTheInventory(t *testing.T) {
+	kai := pod("kai", "n1", map[string]string{
+		api.ContainerKey("main", api.SuffixDevices):       "GPU-d",
+		api.ContainerKey("main", api.SuffixMemoryRequest): "20000Mi",
+		api.ContainerKey("main", api.SuffixComputeMode):   "sm-sharing",
+	})
+	c := NewCache(testArgs())
+	c.SetPod(kai)
+	c.SetNode(node("n1", 2, 80000, true))
+	if got, want := summary(c, "n1"), "idle=1 whole=0 conflicts=0 uuid-gpu-d:20000Mi/250‰/1/"; got != want {
+		t.Errorf("cache: %s, want %s", got, want)
+	}
+}
+
 // KAI's portion limit (what its admission writes from gpu-fraction.limit)
 // is resolved on the chosen GPU into the limit the scheduler writes.
 func TestKAIPortionLimitResolvesIntoTheLimit(t *testing.T) {
@@ -202,7 +218,7 @@ func TestKAIPortionLimitResolvesIntoTheLimit(t *testing.T) {
 		t.Errorf("resolved %+v, share %+v, %v: want request 20224Mi and limit 40448Mi of 80896Mi schedulable", resolved, share, err)
 	}
 	d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: api.TimeSlicing}
-	if got := decisionPatch(d, []string{"GPU-1"}, "")[api.ContainerKey("main", api.SuffixMemoryLimit)]; got != "40448Mi" {
+	if got := decisionPatch(d, []string{"GPU-1"}, "", nil)[api.ContainerKey("main", api.SuffixMemoryLimit)]; got != "40448Mi" {
 		t.Errorf("written limit %v, want 40448Mi", got)
 	}
 }
@@ -359,7 +375,7 @@ func TestDecisionPatchWritesThePortionOnlyForSMSharing(t *testing.T) {
 		{api.TimeSlicing, 500, nil},
 	} {
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: api.Resolved{RequestMiB: 1, LimitMiB: 1}, Mode: tt.mode, Portion: tt.thousandths}
-		patch := decisionPatch(d, []string{"GPU-1"}, "")
+		patch := decisionPatch(d, []string{"GPU-1"}, "", nil)
 		if got, ok := patch[portionKey]; !ok || got != tt.want {
 			t.Errorf("%s %d‰: portion %v (present %v), want %v", tt.mode, tt.thousandths, got, ok, tt.want)
 		}
@@ -371,7 +387,7 @@ func TestDecisionPatchWritesThePortionOnlyForSMSharing(t *testing.T) {
 func TestDecisionPatchNamesDevicesForCDI(t *testing.T) {
 	args := Args{DeviceNaming: DeviceNamingCDI}
 	d := Decision{Container: "main", Groups: []string{"g1", "g2"}, Resolved: api.Resolved{RequestMiB: 1024, LimitMiB: 1024}, Mode: api.TimeSlicing}
-	patch := decisionPatch(d, []string{"GPU-1", "GPU-2"}, args.CDIKind())
+	patch := decisionPatch(d, []string{"GPU-1", "GPU-2"}, args.CDIKind(), nil)
 	if got := patch[api.ContainerKey("main", api.SuffixDevices)]; got != "k8s.device-plugin.nvidia.com/gpu=GPU-1,k8s.device-plugin.nvidia.com/gpu=GPU-2" {
 		t.Fatalf("devices = %v", got)
 	}
@@ -395,6 +411,9 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 		{api.KeyFraction: "0.5", api.KeyFractionLimit: "0.75"},
 		{api.KeyMemory: "20000"},
 		{api.ContainerKey("main", api.SuffixMemoryRequest): "10Gi", api.KeyComputeSharingMode: "sm-sharing"},
+		// The canonical request wins over gpu-fraction, and stays the
+		// author's: the decision lists only the keys it added.
+		{api.KeyFraction: "0.5", api.ContainerKey("main", api.SuffixMemoryRequest): "10Gi"},
 	} {
 		orig := pod("p", "", annotations)
 		want, err := api.Parse(orig)
@@ -407,7 +426,7 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: want[0].Mode, Portion: 500}
-		for k, v := range decisionPatch(d, []string{"GPU-1"}, "") {
+		for k, v := range decisionPatch(d, []string{"GPU-1"}, "", orig.Annotations) {
 			if v != nil {
 				patched.Annotations[k] = v.(string)
 			}
@@ -415,7 +434,14 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 		// Written by us (with the groups) or by another scheduler (without).
 		kai := patched.DeepCopy()
 		delete(kai.Annotations, api.GPUGroupsAnnotation)
-		for _, p := range []*corev1.Pod{patched, kai} {
+		delete(kai.Annotations, api.ResolvedKeysAnnotation)
+		readers := []*corev1.Pod{patched, kai}
+		if _, both := annotations[api.KeyFraction]; both && annotations[api.ContainerKey("main", api.SuffixMemoryRequest)] != "" {
+			// Without our record of which keys the decision added, a
+			// reader cannot tell the author's request from a binder's.
+			readers = readers[:1]
+		}
+		for _, p := range readers {
 			got, err := api.Parse(api.Intent(p))
 			if err != nil || len(got) != 1 || got[0].String() != want[0].String() {
 				t.Errorf("annotations %v: re-read as %v (%v), want %v", p.Annotations, got, err, want)

@@ -186,7 +186,7 @@ type Decision struct {
 // Containers of a fractional pod that get no GPU are shown none, so an
 // image's NVIDIA_VISIBLE_DEVICES=all cannot reach the pod's neighbours.
 func Decide(pod Pod, container string, env []string, cfg Config) Decision {
-	if !hasFractionKeys(pod.Annotations) {
+	if !api.AsksForFraction(pod.Annotations) {
 		return Decision{Verdict: Run}
 	}
 	assignments, err := api.ParseAssignments(pod.Annotations)
@@ -218,6 +218,9 @@ func Decide(pod Pod, container string, env []string, cfg Config) Decision {
 		return Unenforceable(cfg, fmt.Errorf("container %q: sm-sharing needs MPS, and this node has no MPS pipe directory configured", container))
 	}
 	if err := checkBackend(container, cfg); err != nil {
+		return Unenforceable(cfg, err)
+	}
+	if err := checkToolkitNaming(a, cfg); err != nil {
 		return Unenforceable(cfg, err)
 	}
 	var notes []string
@@ -272,6 +275,18 @@ func checkBackend(container string, cfg Config) error {
 	return nil
 }
 
+// checkToolkitNaming: the toolkit backend's limits come from the
+// apply-cuda-memory-limits hook in the CDI spec of NVIDIA's device plugin
+// devices, which only a CDI name of that kind selects; bare UUIDs would
+// start the container with no limit at all.
+func checkToolkitNaming(a api.Assignment, cfg Config) error {
+	if cfg.Backend != BackendToolkit || a.CDIKind == api.CDIKindNVIDIAGPU {
+		return nil
+	}
+	return fmt.Errorf("container %q: the toolkit memory-limit backend applies limits through the CDI spec of %s devices, and %s names %s: schedule with deviceNaming cdi, or run the node with --memory-limits driver",
+		a.Container, api.CDIKindNVIDIAGPU, api.ContainerKey(a.Container, api.SuffixDevices), strings.Join(a.DeviceNames(), ","))
+}
+
 // Unenforceable is the decision for a container whose share cannot be
 // enforced for reason err: without fail-open it does not start; with it,
 // it starts with no GPU at all, never an unlimited one.
@@ -292,7 +307,7 @@ func failOpenWithCaps(a api.Assignment, pod Pod, env []string, cfg Config, err e
 	if !cfg.FailOpen {
 		return Decision{Verdict: Refuse, Reason: err}
 	}
-	if berr := checkBackend(a.Container, cfg); berr != nil {
+	if berr := errors.Join(checkBackend(a.Container, cfg), checkToolkitNaming(a, cfg)); berr != nil {
 		return Unenforceable(cfg, errors.Join(err, berr))
 	}
 	a.Mode, a.Portion = api.TimeSlicing, api.Fraction{}
@@ -399,13 +414,4 @@ func lookup(env []string, key string) string {
 		}
 	}
 	return ""
-}
-
-func hasFractionKeys(annotations map[string]string) bool {
-	for k := range annotations {
-		if api.IsFractionKey(k) {
-			return true
-		}
-	}
-	return false
 }

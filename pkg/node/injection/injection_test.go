@@ -296,10 +296,11 @@ func TestChooseBackend(t *testing.T) {
 }
 
 func TestBackendsShapeTheInjection(t *testing.T) {
-	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
 	for _, b := range []Backend{BackendToolkit, BackendMPSPinned} {
 		c := cfg
 		c.Backend = b
+		// The toolkit's limits come with its CDI spec, which only a CDI name selects.
+		ann := map[string]string{"nvidia.com/container.main.gpus.devices": "k8s.device-plugin.nvidia.com/gpu=GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
 		adj, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c)
 		if err != nil {
 			t.Fatalf("%s: %v", b, err)
@@ -312,7 +313,8 @@ func TestBackendsShapeTheInjection(t *testing.T) {
 			t.Errorf("%s backend env = %v", b, env)
 		}
 	}
-	for _, c := range []Config{{Backend: BackendOff}, {}, {Backend: BackendDriver}} {
+	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
+	for _, c := range []Config{{Backend: BackendOff}, {}, {Backend: BackendDriver}, {Backend: BackendToolkit}} {
 		if _, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c); err == nil {
 			t.Errorf("config %+v injected a fraction it cannot enforce", c)
 		}

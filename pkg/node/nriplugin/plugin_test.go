@@ -615,7 +615,7 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 	sup := mps.New(os.Args[0], root)
 	rt := startRuntime(t, nil, nil)
 	c := cfg
-	c.Backend, c.MPSPipeDir, c.GPUMemoryMiB = injection.BackendToolkit, root, 81920
+	c.Backend, c.MPSPipeDir, c.GPUMemoryMiB = injection.BackendMPSPinned, root, 81920
 	rec := &recorder{}
 	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
 	p.EnableMPS(sup)
@@ -641,6 +641,7 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 		"NVIDIA_VISIBLE_DEVICES":            "k8s.device-plugin.nvidia.com/gpu=GPU-5d8f3b2a-1c4e-4f6a-9b7d-2e1f0a3c5b6d",
 		"NVIDIA_GPU_MEMORY_REQUEST":         "20480",
 		"NVIDIA_GPU_MEMORY_LIMIT":           "20480",
+		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":  "0=20480M",
 		"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
 	} {
 		if env[k] != want {
