@@ -50,6 +50,11 @@ with no GPU, kubelet or container runtime.`,
 			if opts.Injection.GPUMemoryReserveMiB < 0 {
 				return fmt.Errorf("--gpu-memory-reserve-mib %d: must be 0 or more", opts.Injection.GPUMemoryReserveMiB)
 			}
+			for model, v := range opts.GPUMemoryReserveMiBByModel {
+				if v < 0 {
+					return fmt.Errorf("--gpu-memory-reserve-mib-by-model %s=%d: must be 0 or more", model, v)
+				}
+			}
 			if err := injection.CheckBackendFlag(opts.MemoryLimits); err != nil {
 				return err
 			}
@@ -84,6 +89,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.Injection.MPSPipeDir, "mps-pipe-dir", "/run/gpufrac/mps", "host directory of the sm-sharing containers' MPS namespaces (one control daemon and pipe directory each)")
 	f.StringVar(&opts.MPSControl, "mps-control", "nvidia-cuda-mps-control", "the MPS control program")
 	f.StringVar(&opts.Injection.ShimDir, "nvidia-smi-shim-dir", "", "host directory of the nvidia-smi view library; empty: not mounted")
+	f.StringToInt64Var(&opts.GPUMemoryReserveMiBByModel, "gpu-memory-reserve-mib-by-model", nil, "per GPU model (the node's nvidia.com/gpu.product label), MODEL=MIB,... overriding --gpu-memory-reserve-mib, as the scheduler's gpuMemoryReserveMiBByModel")
 	f.Int64Var(&opts.Injection.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "MiB the scheduler keeps back on each GPU (its gpuMemoryReserveMiB; keep them equal): an sm-sharing pod placed without a compute portion, as released KAI places them, gets request ÷ (GPU memory − reserve)")
 	f.StringVar(&opts.HealthAddr, "health-addr", ":8082", "address of /healthz and /readyz; empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", 30*time.Second, "how often to re-read the GPUs, republish and annotate reservation pods")

@@ -42,6 +42,10 @@ import (
 // Options configure the agent.
 type Options struct {
 	NodeName string
+	// GPUMemoryReserveMiBByModel overrides Injection.GPUMemoryReserveMiB
+	// for the node's GPU model (its nvidia.com/gpu.product label), as the
+	// scheduler's gpuMemoryReserveMiBByModel does.
+	GPUMemoryReserveMiBByModel map[string]int64
 	// SimulateGPUs names a go-nvml mock machine to use instead of the real
 	// NVML library; the agent then also plays the kubelet's device plugin
 	// for reservation pods and hosts an in-process NRI runtime endpoint,
@@ -245,6 +249,11 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	cfg.Backend = backend
 	if invErr == nil && len(inv.GPUs) > 0 {
 		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
+	}
+	// The reserve the scheduler uses for this node: keyed, as there, by the
+	// product label the node carries.
+	if v, ok := a.opts.GPUMemoryReserveMiBByModel[node.Labels[publish.LabelGPUProduct]]; ok {
+		cfg.GPUMemoryReserveMiB = v
 	}
 	a.plugin.SetInjection(cfg)
 	if backendErr != nil {
