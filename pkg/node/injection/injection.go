@@ -204,7 +204,7 @@ func Decide(pod Pod, container string, env []string, cfg Config) Decision {
 		// A decision whose memory caps read cleanly keeps them when the
 		// node fails open; only its compute sharing is dropped.
 		if mine != nil && mine.Mode == "" {
-			return failOpenWithCaps(*mine, pod, env, cfg, err)
+			return failOpenWithCaps(*mine, env, cfg, err)
 		}
 		return Unenforceable(cfg, err)
 	}
@@ -228,8 +228,7 @@ func Decide(pod Pod, container string, env []string, cfg Config) Decision {
 		if a.Portion.IsZero() {
 			portion, note, err := derivePortion(a, cfg)
 			if err != nil {
-				a.Mode = ""
-				return failOpenWithCaps(a, pod, env, cfg, fmt.Errorf("container %q: %w", container, err))
+				return failOpenWithCaps(a, env, cfg, fmt.Errorf("container %q: %w", container, err))
 			}
 			a.Portion = portion
 			notes = append(notes, note)
@@ -303,7 +302,7 @@ func Unenforceable(cfg Config, err error) Decision {
 // failOpenWithCaps is the decision for a container whose memory caps are
 // known but whose compute mode or portion is not usable: refused, or on a
 // node that fails open, started with its caps as a time-slicing tenant.
-func failOpenWithCaps(a api.Assignment, pod Pod, env []string, cfg Config, err error) Decision {
+func failOpenWithCaps(a api.Assignment, env []string, cfg Config, err error) Decision {
 	if !cfg.FailOpen {
 		return Decision{Verdict: Refuse, Reason: err}
 	}
