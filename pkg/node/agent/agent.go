@@ -209,6 +209,16 @@ func (a *Agent) backends(ctx context.Context) (nvml.Interface, *reservation.Anno
 	return lib, annotator, socket, runtime.Stop, nil
 }
 
+// reserveFor is the reserve the scheduler keeps on this node's GPUs: per
+// model when one is given for the product label the node carries (the
+// scheduler keys it by that label too), the global one otherwise.
+func reserveFor(opts Options, labels map[string]string) int64 {
+	if v, ok := opts.GPUMemoryReserveMiBByModel[labels[publish.LabelGPUProduct]]; ok {
+		return v
+	}
+	return opts.Injection.GPUMemoryReserveMiB
+}
+
 // startSimulatedRuntime serves the runtime side of NRI (containerd's own
 // adaptation library) where no container runtime exists.
 func startSimulatedRuntime(socket, dir string) (*adaptation.Adaptation, error) {
@@ -250,11 +260,7 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	if invErr == nil && len(inv.GPUs) > 0 {
 		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
 	}
-	// The reserve the scheduler uses for this node: keyed, as there, by the
-	// product label the node carries.
-	if v, ok := a.opts.GPUMemoryReserveMiBByModel[node.Labels[publish.LabelGPUProduct]]; ok {
-		cfg.GPUMemoryReserveMiB = v
-	}
+	cfg.GPUMemoryReserveMiB = reserveFor(a.opts, node.Labels)
 	a.plugin.SetInjection(cfg)
 	if backendErr != nil {
 		logger.Error(backendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")
