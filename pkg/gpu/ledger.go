@@ -244,6 +244,13 @@ func (n *Node) Assign(r Request, devices []int) error {
 		}
 		seen[i] = true
 	}
+	n.book(r, devices)
+	return nil
+}
+
+// book charges a checked request to its devices: Assign's and Record's
+// shared last step, of which Release is the inverse.
+func (n *Node) book(r Request, devices []int) {
 	for _, i := range devices {
 		d := n.Devices[i]
 		if r.Whole > 0 {
@@ -257,7 +264,6 @@ func (n *Node) Assign(r Request, devices []int) error {
 	n.cpuUsed += r.CPU
 	n.memUsed += r.Memory
 	n.held[r.Tenant] = holding{Request: r, Devices: slices.Clone(devices)}
-	return nil
 }
 
 // Release returns everything the tenant holds.
@@ -314,26 +320,11 @@ func (n *Node) Record(r Request, devices []int) error {
 		seen[i] = true
 	}
 	for _, i := range devices {
-		d := n.Devices[i]
-		if r.Whole > 0 {
-			if d.whole != "" {
-				return fmt.Errorf("tenant %s: GPU %d is already held whole by %s", r.Tenant, d.Index, d.whole)
-			}
+		if d := n.Devices[i]; r.Whole > 0 && d.whole != "" {
+			return fmt.Errorf("tenant %s: GPU %d is already held whole by %s", r.Tenant, d.Index, d.whole)
 		}
 	}
-	for _, i := range devices {
-		d := n.Devices[i]
-		if r.Whole > 0 {
-			d.whole = r.Tenant
-			continue
-		}
-		d.shares[r.Tenant] = r.Share
-		d.charged += r.Share.Request
-		d.portion += r.Share.Portion
-	}
-	n.cpuUsed += r.CPU
-	n.memUsed += r.Memory
-	n.held[r.Tenant] = holding{Request: r, Devices: slices.Clone(devices)}
+	n.book(r, devices)
 	return nil
 }
 

@@ -94,8 +94,8 @@ func running(t *testing.T, c *localcluster.Cluster, ns string) int {
 	return n
 }
 
-// checkAudit fails the test on any violation of SPEC §2.
-func checkAudit(t *testing.T, c *localcluster.Cluster) {
+// snapshot lists every node and pod.
+func snapshot(t *testing.T, c *localcluster.Cluster) (*corev1.NodeList, *corev1.PodList) {
 	t.Helper()
 	ctx := context.Background()
 	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
@@ -106,6 +106,13 @@ func checkAudit(t *testing.T, c *localcluster.Cluster) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return nodes, pods
+}
+
+// checkAudit fails the test on any violation of SPEC §2.
+func checkAudit(t *testing.T, c *localcluster.Cluster) {
+	t.Helper()
+	nodes, pods := snapshot(t, c)
 	if v := audit.Check(nodes.Items, pods.Items, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()}); len(v) > 0 {
 		// Who holds the GPUs involved, to explain the violation.
 		for _, p := range pods.Items {
@@ -415,14 +422,7 @@ func kaiPod(t *testing.T, c *localcluster.Cluster) {
 		remaining = remaining[i+len(want):]
 	}
 
-	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pods, err := c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	nodes, pods := snapshot(t, c)
 	// KAI's reservation pod lives in KAI's namespace, which gpufrac does
 	// not read: that, and only that, is what the audit says of the pod.
 	v := audit.Check(nodes.Items, pods.Items, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()})
