@@ -5,7 +5,7 @@ BIN     := $(CURDIR)/bin
 TOOLS   := $(CURDIR)/hack/tools
 GOLANGCI_LINT := $(BIN)/golangci-lint
 BENCHSTAT     := $(BIN)/benchstat
-# The real control plane (kube-apiserver, etcd), KWOK (the local cluster's
+# The real control plane (kube-apiserver, kube-controller-manager, etcd), KWOK (the local cluster's
 # fake kubelets), kubectl and Helm are built from source as tools of this
 # module (go.mod's tool block), so they and bin/gpufrac share one module
 # graph and Go compiles the Kubernetes packages they have in common once.
@@ -74,11 +74,11 @@ e2e: $(KUBE_STAMP) $(KWOK) ## end to end on a local cluster (gpufrac up): exampl
 	$(GO) test -count=1 -v ./test/e2e/
 
 .PHONY: kube-binaries
-kube-binaries: $(KUBE_STAMP) ## build kube-apiserver and etcd from source into bin/kube
+kube-binaries: $(KUBE_STAMP) ## build kube-apiserver, kube-controller-manager and etcd from source into bin/kube
 
 $(KUBE_STAMP): go.mod go.sum | preflight
-	$(call announce,"bin/kube: kube-apiserver $(KUBE_VERSION) and etcd v3.7.0 from source (first time: about 2.5 min after bin/gpufrac$(,) whose Kubernetes packages they reuse; kept until go.mod changes)")
-	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ k8s.io/kubernetes/cmd/kube-apiserver go.etcd.io/etcd/server/v3
+	$(call announce,"bin/kube: kube-apiserver$(,) kube-controller-manager $(KUBE_VERSION) and etcd v3.7.0 from source (first time: about 4 min after bin/gpufrac$(,) whose Kubernetes packages they reuse; kept until go.mod changes)")
+	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager go.etcd.io/etcd/server/v3
 	mv -f $(KUBE_BIN)/server $(KUBE_BIN)/etcd
 	@touch $@
 

@@ -35,7 +35,8 @@ func RepoRoot() (string, error) {
 	}
 }
 
-// AssetsDir is where kube-apiserver and etcd are: $KUBEBUILDER_ASSETS, or
+// AssetsDir is where kube-apiserver, etcd and kube-controller-manager are:
+// $KUBEBUILDER_ASSETS, or
 // bin/kube in the repository. A missing binary is an error that says how
 // to build it, never a skipped test.
 func AssetsDir() (string, error) {
@@ -47,7 +48,7 @@ func AssetsDir() (string, error) {
 		}
 		dir = filepath.Join(root, "bin", "kube")
 	}
-	for _, bin := range []string{"kube-apiserver", "etcd"} {
+	for _, bin := range []string{"kube-apiserver", "etcd", "kube-controller-manager"} {
 		if _, err := os.Stat(filepath.Join(dir, bin)); err != nil {
 			return "", fmt.Errorf("%s not found in %s: run `make kube-binaries` (or `make test`, which builds them)", bin, dir)
 		}
