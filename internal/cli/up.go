@@ -27,16 +27,20 @@ func newUpCommand() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
-		Short: "Run a local GPU-fraction cluster: etcd, kube-apiserver, webhook, scheduler, simulated GPU nodes",
+		Short: "Run a local GPU-fraction cluster: etcd, kube-apiserver, webhook, scheduler, controller-manager, simulated GPU nodes",
 		Long: `Run gpufrac's whole stack on this machine, on loopback, until Ctrl-C (or
 gpufrac down): the real etcd and kube-apiserver with RBAC and admission, the
 admission webhook with a generated CA, gpufrac scheduler as the gpufrac
-profile, a node agent per node in GPU-simulation mode (go-nvml's mock
-machines), and KWOK as the nodes' kubelets: bound pods become Running (no
-container runs) and deleted pods go away. kube-apiserver, etcd and KWOK are
-built from source into bin/ the first time (make kube-binaries kwok).
+profile, kube-controller-manager (Deployments, Jobs, StatefulSets,
+DaemonSets, claim templates; each controller with its own credentials), a
+node agent per node in GPU-simulation mode (go-nvml's mock machines), and
+KWOK as the nodes' kubelets: bound pods become Running (no container runs),
+a Job's pods complete, and deleted pods go away. kube-apiserver,
+kube-controller-manager, etcd and KWOK are built from source into bin/ the
+first time (make kube-binaries kwok).
 
-With --demo it applies the Pods of examples/, waits for them to be placed,
+With --demo it applies every object of examples/ (Deployments included),
+waits for their pods to be placed,
 prints the cluster view and an invalid pod's refusal, then stops (or stays up
 with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 		Args: cobra.NoArgs,
@@ -71,7 +75,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 				return err
 			}
 			defer func() {
-				fmt.Fprintln(out, "gpufrac up: stopping scheduler, KWOK, node agents, webhook, kube-apiserver and etcd …")
+				fmt.Fprintln(out, "gpufrac up: stopping kube-controller-manager, scheduler, KWOK, node agents, webhook, kube-apiserver and etcd …")
 				cluster.Down()
 				fmt.Fprintln(out, "gpufrac up: stopped; no process left")
 			}()
@@ -94,7 +98,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 	f := cmd.Flags()
 	f.IntVar(&nodes, "nodes", 4, "simulated GPU nodes")
 	f.StringVar(&machine, "gpus", "dgxh100", "each node's GPUs, a go-nvml mock machine: "+strings.Join(inventory.Machines, ", "))
-	f.BoolVar(&demo, "demo", false, "apply examples/, show the placements and a refusal, then stop")
+	f.BoolVar(&demo, "demo", false, "apply every object of examples/, show the placements and a refusal, then stop")
 	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
 	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
 	return cmd

@@ -1,17 +1,22 @@
 // Package localcluster runs gpufrac's whole stack on this machine, on
 // loopback: the real etcd and kube-apiserver (with RBAC and admission),
-// the admission webhook with a generated CA, `gpufrac scheduler` and one
-// `gpufrac node-agent` per node in GPU-simulation mode, and KWOK as the
-// nodes' kubelets: bound pods become Running (no container runs) and
-// deleted pods go away.
+// the admission webhook with a generated CA, kube-controller-manager with
+// the workload controllers (Deployments, Jobs, StatefulSets, claim
+// templates), `gpufrac scheduler` and one `gpufrac node-agent` per node in
+// GPU-simulation mode, and KWOK as the nodes' kubelets: bound pods become
+// Running (no container runs), a Job's pods complete, and deleted pods go
+// away.
 package localcluster
 
 import (
 	"context"
+	"crypto/tls"
 	_ "embed"
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +30,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/textlogger"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
@@ -55,13 +61,15 @@ type Options struct {
 
 // Cluster is a running local cluster.
 type Cluster struct {
-	opts       Options
-	env        *envtest.Environment
-	Admin      kubernetes.Interface
-	Kubeconfig string
-	procs      []*process
-	stopHook   context.CancelFunc
-	hookDone   chan error
+	opts  Options
+	env   *envtest.Environment
+	Admin kubernetes.Interface
+	// AdminConfig is Admin's connection, for clients of other kinds.
+	AdminConfig *rest.Config
+	Kubeconfig  string
+	procs       []*process
+	stopHook    context.CancelFunc
+	hookDone    chan error
 }
 
 type process struct {
@@ -119,6 +127,9 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		return nil, err
 	}
 	if err := c.step("scheduler (kube-scheduler + GPUFractions, profile gpufrac)", c.startScheduler); err != nil {
+		return nil, err
+	}
+	if err := c.step("kube-controller-manager (Deployments, Jobs, claims; a credential per controller)", func() error { return c.startControllerManager(ctx) }); err != nil {
 		return nil, err
 	}
 	if err := c.step("waiting for the nodes to report gpu-fractioning.nvidia.com/Ready", func() error { return c.waitReady(ctx) }); err != nil {
@@ -179,9 +190,9 @@ func (c *Cluster) step(what string, do func() error) error {
 // kwokBinary is where `make kwok` puts KWOK.
 func (c *Cluster) kwokBinary() string { return filepath.Join(c.opts.Root, "bin", "kwok") }
 
-// ensureTools builds kube-apiserver, etcd and KWOK from source (through
-// the Go module proxy, into bin/) when one is missing; afterwards they are
-// reused as they are.
+// ensureTools builds kube-apiserver, kube-controller-manager, etcd and
+// KWOK from source (through the Go module proxy, into bin/) when one is
+// missing; afterwards they are reused as they are.
 func (c *Cluster) ensureTools() error {
 	_, kubeErr := testenv.AssetsDir()
 	_, kwokErr := os.Stat(c.kwokBinary())
@@ -189,7 +200,7 @@ func (c *Cluster) ensureTools() error {
 		return nil
 	}
 	log := filepath.Join(c.opts.Dir, "logs", "build.log")
-	return c.step("building kube-apiserver, etcd and KWOK from source (once: about 3 min on 2 cores)", func() error {
+	return c.step("building kube-apiserver, kube-controller-manager, etcd and KWOK from source (once: about 4.5 min on 2 cores)", func() error {
 		out, err := os.Create(log)
 		if err != nil {
 			return err
@@ -222,8 +233,8 @@ func (c *Cluster) startControlPlane() error {
 	if err := os.WriteFile(c.Kubeconfig, kc, 0o600); err != nil {
 		return err
 	}
-	admin, _, err := testenv.User(env, "gpufrac-admin", "system:masters")
-	c.Admin = admin
+	admin, cfg, err := testenv.User(env, "gpufrac-admin", "system:masters")
+	c.Admin, c.AdminConfig = admin, cfg
 	return err
 }
 
@@ -258,10 +269,14 @@ func (c *Cluster) applyRBAC(ctx context.Context) error {
 	return nil
 }
 
-// kubeconfigFor writes a kubeconfig for a component's identity: its
-// service account, with only deploy/'s RBAC.
-func (c *Cluster) kubeconfigFor(name, user string) (string, error) {
-	kc, err := testenv.KubeConfig(c.env, user, "system:serviceaccounts", "system:serviceaccounts:gpufrac-system", "system:authenticated")
+// serviceAccountGroups are the groups a gpufrac component's service
+// account is in; deploy/'s RBAC grants it what it may do.
+var serviceAccountGroups = []string{"system:serviceaccounts", "system:serviceaccounts:gpufrac-system", "system:authenticated"}
+
+// kubeconfigFor writes a kubeconfig for a component's identity: a client
+// certificate for user in groups, and nothing more.
+func (c *Cluster) kubeconfigFor(name, user string, groups ...string) (string, error) {
+	kc, err := testenv.KubeConfig(c.env, user, groups...)
 	if err != nil {
 		return "", err
 	}
@@ -272,7 +287,7 @@ func (c *Cluster) kubeconfigFor(name, user string) (string, error) {
 // startNodes creates the Node objects (what a kubelet and the device
 // plugin would report) and starts one node agent per node.
 func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
-	kc, err := c.kubeconfigFor("node-agent", agentUser)
+	kc, err := c.kubeconfigFor("node-agent", agentUser, serviceAccountGroups...)
 	if err != nil {
 		return err
 	}
@@ -332,7 +347,7 @@ func (c *Cluster) startKwok() error {
 }
 
 func (c *Cluster) startScheduler() error {
-	kc, err := c.kubeconfigFor("scheduler", schedulerUser)
+	kc, err := c.kubeconfigFor("scheduler", schedulerUser, serviceAccountGroups...)
 	if err != nil {
 		return err
 	}
@@ -360,6 +375,125 @@ func (c *Cluster) startScheduler() error {
 		return err
 	}
 	return c.start("scheduler", "scheduler", "--config", path, "--secure-port", "0")
+}
+
+// Controllers are the kube-controller-manager controllers the local
+// cluster runs: those that turn what users apply (Deployments, ReplicaSets,
+// StatefulSets, DaemonSets, Jobs, CronJobs, DRA claim templates) into pods
+// and claims, the garbage collector (a deleted Deployment's ReplicaSets and
+// pods), and the namespace controller (a deleted namespace's contents).
+// Left out: the node lifecycle controller (KWOK and the node agents keep
+// the nodes' status), the service-account and token controllers (the
+// ServiceAccount admission plugin is off: no kubelet would mount a token),
+// certificates, IPAM, volumes and cloud controllers (nothing here uses
+// them).
+var Controllers = []string{
+	"deployment-controller", "replicaset-controller", "statefulset-controller", "daemonset-controller",
+	"job-controller", "cronjob-controller", "garbage-collector-controller", "namespace-controller",
+	"resourceclaim-controller",
+}
+
+// controllerManagerUser is kube-controller-manager's own identity, with
+// the RBAC of controller-manager-rbac.yaml: list and watch (its
+// informers), and the controllers' service accounts and tokens in
+// kube-system. Not system:kube-controller-manager, whose bootstrap role
+// grants more (Secrets, reviews, leases) than this cluster's process
+// uses. With --use-service-account-credentials every controller acts as
+// its own service account, with only its bootstrap role
+// (system:controller:deployment-controller, ...), as on a kubeadm cluster.
+const controllerManagerUser = "gpufrac:local-kube-controller-manager"
+
+//go:embed controller-manager-rbac.yaml
+var controllerManagerRBAC []byte
+
+// startControllerManager runs kube-controller-manager (built from source
+// into bin/kube) and waits until each of its controllers has started:
+// until its /healthz/<controller> check answers.
+func (c *Cluster) startControllerManager(ctx context.Context) error {
+	kubeDir, err := testenv.AssetsDir()
+	if err != nil {
+		return err
+	}
+	if err := applyRBACDocs(ctx, c.Admin, "controller-manager-rbac.yaml", controllerManagerRBAC); err != nil {
+		return err
+	}
+	kc, err := c.kubeconfigFor("controller-manager", controllerManagerUser, "system:authenticated")
+	if err != nil {
+		return err
+	}
+	port, err := freePort()
+	if err != nil {
+		return err
+	}
+	certs := filepath.Join(c.opts.Dir, "controller-manager")
+	if err := c.startBinary(filepath.Join(kubeDir, "kube-controller-manager"), "controller-manager",
+		// No delegated authentication or authorization: nothing but this
+		// process's health probe (an always-allowed path) calls its port.
+		"--kubeconfig", kc,
+		"--use-service-account-credentials", "--controllers", strings.Join(Controllers, ","),
+		"--leader-elect=false", "--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(port), "--cert-dir", certs,
+	); err != nil {
+		return err
+	}
+	// A controller's check joins /healthz once the controller is built;
+	// the serving certificate is self-signed and only this process asks.
+	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // loopback health probe of a child process
+	var waiting string
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		if err := c.exited("controller-manager"); err != nil {
+			return false, err
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("https://127.0.0.1:%d/healthz?verbose", port), nil)
+		if err != nil {
+			return false, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return false, nil //nolint:nilerr // not serving yet: ask again
+		}
+		body, err := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if err != nil {
+			return false, nil //nolint:nilerr // ask again
+		}
+		for _, name := range Controllers {
+			if waiting = name; !strings.Contains(string(body), "[+]"+name+" ok") {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil && c.exited("controller-manager") == nil {
+		return fmt.Errorf("%s has not started: %w (see %s)", waiting, err, filepath.Join(c.opts.Dir, "logs", "controller-manager.log"))
+	}
+	return err
+}
+
+// freePort is a loopback TCP port nobody listens on now.
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = l.Close() }()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// exited is an error when the named child process has exited, naming its
+// log.
+func (c *Cluster) exited(name string) error {
+	for _, p := range c.procs {
+		if p.name != name {
+			continue
+		}
+		select {
+		case err := <-p.done:
+			p.done <- err
+			return fmt.Errorf("%s exited: %w (see %s)", p.name, err, filepath.Join(c.opts.Dir, "logs", p.name+".log"))
+		default:
+		}
+	}
+	return nil
 }
 
 // start runs a gpufrac subcommand as a child process, logging to
@@ -428,11 +562,8 @@ func (c *Cluster) Crash(name string) error {
 func (c *Cluster) waitReady(ctx context.Context) error {
 	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		for _, p := range c.procs {
-			select {
-			case err := <-p.done:
-				p.done <- err
-				return false, fmt.Errorf("%s exited: %w (see %s)", p.name, err, filepath.Join(c.opts.Dir, "logs", p.name+".log"))
-			default:
+			if err := c.exited(p.name); err != nil {
+				return false, err
 			}
 		}
 		nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: "gpufrac.io/simulated=true"})
@@ -451,8 +582,8 @@ func (c *Cluster) waitReady(ctx context.Context) error {
 	})
 }
 
-// Down stops everything in reverse order: the scheduler, KWOK and the node
-// agents (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
+// Down stops everything in reverse order: kube-controller-manager, the
+// scheduler, KWOK and the node agents (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
 // etcd. No process is left behind.
 func (c *Cluster) Down() {
 	for i := len(c.procs) - 1; i >= 0; i-- {

@@ -1,7 +1,10 @@
 package localcluster
 
 import (
+	"bufio"
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -12,69 +15,76 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
-	"github.com/gpufrac/gpufrac/pkg/manifest"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
-// Demo applies the Pods of the examples directory, waits until the
-// scheduler has placed them and their (fake) kubelet runs them, prints the cluster view, and shows the
-// webhook refusing an invalid pod. Kinds that need a controller (a
-// Deployment) are listed, not applied: no controller-manager runs here.
+// demoNamespace is where the demo applies the examples that name none.
+const demoNamespace = "default"
+
+// Demo applies every object of the examples directory (Pods, and the
+// Deployments kube-controller-manager turns into pods), waits until the
+// scheduler has placed every pod they ask for and its (fake) kubelet runs
+// it, prints the cluster view, and shows the webhook refusing an invalid
+// pod.
 func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) error {
 	files, err := filepath.Glob(filepath.Join(examples, "*.yaml"))
 	if err != nil {
 		return err
 	}
 	slices.Sort(files)
-	var created []string
+	cl, err := client.New(c.AdminConfig, client.Options{})
+	if err != nil {
+		return err
+	}
+	var created []*unstructured.Unstructured
 	for _, f := range files {
-		raw, err := os.Open(f)
-		if err != nil {
-			return err
-		}
-		objects, err := manifest.Decode(raw, f)
-		_ = raw.Close()
+		objects, err := readObjects(f)
 		if err != nil {
 			return err
 		}
 		for _, o := range objects {
-			if o.Kind != "Pod" || o.Template == nil {
-				fmt.Fprintf(out, "  skipped %s %s (%s): no controller-manager runs in a local cluster\n", o.Kind, o.Name, filepath.Base(f))
-				continue
+			namespaced, err := cl.IsObjectNamespaced(o)
+			if err != nil {
+				return fmt.Errorf("%s: %s %s: %w", filepath.Base(f), o.GetKind(), o.GetName(), err)
 			}
-			pod := &corev1.Pod{ObjectMeta: o.Template.ObjectMeta, Spec: o.Template.Spec}
-			pod.Name, pod.Namespace = o.Name, "default"
-			if _, err := c.Admin.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-				return fmt.Errorf("%s: create pod %s: %w", filepath.Base(f), o.Name, err)
+			if namespaced && o.GetNamespace() == "" {
+				o.SetNamespace(demoNamespace)
 			}
-			created = append(created, o.Name)
+			if err := cl.Create(ctx, o); err != nil {
+				return fmt.Errorf("%s: create %s %s: %w", filepath.Base(f), o.GetKind(), o.GetName(), err)
+			}
+			created = append(created, o)
 		}
 	}
-	fmt.Fprintf(out, "  applied %d pods from %s; waiting for the scheduler to place them …\n", len(created), examples)
-	var placed, running int
+	var kinds []string
+	for _, o := range created {
+		kinds = append(kinds, o.GetKind()+" "+o.GetName())
+	}
+	fmt.Fprintf(out, "  applied %d objects from %s (%s); waiting until every pod they ask for is placed and Running …\n",
+		len(created), examples, strings.Join(kinds, ", "))
+	var notReady string
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		placed, running = 0, 0
-		for _, name := range created {
-			p, err := c.Admin.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
-			if err != nil {
+		for _, o := range created {
+			live := o.DeepCopy()
+			if err := cl.Get(ctx, client.ObjectKeyFromObject(o), live); err != nil {
 				return false, err
 			}
-			if p.Spec.NodeName != "" {
-				placed++
-			}
-			if p.Status.Phase == corev1.PodRunning {
-				running++
+			if why := notRunning(live); why != "" {
+				notReady = o.GetKind() + " " + o.GetName() + ": " + why
+				return false, nil
 			}
 		}
-		return running == len(created), nil
+		return true, nil
 	})
 	if err != nil {
-		return fmt.Errorf("%d of %d example pods placed, %d Running: %w (kubectl --kubeconfig %s describe pods)",
-			placed, len(created), running, err, c.Kubeconfig)
+		return fmt.Errorf("%s: %w (kubectl --kubeconfig %s describe pods)", notReady, err, c.Kubeconfig)
 	}
 	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -89,13 +99,62 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		return err
 	}
 	bad := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "too-much", Namespace: "default", Annotations: map[string]string{api.KeyFraction: "1.5"}},
+		ObjectMeta: metav1.ObjectMeta{Name: "too-much", Namespace: demoNamespace, Annotations: map[string]string{api.KeyFraction: "1.5"}},
 		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
 	}
-	_, err = c.Admin.CoreV1().Pods("default").Create(ctx, bad, metav1.CreateOptions{})
+	_, err = c.Admin.CoreV1().Pods(demoNamespace).Create(ctx, bad, metav1.CreateOptions{})
 	if err == nil {
 		return fmt.Errorf("the webhook admitted a pod asking for gpu-fraction 1.5")
 	}
 	fmt.Fprintf(out, "\n  an invalid pod (gpu-fraction: \"1.5\") is refused at the API:\n    %s\n", strings.TrimSpace(err.Error()))
 	return nil
+}
+
+// readObjects reads the objects of a YAML file, skipping empty documents.
+func readObjects(path string) ([]*unstructured.Unstructured, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = f.Close() }()
+	var out []*unstructured.Unstructured
+	dec := utilyaml.NewYAMLOrJSONDecoder(bufio.NewReader(f), 4096)
+	for {
+		o := &unstructured.Unstructured{}
+		if err := dec.Decode(&o.Object); errors.Is(err, io.EOF) {
+			return out, nil
+		} else if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		if len(o.Object) == 0 {
+			continue
+		}
+		if o.GetKind() == "" || o.GetName() == "" {
+			return nil, fmt.Errorf("%s: an object without kind or metadata.name", path)
+		}
+		out = append(out, o)
+	}
+}
+
+// notRunning says why a workload's pods are not all Running yet ("" once
+// they are): a Pod by its phase, a Deployment, ReplicaSet or StatefulSet
+// by its ready replicas. Other kinds are not waited for.
+func notRunning(o *unstructured.Unstructured) string {
+	switch o.GetKind() {
+	case "Pod":
+		phase, _, _ := unstructured.NestedString(o.Object, "status", "phase")
+		if phase != string(corev1.PodRunning) {
+			return "phase " + cmp.Or(phase, "unset")
+		}
+	case "Deployment", "ReplicaSet", "StatefulSet":
+		want, found, _ := unstructured.NestedInt64(o.Object, "spec", "replicas")
+		if !found {
+			want = 1
+		}
+		ready, _, _ := unstructured.NestedInt64(o.Object, "status", "readyReplicas")
+		if ready != want {
+			return fmt.Sprintf("%d of %d replicas ready", ready, want)
+		}
+	}
+	return ""
 }

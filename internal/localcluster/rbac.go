@@ -27,6 +27,12 @@ func ApplyRBAC(ctx context.Context, c kubernetes.Interface, path string) error {
 	if err != nil {
 		return err
 	}
+	return applyRBACDocs(ctx, c, path, raw)
+}
+
+// applyRBACDocs is ApplyRBAC on a manifest's contents; path names it in
+// errors.
+func applyRBACDocs(ctx context.Context, c kubernetes.Interface, path string, raw []byte) error {
 	dec := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
 	for {
 		doc, err := dec.Read()

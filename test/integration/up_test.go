@@ -77,8 +77,8 @@ func TestLocalClusterDown(t *testing.T) {
 			pids = append(pids, p)
 		}
 	}
-	if len(pids) < 6 { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler
-		t.Fatalf("up.pid lists %v, want up and its 5 children", pids)
+	if len(pids) != 7 { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler, kube-controller-manager
+		t.Fatalf("up.pid lists %v, want up and its 6 children", pids)
 	}
 	if out, err := exec.Command(gpufracBinary(t), "down", "--dir", dir).CombinedOutput(); err != nil {
 		t.Fatalf("gpufrac down: %v\n%s", err, out)
@@ -143,12 +143,13 @@ func TestReadmeTour(t *testing.T) {
 	}
 	for _, want := range []*regexp.Regexp{
 		regexp.MustCompile(`pod/trainer created`),
-		regexp.MustCompile(`pod/server created`),
+		regexp.MustCompile(`deployment.apps/server created`),
 		regexp.MustCompile(`pod/trainer condition met`),
 		regexp.MustCompile(`trainer\s+1/1\s+Running`),
-		regexp.MustCompile(`server\s+1/1\s+Running`),
+		regexp.MustCompile(`deployment "server" successfully rolled out`),
+		regexp.MustCompile(`(?m)^server-\S+\s+1/1\s+Running(?s:.*)^server-\S+\s+1/1\s+Running`),
 		regexp.MustCompile(`default/trainer\s+40Gi\s+40Gi`),
-		regexp.MustCompile(`default/server\s+20Gi\s+20Gi\s+compute 0.25`),
+		regexp.MustCompile(`default/server-\S+\s+20Gi\s+20Gi\s+compute 0.25(?s:.*)default/server-\S+\s+20Gi\s+20Gi\s+compute 0.25`),
 		regexp.MustCompile(`"nvidia.com/container.main.gpus.devices":"GPU-`),
 		regexp.MustCompile(`denied the request: .*nvidia.com/container.main.gpus.devices`),
 		regexp.MustCompile(`OK Pod default/fraction-half`),
