@@ -94,6 +94,9 @@ const (
 	LabelGPUProduct = "nvidia.com/gpu.product"
 	// ConditionFractioningReady is a node condition type.
 	ConditionFractioningReady = "gpu-fractioning.nvidia.com/Ready"
+	// LabelMemoryEnforcement is the memory-limit backend the node agent
+	// has in effect: driver, toolkit, mps-pinned or none.
+	LabelMemoryEnforcement = "gpufrac.io/memory-enforcement"
 )
 
 // userSuffixes are the canonical suffixes a manifest may set, in the order

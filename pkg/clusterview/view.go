@@ -11,6 +11,7 @@ import (
 	"io"
 	"slices"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
@@ -22,6 +23,18 @@ import (
 type View struct {
 	Nodes   []Node  `json:"nodes"`
 	Summary Summary `json:"summary"`
+	// Pending are the fractional pods not placed yet, by namespace/name.
+	Pending []PendingPod `json:"pending"`
+}
+
+// PendingPod is a fractional pod no scheduler has placed.
+type PendingPod struct {
+	Pod string `json:"pod"` // namespace/name
+	// Asks is what it asks for, as its annotations say it.
+	Asks string `json:"asks"`
+	// Reason is the scheduler's latest word on it (its FailedScheduling
+	// event), once WithReasons has read the events.
+	Reason string `json:"reason,omitempty"`
 }
 
 // Node is one node with GPUs.
@@ -30,8 +43,16 @@ type Node struct {
 	Model     string `json:"model"`
 	GPUs      int    `json:"gpus"`
 	MemoryMiB int64  `json:"memoryMiB"`
-	// Ready is whether it takes fractions (gpu-fractioning.nvidia.com/Ready).
-	Ready bool `json:"ready"`
+	// Ready is whether it takes fractions (gpu-fractioning.nvidia.com/Ready),
+	// and ReadyReason and ReadyMessage the condition's reason and message.
+	Ready        bool   `json:"ready"`
+	ReadyReason  string `json:"readyReason,omitempty"`
+	ReadyMessage string `json:"readyMessage,omitempty"`
+	// Enforcement is the memory-limit backend the node agent reports in
+	// effect (driver, toolkit, mps-pinned, none; "" when none reported).
+	Enforcement string `json:"enforcement,omitempty"`
+	// ReserveMiB is the memory per GPU the scheduler keeps back.
+	ReserveMiB int64 `json:"reserveMiB"`
 	// Shared are the GPUs fractions share, by UUID.
 	Shared []GPU `json:"shared"`
 	// Whole are the pods that hold whole GPUs.
@@ -48,6 +69,8 @@ type GPU struct {
 	// FreeMiB is the schedulable memory (total − the scheduler's reserve)
 	// no tenant's request holds: what the scheduler would still place.
 	FreeMiB int64 `json:"freeMiB"`
+	// SchedulableMiB is the GPU's memory less the reserve.
+	SchedulableMiB int64 `json:"schedulableMiB"`
 }
 
 // Tenant is a fractional pod on a GPU.
@@ -57,6 +80,9 @@ type Tenant struct {
 	LimitMiB   int64  `json:"limitMiB"`
 	// Portion is the sm-sharing compute share ("" for time-slicing).
 	Portion string `json:"portion,omitempty"`
+	// Annotations are the pod's GPU-fraction annotations: what it asked
+	// for and what the scheduler decided.
+	Annotations map[string]string `json:"annotations,omitempty"`
 }
 
 // WholePod holds whole GPUs.
@@ -76,6 +102,13 @@ type Summary struct {
 	FragmentationPct float64 `json:"fragmentationPct"`
 	// Pending counts fractional pods not yet placed.
 	Pending int `json:"pending"`
+	// TotalMiB is all GPU memory; AllocatedMiB what is held (as in
+	// AllocationPct), FreeMiB what the scheduler could still place, and
+	// StrandedMiB the part of it on shared GPUs.
+	TotalMiB     int64 `json:"totalMiB"`
+	AllocatedMiB int64 `json:"allocatedMiB"`
+	FreeMiB      int64 `json:"freeMiB"`
+	StrandedMiB  int64 `json:"strandedMiB"`
 }
 
 // Build makes the view from nodes and pods, read into ledgers as the
@@ -84,19 +117,42 @@ type Summary struct {
 // the per-GPU memory the scheduler keeps back (by model; nil for none), so
 // that free memory is what the scheduler would still place.
 func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, reserve func(model string) int64) View {
-	var v View
+	v := View{Pending: []PendingPod{}}
 	c := ledgers.Build(nodes, pods, ledgers.Options{ReservationNamespace: reservationNamespace, Reserve: reserve})
+	annotations := map[string]map[string]string{} // namespace/name → GPU-fraction annotations
 	for i := range pods {
 		p := &pods[i]
 		if p.Spec.NodeName == "" && p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
 			if reqs, err := api.Parse(api.Intent(p)); err == nil && len(reqs) > 0 {
 				v.Summary.Pending++
+				v.Pending = append(v.Pending, PendingPod{Pod: p.Namespace + "/" + p.Name, Asks: asks(reqs)})
+			}
+		}
+		for k, val := range p.Annotations {
+			if api.IsFractionKey(k) || k == api.GPUGroupsAnnotation {
+				key := p.Namespace + "/" + p.Name
+				if annotations[key] == nil {
+					annotations[key] = map[string]string{}
+				}
+				annotations[key][k] = val
+			}
+		}
+	}
+	conditions := map[string]corev1.NodeCondition{}
+	enforcement := map[string]string{}
+	for _, n := range nodes {
+		enforcement[n.Name] = n.Labels[api.LabelMemoryEnforcement]
+		for _, cond := range n.Status.Conditions {
+			if string(cond.Type) == api.ConditionFractioningReady {
+				conditions[n.Name] = cond
 			}
 		}
 	}
 	var held, total, free, stranded int64
 	for _, ln := range c.Nodes {
-		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready}
+		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready,
+			ReadyReason: conditions[ln.Name].Reason, ReadyMessage: conditions[ln.Name].Message,
+			Enforcement: enforcement[ln.Name], ReserveMiB: ln.ReserveMiB}
 		for _, t := range ln.Tenants {
 			if t.Request.Whole > 0 {
 				n.Whole = append(n.Whole, WholePod{Pod: t.Pod, GPUs: t.Request.Whole})
@@ -108,13 +164,13 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, 
 				shares := d.Shares()
 				switch {
 				case len(shares) > 0:
-					g := GPU{UUID: ln.UUID(slot), Mode: d.Mode(), FreeMiB: d.Free()}
+					g := GPU{UUID: ln.UUID(slot), Mode: d.Mode(), FreeMiB: d.Free(), SchedulableMiB: d.Schedulable()}
 					if g.UUID == "" {
 						g.UUID = fmt.Sprintf("GPU %d", slot)
 					}
 					for key := range shares {
 						t := ln.Tenants[key]
-						tenant := Tenant{Pod: t.Pod, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit}
+						tenant := Tenant{Pod: t.Pod, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
 						if a := t.Assignment; a != nil && a.Mode == api.SMSharing && !a.Portion.IsZero() {
 							tenant.Portion = a.Portion.String()
 						}
@@ -139,6 +195,8 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, 
 		v.Summary.GPUs += n.GPUs
 	}
 	slices.SortFunc(v.Nodes, func(a, b Node) int { return cmp.Compare(a.Name, b.Name) })
+	slices.SortFunc(v.Pending, func(a, b PendingPod) int { return cmp.Compare(a.Pod, b.Pod) })
+	v.Summary.TotalMiB, v.Summary.AllocatedMiB, v.Summary.FreeMiB, v.Summary.StrandedMiB = total, held, free, stranded
 	if total > 0 {
 		v.Summary.AllocationPct = round1(float64(held) * 100 / float64(total))
 	}
@@ -149,6 +207,51 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, 
 }
 
 func round1(x float64) float64 { return float64(int64(x*10+0.5)) / 10 }
+
+// asks says what a pod's requests ask for, in a few words.
+func asks(reqs []api.Request) string {
+	var parts []string
+	for _, r := range reqs {
+		parts = append(parts, r.String())
+	}
+	return strings.Join(parts, "; ")
+}
+
+// WithReasons sets each pending pod's Reason to the message of the latest
+// FailedScheduling event about it: the scheduler's own account of why it
+// waits.
+func WithReasons(v View, events []corev1.Event) View {
+	latest := map[string]*corev1.Event{}
+	for i := range events {
+		e := &events[i]
+		if e.Reason != "FailedScheduling" || e.InvolvedObject.Kind != "Pod" {
+			continue
+		}
+		key := e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name
+		if old, ok := latest[key]; !ok || eventTime(e).After(eventTime(old)) {
+			latest[key] = e
+		}
+	}
+	out := v
+	out.Pending = slices.Clone(v.Pending)
+	for i, p := range out.Pending {
+		if e, ok := latest[p.Pod]; ok {
+			out.Pending[i].Reason = e.Message
+		}
+	}
+	return out
+}
+
+// eventTime is when an event last happened, whichever of its clocks its
+// reporter set.
+func eventTime(e *corev1.Event) time.Time {
+	for _, t := range []time.Time{e.LastTimestamp.Time, e.EventTime.Time, e.FirstTimestamp.Time, e.CreationTimestamp.Time} {
+		if !t.IsZero() {
+			return t
+		}
+	}
+	return time.Time{}
+}
 
 // Render writes the view for a terminal of 80 columns.
 func Render(w io.Writer, v View) error {

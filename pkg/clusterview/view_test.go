@@ -20,7 +20,8 @@ func gpuNode(name string, gpus int64, ready bool) corev1.Node {
 		api.LabelGPUCount: fmt.Sprint(gpus)}}}
 	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(gpus, resource.DecimalSI)}
 	if ready {
-		n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue}}
+		n.Labels[api.LabelMemoryEnforcement] = "driver"
+		n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"}}
 	}
 	return n
 }
@@ -106,9 +107,47 @@ func TestBuild(t *testing.T) {
 	// Held: 61440 + 10240 on the shared GPUs, 81920 whole, of 6 × 81920.
 	// Free: 20480 + 71680 stranded on shared GPUs, 81920 on n1's idle GPU
 	// and 2 × 81920 on n0.
-	want := Summary{GPUs: 6, AllocationPct: 31.3, FragmentationPct: 27.3, Pending: 1}
+	want := Summary{GPUs: 6, AllocationPct: 31.3, FragmentationPct: 27.3, Pending: 1,
+		TotalMiB: 6 * 81920, AllocatedMiB: 61440 + 10240 + 81920, FreeMiB: 20480 + 71680 + 81920 + 2*81920, StrandedMiB: 20480 + 71680}
 	if v.Summary != want {
 		t.Errorf("summary %+v, want %+v", v.Summary, want)
+	}
+	if len(v.Pending) != 1 || v.Pending[0].Pod != "team/waiting" || !strings.Contains(v.Pending[0].Asks, "request=0.5") {
+		t.Errorf("pending: %+v", v.Pending)
+	}
+	big := a.Tenants[0].Annotations
+	if big[api.ContainerKey("main", api.SuffixDevices)] != "GPU-a" || len(big) != 4 {
+		t.Errorf("team/big's annotations: %v", big)
+	}
+	if n1.ReadyReason != "EnforcementAvailable" || n1.Enforcement != "driver" || v.Nodes[0].Ready || v.Nodes[0].ReadyReason != "" {
+		t.Errorf("readiness: n1 %q %q, n0 %v", n1.ReadyReason, n1.Enforcement, v.Nodes[0].Ready)
+	}
+	if a.SchedulableMiB != 81920 {
+		t.Errorf("schedulable %d", a.SchedulableMiB)
+	}
+}
+
+// A pending pod's reason is the latest FailedScheduling event about it,
+// whichever clock its reporter set; other events and pods are left out.
+func TestWithReasons(t *testing.T) {
+	at := func(sec int64) metav1.Time { return metav1.Unix(sec, 0) }
+	ev := func(name, reason, msg string, last metav1.Time, micro metav1.MicroTime) corev1.Event {
+		return corev1.Event{InvolvedObject: corev1.ObjectReference{Kind: "Pod", Namespace: "team", Name: name},
+			Reason: reason, Message: msg, LastTimestamp: last, EventTime: micro}
+	}
+	events := []corev1.Event{
+		ev("waiting", "FailedScheduling", "old", at(10), metav1.MicroTime{}),
+		ev("waiting", "FailedScheduling", "0/3 nodes are available: 2 no GPU with 40960Mi free", metav1.Time{}, metav1.NewMicroTime(at(20).Time)),
+		ev("waiting", "Scheduled", "later but not a failure", at(30), metav1.MicroTime{}),
+		ev("other", "FailedScheduling", "not pending", at(40), metav1.MicroTime{}),
+	}
+	v := cluster()
+	got := WithReasons(v, events)
+	if len(got.Pending) != 1 || got.Pending[0].Reason != "0/3 nodes are available: 2 no GPU with 40960Mi free" {
+		t.Errorf("pending: %+v", got.Pending)
+	}
+	if v.Pending[0].Reason != "" {
+		t.Errorf("WithReasons changed its argument: %+v", v.Pending)
 	}
 }
 

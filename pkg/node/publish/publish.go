@@ -32,8 +32,8 @@ const (
 	LabelGPUProduct     = api.LabelGPUProduct
 	LabelDriverVersion  = "gpufrac.io/driver-version"
 	LabelCUDAVersion    = "gpufrac.io/cuda-version"
-	LabelEnforcement    = "gpufrac.io/memory-enforcement" // the backend in effect: driver, toolkit, mps-pinned or none
-	LabelInventoryOwner = "gpufrac.io/gpu-labels"         // "agent" when the agent wrote nvidia.com/gpu.*
+	LabelEnforcement    = api.LabelMemoryEnforcement
+	LabelInventoryOwner = "gpufrac.io/gpu-labels" // "agent" when the agent wrote nvidia.com/gpu.*
 )
 
 // Reasons of the Ready condition.
