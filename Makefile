@@ -63,7 +63,7 @@ test: preflight verify unit ## the whole suite: formatting, vet, lint, then ever
 # which would make them ten times slower.
 TRACE_TESTS := ^(TestFidelityToThePublishedStudy|TestQualityOurPolicyBeatsFGD)$$
 
-unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) ## every test: with the race detector, then the trace replays without it
+unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) chromium ## every test: with the race detector, then the trace replays without it
 	$(call announce,"go test -race ./...: compiles every package again with the race detector (first time: about 7 min)$(,) then runs the suite (about 3 min)")
 	$(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
 	$(call announce,"the trace replays against the published study$(,) without the race detector (about 1.5 min)")
@@ -90,6 +90,15 @@ $(KUBECTL): go.mod go.sum | preflight
 	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubectl
 	@touch $@
 
+.PHONY: chromium
+# The dashboard's browser test drives Debian's Chromium headless. It is a
+# system package (apt, as root): installed once, then found on PATH.
+chromium: ## install Debian's Chromium for the dashboard's browser test (once; needs root and apt)
+	@command -v chromium >/dev/null 2>&1 || { \
+	  printf '==> %s\n' "chromium: Debian's package, for the dashboard's browser test (first time: about 1 min)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || { echo "chromium is not on PATH after installing it: install Debian's chromium package by hand"; exit 1; }
+
 .PHONY: kwok
 kwok: $(KWOK) ## build KWOK (the local cluster's fake kubelets) into bin/
 
@@ -107,10 +116,11 @@ $(HELM): go.mod go.sum | preflight
 	@touch $@
 
 .PHONY: chart-lint
-chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler (its render test is in test/integration)
+chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler, dashboard (its render test is in test/integration)
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART)
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set webhook.certificates.provider=certManager
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set scheduler.enabled=false,nodeAgent.restrictToOwnNode=false
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set dashboard.enabled=true
 
 .PHONY: verify
 verify: standalone-check fmt-check vet lint tidy-check chart-lint ## static checks only

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -19,11 +20,12 @@ import (
 
 func newUpCommand() *cobra.Command {
 	var (
-		nodes   int
-		machine string
-		demo    bool
-		keep    bool
-		dir     string
+		nodes     int
+		machine   string
+		demo      bool
+		keep      bool
+		dir       string
+		dashboard string
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -68,19 +70,29 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 			out := cmd.OutOrStdout()
 			start := time.Now()
 			fmt.Fprintf(out, "gpufrac up: %d node(s) × %s, state in %s\n", nodes, machine, dir)
+			if dashboard != "" {
+				// Taken (another up, or anything else): a free port rather
+				// than no dashboard; the URL is printed either way.
+				if l, err := net.Listen("tcp", dashboard); err != nil {
+					fmt.Fprintf(out, "gpufrac up: %s is taken (%v); the dashboard gets a free port\n", dashboard, err)
+					dashboard = ""
+				} else {
+					_ = l.Close()
+				}
+			}
 			cluster, err := localcluster.Up(cmd.Context(), localcluster.Options{
-				Dir: dir, Nodes: nodes, Machine: machine, Binary: self, Root: root, Progress: out,
+				Dir: dir, Nodes: nodes, Machine: machine, Binary: self, Root: root, Progress: out, Dashboard: dashboard,
 			})
 			if err != nil {
 				return err
 			}
 			defer func() {
-				fmt.Fprintln(out, "gpufrac up: stopping kube-controller-manager, scheduler, KWOK, node agents, webhook, kube-apiserver and etcd …")
+				fmt.Fprintln(out, "gpufrac up: stopping dashboard, kube-controller-manager, scheduler, KWOK, node agents, webhook, kube-apiserver and etcd …")
 				cluster.Down()
 				fmt.Fprintln(out, "gpufrac up: stopped; no process left")
 			}()
-			fmt.Fprintf(out, "gpufrac up: ready in %.1fs\n  export KUBECONFIG=%s\n  kubectl get nodes; bin/gpufrac top\n",
-				time.Since(start).Seconds(), cluster.Kubeconfig)
+			fmt.Fprintf(out, "gpufrac up: ready in %.1fs\n  export KUBECONFIG=%s\n  kubectl get nodes; bin/gpufrac top\n  dashboard: %s\n",
+				time.Since(start).Seconds(), cluster.Kubeconfig, cluster.DashboardURL)
 			if demo {
 				if err := cluster.Demo(cmd.Context(), filepath.Join(root, "examples"), out); err != nil {
 					return err
@@ -89,6 +101,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 				if !keep {
 					return nil
 				}
+				fmt.Fprintf(out, "  the dashboard: %s\n", cluster.DashboardURL)
 			}
 			fmt.Fprintln(out, "gpufrac up: running; Ctrl-C or `gpufrac down` stops it")
 			<-cmd.Context().Done()
@@ -101,6 +114,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 	f.BoolVar(&demo, "demo", false, "apply every object of examples/, show the placements and a refusal, then stop")
 	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
 	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	f.StringVar(&dashboard, "dashboard", "127.0.0.1:8080", "address of the dashboard (a free loopback port if taken)")
 	return cmd
 }
 

@@ -57,6 +57,9 @@ type Options struct {
 	Root string
 	// Progress receives one line per step, with its time.
 	Progress io.Writer
+	// Dashboard is the address the dashboard serves on (host:port); ""
+	// picks a free loopback port.
+	Dashboard string
 }
 
 // Cluster is a running local cluster.
@@ -67,9 +70,11 @@ type Cluster struct {
 	// AdminConfig is Admin's connection, for clients of other kinds.
 	AdminConfig *rest.Config
 	Kubeconfig  string
-	procs       []*process
-	stopHook    context.CancelFunc
-	hookDone    chan error
+	// DashboardURL is where the dashboard serves.
+	DashboardURL string
+	procs        []*process
+	stopHook     context.CancelFunc
+	hookDone     chan error
 }
 
 type process struct {
@@ -83,6 +88,7 @@ type process struct {
 const (
 	schedulerUser = admission.DefaultSchedulerUser
 	agentUser     = "system:serviceaccount:gpufrac-system:gpufrac-node-agent"
+	dashboardUser = "system:serviceaccount:gpufrac-system:gpufrac-dashboard"
 )
 
 // Up starts everything, in order, and returns once every node reports
@@ -130,6 +136,9 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		return nil, err
 	}
 	if err := c.step("kube-controller-manager (Deployments, Jobs, claims; a credential per controller)", func() error { return c.startControllerManager(ctx) }); err != nil {
+		return nil, err
+	}
+	if err := c.step("dashboard (read-only: pods, nodes, events)", func() error { return c.startDashboard(ctx) }); err != nil {
 		return nil, err
 	}
 	if err := c.step("waiting for the nodes to report gpu-fractioning.nvidia.com/Ready", func() error { return c.waitReady(ctx) }); err != nil {
@@ -261,7 +270,7 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 }
 
 func (c *Cluster) applyRBAC(ctx context.Context) error {
-	for _, f := range []string{"node-agent/node-agent.yaml", "scheduler/scheduler.yaml"} {
+	for _, f := range []string{"node-agent/node-agent.yaml", "scheduler/scheduler.yaml", "dashboard/dashboard.yaml"} {
 		if err := ApplyRBAC(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", f)); err != nil {
 			return err
 		}
@@ -467,6 +476,43 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 		return fmt.Errorf("%s has not started: %w (see %s)", waiting, err, filepath.Join(c.opts.Dir, "logs", "controller-manager.log"))
 	}
 	return err
+}
+
+// startDashboard runs `gpufrac dashboard` as its own service account
+// (deploy/dashboard's read-only RBAC) and waits until it serves.
+func (c *Cluster) startDashboard(ctx context.Context) error {
+	kc, err := c.kubeconfigFor("dashboard", dashboardUser, serviceAccountGroups...)
+	if err != nil {
+		return err
+	}
+	addr := c.opts.Dashboard
+	if addr == "" {
+		port, err := freePort()
+		if err != nil {
+			return err
+		}
+		addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	}
+	if err := c.start("dashboard", "dashboard", "--kubeconfig", kc, "--listen", addr); err != nil {
+		return err
+	}
+	c.DashboardURL = "http://" + addr + "/"
+	client := &http.Client{Timeout: 2 * time.Second}
+	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		if err := c.exited("dashboard"); err != nil {
+			return false, err
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.DashboardURL+"healthz", nil)
+		if err != nil {
+			return false, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return false, nil //nolint:nilerr // not serving yet: ask again
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode == http.StatusOK, nil
+	})
 }
 
 // freePort is a loopback TCP port nobody listens on now.

@@ -24,10 +24,12 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -491,5 +493,52 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 	}
 	if err := uuid("reservation-gpu-b"); !apierrors.IsForbidden(err) {
 		t.Errorf("agent on gpu-a annotating gpu-b's reservation pod: %v", err)
+	}
+}
+
+// The dashboard is off by default; on, it gets exactly deploy/dashboard's
+// read-only RBAC, a ClusterIP Service, and a Deployment that runs
+// `gpufrac dashboard` unprivileged with the scheduler's reserve.
+func TestChartDashboard(t *testing.T) {
+	for _, o := range mustRender(t) {
+		if strings.Contains(o.GetName(), "dashboard") {
+			t.Errorf("the default chart has %s %s", o.GetKind(), o.GetName())
+		}
+	}
+	chart := mustRender(t, "--set", "dashboard.enabled=true", "--set", "scheduler.gpuMemoryReserveMiB=1024")
+	ref := readManifests(t, "dashboard/dashboard.yaml")
+	for _, r := range ref {
+		c := find(chart, r.GetKind(), r.GetNamespace(), r.GetName())
+		if c == nil {
+			t.Fatalf("the chart has no %s %s/%s", r.GetKind(), r.GetNamespace(), r.GetName())
+		}
+		for _, f := range [][]string{{"rules"}, {"roleRef"}, {"subjects"}} {
+			a, _, _ := unstructured.NestedFieldNoCopy(r.Object, f...)
+			b, _, _ := unstructured.NestedFieldNoCopy(c.Object, f...)
+			if diff := cmp.Diff(a, b); diff != "" {
+				t.Errorf("%s %s .%s: the chart differs from deploy/ (-deploy +chart):\n%s", r.GetKind(), r.GetName(), strings.Join(f, "."), diff)
+			}
+		}
+	}
+	svc := find(chart, "Service", namespace, "gpufrac-dashboard")
+	if typ, _, _ := unstructured.NestedString(svc.Object, "spec", "type"); svc == nil || typ != "ClusterIP" {
+		t.Errorf("dashboard Service: %v", svc)
+	}
+	d := find(chart, "Deployment", namespace, "gpufrac-dashboard")
+	if d == nil {
+		t.Fatal("no dashboard Deployment")
+	}
+	var dep appsv1.Deployment
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(d.Object, &dep); err != nil {
+		t.Fatal(err)
+	}
+	c := dep.Spec.Template.Spec.Containers[0]
+	if c.Args[0] != "dashboard" || !slices.Contains(c.Args, "--gpu-memory-reserve-mib=1024") || !slices.Contains(c.Args, "--reservation-namespace=gpufrac-reservations") {
+		t.Errorf("dashboard args %v", c.Args)
+	}
+	sc := c.SecurityContext
+	if dep.Spec.Template.Spec.ServiceAccountName != "gpufrac-dashboard" || sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation ||
+		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || dep.Spec.Template.Spec.HostNetwork {
+		t.Errorf("dashboard pod privileges: %+v", dep.Spec.Template.Spec)
 	}
 }

@@ -283,11 +283,11 @@ func TestEndToEnd(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The pid file names this test process first, then its children:
-		// etcd, kube-apiserver, the node agents, KWOK, the scheduler and
-		// kube-controller-manager.
+		// etcd, kube-apiserver, the node agents, KWOK, the scheduler,
+		// kube-controller-manager and the dashboard.
 		pids := strings.Fields(string(raw))[1:]
-		if len(pids) != 8+5 {
-			t.Errorf("up.pid names %d children, want 13 (etcd, kube-apiserver, 8 node agents, KWOK, scheduler, kube-controller-manager)", len(pids))
+		if len(pids) != 8+6 {
+			t.Errorf("up.pid names %d children, want 14 (etcd, kube-apiserver, 8 node agents, KWOK, scheduler, kube-controller-manager, dashboard)", len(pids))
 		}
 		c.Down()
 		for _, pid := range pids {

@@ -77,8 +77,8 @@ func TestLocalClusterDown(t *testing.T) {
 			pids = append(pids, p)
 		}
 	}
-	if len(pids) != 7 { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler, kube-controller-manager
-		t.Fatalf("up.pid lists %v, want up and its 6 children", pids)
+	if len(pids) != 8 { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler, kube-controller-manager, the dashboard
+		t.Fatalf("up.pid lists %v, want up and its 7 children", pids)
 	}
 	if out, err := exec.Command(gpufracBinary(t), "down", "--dir", dir).CombinedOutput(); err != nil {
 		t.Fatalf("gpufrac down: %v\n%s", err, out)

@@ -10,6 +10,7 @@
 {{- define "gpufrac.scheduler" -}}{{ include "gpufrac.fullname" . }}-scheduler{{- end -}}
 {{- define "gpufrac.webhook" -}}{{ include "gpufrac.fullname" . }}-webhook{{- end -}}
 {{- define "gpufrac.nodeAgent" -}}{{ include "gpufrac.fullname" . }}-node-agent{{- end -}}
+{{- define "gpufrac.dashboard" -}}{{ include "gpufrac.fullname" . }}-dashboard{{- end -}}
 
 {{/* The service-account user names the API server sees. */}}
 {{- define "gpufrac.schedulerUser" -}}system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpufrac.scheduler" . }}{{- end -}}

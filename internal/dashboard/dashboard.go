@@ -1,0 +1,333 @@
+// Package dashboard serves a read-only web view of the cluster's GPUs: the
+// view `gpufrac top` prints (package clusterview, over the same ledgers as
+// the scheduler), with the scheduler's reasons for pending pods, pushed to
+// the page as it changes. It watches pods, nodes and FailedScheduling
+// events through informers and rebuilds the view a moment after a change;
+// the page receives each new view over one Server-Sent Events stream. The
+// page, its script and style are embedded: nothing is fetched from
+// elsewhere at run time.
+package dashboard
+
+import (
+	"bytes"
+	"context"
+	"embed"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
+)
+
+//go:embed static
+var static embed.FS
+
+// Options say what to watch and how to count.
+type Options struct {
+	Client kubernetes.Interface
+	// ReservationNamespace holds the reservation pods.
+	ReservationNamespace string
+	// Reserve is the per-GPU memory the scheduler keeps back, by model
+	// (nil for none), so that free memory is what it would still place.
+	Reserve func(model string) int64
+	// Settle is how long a change waits for more before the view is
+	// rebuilt (a burst of pod updates becomes one push); default 200 ms.
+	Settle time.Duration
+}
+
+// Server is the dashboard.
+type Server struct {
+	opts    Options
+	pods    func() ([]*corev1.Pod, error)
+	nodes   func() ([]*corev1.Node, error)
+	events  func() ([]*corev1.Event, error)
+	changed chan struct{}
+	synced  chan struct{}
+
+	mu      sync.Mutex
+	current []byte                   // the latest view, as JSON
+	subs    map[chan []byte]struct{} // open event streams
+}
+
+// New returns a dashboard over opts.Client; Run starts it.
+func New(opts Options) *Server {
+	if opts.Settle <= 0 {
+		opts.Settle = 200 * time.Millisecond
+	}
+	return &Server{opts: opts, changed: make(chan struct{}, 1), synced: make(chan struct{}), subs: map[chan []byte]struct{}{}}
+}
+
+// Run watches the cluster and serves the dashboard on l until ctx ends.
+func (s *Server) Run(ctx context.Context, l net.Listener) error {
+	logger := klog.FromContext(ctx)
+	factory := informers.NewSharedInformerFactory(s.opts.Client, 0)
+	// Only the scheduler's FailedScheduling events: the pending pods' reasons.
+	eventFactory := informers.NewSharedInformerFactoryWithOptions(s.opts.Client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.FieldSelector = fields.OneTermEqualSelector("reason", "FailedScheduling").String()
+	}))
+	podInformer, nodeInformer := factory.Core().V1().Pods(), factory.Core().V1().Nodes()
+	eventInformer := eventFactory.Core().V1().Events()
+	poke := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { s.poke() },
+		UpdateFunc: func(any, any) { s.poke() },
+		DeleteFunc: func(any) { s.poke() },
+	}
+	for _, inf := range []cache.SharedIndexInformer{podInformer.Informer(), nodeInformer.Informer(), eventInformer.Informer()} {
+		if _, err := inf.AddEventHandler(poke); err != nil {
+			return err
+		}
+	}
+	s.pods = func() ([]*corev1.Pod, error) { return podInformer.Lister().List(labels.Everything()) }
+	s.nodes = func() ([]*corev1.Node, error) { return nodeInformer.Lister().List(labels.Everything()) }
+	s.events = func() ([]*corev1.Event, error) { return eventInformer.Lister().List(labels.Everything()) }
+
+	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second, BaseContext: func(net.Listener) context.Context { return ctx }}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	factory.Start(ctx.Done())
+	eventFactory.Start(ctx.Done())
+	for _, ok := range factory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return errors.Join(ctx.Err(), srv.Close())
+		}
+	}
+	for _, ok := range eventFactory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return errors.Join(ctx.Err(), srv.Close())
+		}
+	}
+	if err := s.rebuild(); err != nil {
+		return errors.Join(err, srv.Close())
+	}
+	close(s.synced)
+	logger.Info("Serving the dashboard", "url", "http://"+l.Addr().String()+"/")
+	for {
+		select {
+		case <-ctx.Done():
+			shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			s.closeStreams()
+			return srv.Shutdown(shutdown)
+		case err := <-served:
+			return err
+		case <-s.changed:
+			// Let a burst of changes settle into one rebuild.
+			select {
+			case <-ctx.Done():
+			case <-time.After(s.opts.Settle):
+			}
+			if err := s.rebuild(); err != nil {
+				logger.Error(err, "Could not rebuild the view; keeping the last one")
+			}
+		}
+	}
+}
+
+func (s *Server) poke() {
+	select {
+	case s.changed <- struct{}{}:
+	default:
+	}
+}
+
+// View builds the view from what the informers hold.
+func (s *Server) View() (clusterview.View, error) {
+	pods, err := s.pods()
+	if err != nil {
+		return clusterview.View{}, err
+	}
+	nodes, err := s.nodes()
+	if err != nil {
+		return clusterview.View{}, err
+	}
+	events, err := s.events()
+	if err != nil {
+		return clusterview.View{}, err
+	}
+	return BuildView(deref(nodes), deref(pods), deref(events), s.opts.ReservationNamespace, s.opts.Reserve), nil
+}
+
+// BuildView is the dashboard's view: `gpufrac top`'s, with the pending
+// pods' reasons from the scheduler's FailedScheduling events.
+func BuildView(nodes []corev1.Node, pods []corev1.Pod, events []corev1.Event, reservationNamespace string, reserve func(string) int64) clusterview.View {
+	return clusterview.WithReasons(clusterview.Build(nodes, pods, reservationNamespace, reserve), events)
+}
+
+func deref[T any](in []*T) []T {
+	out := make([]T, len(in))
+	for i, p := range in {
+		out[i] = *p
+	}
+	return out
+}
+
+// rebuild makes the view again and, when it changed, pushes it to every
+// open stream.
+func (s *Server) rebuild() error {
+	v, err := s.View()
+	if err != nil {
+		return err
+	}
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if bytes.Equal(raw, s.current) {
+		return nil
+	}
+	s.current = raw
+	for sub := range s.subs {
+		send(sub, raw)
+	}
+	return nil
+}
+
+// send gives a stream the latest view, replacing one it has not taken yet:
+// a slow page skips views, never falls behind.
+func send(sub chan []byte, raw []byte) {
+	for {
+		select {
+		case sub <- raw:
+			return
+		default:
+		}
+		select {
+		case <-sub:
+		default:
+		}
+	}
+}
+
+func (s *Server) subscribe() (chan []byte, []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sub := make(chan []byte, 1)
+	s.subs[sub] = struct{}{}
+	return sub, s.current
+}
+
+func (s *Server) unsubscribe(sub chan []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.subs, sub)
+}
+
+// closeStreams ends every open stream, so that shutdown need not wait
+// for the pages to leave.
+func (s *Server) closeStreams() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for sub := range s.subs {
+		close(sub)
+		delete(s.subs, sub)
+	}
+}
+
+// Handler serves the page (/), the view as JSON (/api/view, as `gpufrac
+// top -o json` prints it, with reasons), the stream of views
+// (/api/stream) and /healthz (ok once the informers have synced). Only GET
+// and HEAD: the dashboard changes nothing.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	files, err := fs.Sub(static, "static")
+	if err != nil {
+		panic(err) // the embedded tree is part of the binary
+	}
+	mux.Handle("GET /", http.FileServerFS(files))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		select {
+		case <-s.synced:
+			_, _ = w.Write([]byte("ok\n"))
+		default:
+			http.Error(w, "informers not synced yet", http.StatusServiceUnavailable)
+		}
+	})
+	mux.HandleFunc("GET /api/view", func(w http.ResponseWriter, _ *http.Request) {
+		_, raw := s.snapshot()
+		if raw == nil {
+			http.Error(w, "informers not synced yet", http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write(raw)
+	})
+	mux.HandleFunc("GET /api/stream", s.stream)
+	return secure(mux)
+}
+
+func (s *Server) snapshot() (bool, []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.current != nil, s.current
+}
+
+// stream sends the current view, then each new one, as Server-Sent Events
+// ("view" events, one JSON view each), with a comment every 20 s to keep
+// proxies from closing an idle stream.
+func (s *Server) stream(w http.ResponseWriter, r *http.Request) {
+	flusher, ok := w.(http.Flusher)
+	if !ok {
+		http.Error(w, "streaming unsupported", http.StatusInternalServerError)
+		return
+	}
+	sub, current := s.subscribe()
+	defer s.unsubscribe(sub)
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-store")
+	h.Set("X-Accel-Buffering", "no")
+	write := func(raw []byte) bool {
+		_, err := fmt.Fprintf(w, "event: view\ndata: %s\n\n", raw)
+		flusher.Flush()
+		return err == nil
+	}
+	if current != nil && !write(current) {
+		return
+	}
+	flusher.Flush()
+	keepalive := time.NewTicker(20 * time.Second)
+	defer keepalive.Stop()
+	for {
+		select {
+		case <-r.Context().Done():
+			return
+		case raw, open := <-sub:
+			if !open || !write(raw) {
+				return
+			}
+		case <-keepalive.C:
+			if _, err := fmt.Fprint(w, ": keepalive\n\n"); err != nil {
+				return
+			}
+			flusher.Flush()
+		}
+	}
+}
+
+// secure sets the headers of a read-only page that loads nothing from
+// elsewhere: only its own script and style, no framing, no sniffing.
+func secure(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := w.Header()
+		h.Set("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+		h.Set("X-Content-Type-Options", "nosniff")
+		h.Set("Referrer-Policy", "no-referrer")
+		next.ServeHTTP(w, r)
+	})
+}

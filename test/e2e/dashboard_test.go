@@ -1,0 +1,185 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
+)
+
+// chromium is Debian's Chromium ($CHROMIUM, or on PATH), which `make
+// test` installs; missing, the test fails and says how to get it.
+func chromium(t *testing.T) string {
+	t.Helper()
+	if p := os.Getenv("CHROMIUM"); p != "" {
+		return p
+	}
+	p, err := exec.LookPath("chromium")
+	if err != nil {
+		t.Fatalf("no chromium on PATH (nor $CHROMIUM): run `make chromium` (Debian's package), which `make test` does")
+	}
+	return p
+}
+
+// mib is how the page prints MiB: as top does.
+func mib(v int64) string {
+	if v != 0 && v%1024 == 0 {
+		return fmt.Sprintf("%dGi", v/1024)
+	}
+	return fmt.Sprintf("%dMi", v)
+}
+
+// The dashboard in a real browser (headless Chromium) against a local
+// cluster: it shows the examples' tenants with the free memory the view
+// has, a tenant's annotations on a click, a new pod as it is placed and a
+// deleted one as it goes without a reload, a pending pod with the
+// scheduler's reason, and fits a phone's width. The screenshot is saved
+// in the test's artifact directory (go test -artifacts keeps it) and at
+// $GPUFRAC_SCREENSHOT when set (docs/dashboard.png, for the README).
+func TestDashboardInABrowser(t *testing.T) {
+	browser := chromium(t)
+	c, _ := up(t, 2)
+	ctx := context.Background()
+	root, _ := testenv.RepoRoot()
+	if err := c.Demo(ctx, filepath.Join(root, "examples"), io.Discard); err != nil {
+		t.Fatal(err)
+	}
+
+	// The figures the page must show: the server's view.
+	resp, err := http.Get(c.DashboardURL + "api/view")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var view clusterview.View
+	err = json.NewDecoder(resp.Body).Decode(&view)
+	_ = resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var halfGPU clusterview.GPU
+	for _, n := range view.Nodes {
+		for _, g := range n.Shared {
+			for _, tn := range g.Tenants {
+				if tn.Pod == "default/fraction-half" {
+					halfGPU = g
+				}
+			}
+		}
+	}
+	if halfGPU.UUID == "" {
+		t.Fatalf("/api/view has no default/fraction-half: %+v", view)
+	}
+
+	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(browser), chromedp.NoSandbox, chromedp.DisableGPU,
+		chromedp.UserDataDir(t.TempDir()), chromedp.WindowSize(1280, 900),
+		// This machine's network is closed: no background fetches.
+		chromedp.Flag("disable-background-networking", true), chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true), chromedp.Flag("disable-quic", true), chromedp.Flag("no-first-run", true))
+	alloc, cancelAlloc := chromedp.NewExecAllocator(ctx, opts...)
+	defer cancelAlloc()
+	page, cancelPage := chromedp.NewContext(alloc)
+	defer cancelPage()
+	page, cancel := context.WithTimeout(page, 3*time.Minute)
+	defer cancel()
+
+	tenant := func(pod string) chromedp.CSS { return chromedp.CSS(`.tenants li[data-pod="` + pod + `"]`) }
+	text := func(sel chromedp.CSS) string {
+		t.Helper()
+		v, err := chromedp.Run(page, chromedp.Text(sel))
+		if err != nil {
+			t.Fatalf("text of %s: %v", sel, err)
+		}
+		return v
+	}
+	if err := chromedp.Do(page,
+		chromedp.Navigate(c.DashboardURL),
+		chromedp.WaitVisible(tenant("default/fraction-half")),
+		chromedp.Click(tenant("default/fraction-half")+" summary"),
+		chromedp.WaitVisible(tenant("default/fraction-half")+" dl dt"),
+	); err != nil {
+		t.Fatalf("the page: %v", err)
+	}
+	if got, want := text(chromedp.CSS(`.gpu[data-uuid="`+halfGPU.UUID+`"] .free`)), "free "+mib(halfGPU.FreeMiB)+" of "+mib(halfGPU.SchedulableMiB); !strings.HasPrefix(got, want) {
+		t.Errorf("fraction-half's GPU says %q, want %q…", got, want)
+	}
+	if got := text(`#fig-free dd`); got != mib(view.Summary.FreeMiB) {
+		t.Errorf("the summary's free memory is %q, want %q", got, mib(view.Summary.FreeMiB))
+	}
+	if got := text(tenant("default/fraction-half") + " dl"); !strings.Contains(got, api.ContainerKey("main", api.SuffixDevices)) || !strings.Contains(got, halfGPU.UUID) {
+		t.Errorf("fraction-half's annotations on the page: %q", got)
+	}
+	if _, err := chromedp.Run(page, chromedp.Evaluate[bool](`window.notReloaded = true`)); err != nil {
+		t.Fatal(err)
+	}
+
+	// A pod appears once placed, and goes once deleted, without a reload.
+	if _, err := c.Admin.CoreV1().Pods("default").Create(ctx, pod("live-one", map[string]string{api.KeyFraction: "0.1"}), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// One that no node can take waits, with the scheduler's reason.
+	stuck := pod("stuck", map[string]string{api.KeyFraction: "0.5"})
+	stuck.Spec.NodeSelector = map[string]string{"no-such-label": "x"}
+	if _, err := c.Admin.CoreV1().Pods("default").Create(ctx, stuck, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	const stuckReason = `#pending-list li[data-pod="default/stuck"] .reason`
+	if err := chromedp.Do(page,
+		chromedp.WaitVisible(tenant("default/live-one")),
+		chromedp.WaitVisible(chromedp.CSS(stuckReason)),
+	); err != nil {
+		t.Fatalf("the new pods on the page: %v", err)
+	}
+	if _, err := chromedp.Run(page, chromedp.Poll[bool](`document.querySelector('`+stuckReason+`').textContent.startsWith("scheduler: ")`)); err != nil {
+		t.Fatalf("the pending pod's reason: %v", err)
+	}
+	if reason := text(stuckReason); !strings.Contains(reason, "node(s) didn't match Pod's node affinity/selector") {
+		t.Errorf("the pending pod's reason: %q", reason)
+	}
+	if err := c.Admin.CoreV1().Pods("default").Delete(ctx, "live-one", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := chromedp.Do(page, chromedp.WaitNotPresent(tenant("default/live-one"))); err != nil {
+		t.Fatalf("the deleted pod on the page: %v", err)
+	}
+	if notReloaded, err := chromedp.Run(page, chromedp.Evaluate[bool](`window.notReloaded === true`)); err != nil || !notReloaded {
+		t.Errorf("the page was reloaded to show the changes (%v)", err)
+	}
+	screenshot, err := chromedp.Run(page, chromedp.FullScreenshot(100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{filepath.Join(t.ArtifactDir(), "dashboard.png"), os.Getenv("GPUFRAC_SCREENSHOT")} {
+		if path == "" {
+			continue
+		}
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, screenshot, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("screenshot: %s", path)
+	}
+
+	// At a phone's width nothing needs sideways scrolling.
+	if err := chromedp.Do(page, chromedp.EmulateViewport(390, 844), chromedp.Sleep(200*time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	if fits, err := chromedp.Run(page, chromedp.Evaluate[bool](`document.documentElement.scrollWidth <= window.innerWidth`)); err != nil || !fits {
+		t.Errorf("the page is wider than a phone's 390 px (%v)", err)
+	}
+}
