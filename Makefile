@@ -51,8 +51,10 @@ shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for frac
 	$(GO) run ./shim/cmd/build-shim $(BIN)/shim
 
 .PHONY: demo
-demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster places examples/, shows every GPU, refuses a bad pod, stops
-	$(BIN)/gpufrac up --demo
+# DEMO_FLAGS=--keep stays up afterwards, with the dashboard's URL printed.
+DEMO_FLAGS ?=
+demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster places examples/, shows every GPU, refuses a bad pod, stops (DEMO_FLAGS=--keep: stays up, with the dashboard)
+	$(BIN)/gpufrac up --demo $(DEMO_FLAGS)
 
 .PHONY: test
 test: preflight verify unit ## the whole suite: formatting, vet, lint, then every test
@@ -70,7 +72,7 @@ unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) chromium ## every test: with the 
 	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
 
 .PHONY: e2e
-e2e: $(KUBE_STAMP) $(KWOK) ## end to end on a local cluster (gpufrac up): examples, a forged key, crashes during a burst of 500 (also in make test)
+e2e: $(KUBE_STAMP) $(KWOK) chromium ## end to end on a local cluster (gpufrac up): examples, a forged key, crashes during a burst of 500 (also in make test)
 	$(GO) test -count=1 -v ./test/e2e/
 
 .PHONY: kube-binaries

@@ -2,7 +2,6 @@ package cli
 
 import (
 	"fmt"
-	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -29,7 +28,7 @@ func newUpCommand() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
-		Short: "Run a local GPU-fraction cluster: etcd, kube-apiserver, webhook, scheduler, controller-manager, simulated GPU nodes",
+		Short: "Run a local GPU-fraction cluster: etcd, kube-apiserver, webhook, scheduler, controller-manager, dashboard, simulated GPU nodes",
 		Long: `Run gpufrac's whole stack on this machine, on loopback, until Ctrl-C (or
 gpufrac down): the real etcd and kube-apiserver with RBAC and admission, the
 admission webhook with a generated CA, gpufrac scheduler as the gpufrac
@@ -37,7 +36,8 @@ profile, kube-controller-manager (Deployments, Jobs, StatefulSets,
 DaemonSets, claim templates; each controller with its own credentials), a
 node agent per node in GPU-simulation mode (go-nvml's mock machines), and
 KWOK as the nodes' kubelets: bound pods become Running (no container runs),
-a Job's pods complete, and deleted pods go away. kube-apiserver,
+a Job's pods complete, and deleted pods go away; and gpufrac dashboard, whose
+URL it prints (--dashboard). kube-apiserver,
 kube-controller-manager, etcd and KWOK are built from source into bin/ the
 first time (make kube-binaries kwok).
 
@@ -70,16 +70,6 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 			out := cmd.OutOrStdout()
 			start := time.Now()
 			fmt.Fprintf(out, "gpufrac up: %d node(s) × %s, state in %s\n", nodes, machine, dir)
-			if dashboard != "" {
-				// Taken (another up, or anything else): a free port rather
-				// than no dashboard; the URL is printed either way.
-				if l, err := net.Listen("tcp", dashboard); err != nil {
-					fmt.Fprintf(out, "gpufrac up: %s is taken (%v); the dashboard gets a free port\n", dashboard, err)
-					dashboard = ""
-				} else {
-					_ = l.Close()
-				}
-			}
 			cluster, err := localcluster.Up(cmd.Context(), localcluster.Options{
 				Dir: dir, Nodes: nodes, Machine: machine, Binary: self, Root: root, Progress: out, Dashboard: dashboard,
 			})

@@ -18,6 +18,8 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
+	"reflect"
+	"strings"
 	"sync"
 	"time"
 
@@ -61,6 +63,10 @@ type Server struct {
 	mu      sync.Mutex
 	current []byte                   // the latest view, as JSON
 	subs    map[chan []byte]struct{} // open event streams
+	closed  bool                     // shutting down: no new streams
+	// loopbackOnly: serving on a loopback address, so only a loopback Host
+	// is answered (a web page must not reach it by DNS rebinding).
+	loopbackOnly bool
 }
 
 // New returns a dashboard over opts.Client; Run starts it.
@@ -77,7 +83,7 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 	factory := informers.NewSharedInformerFactory(s.opts.Client, 0)
 	// Only the scheduler's FailedScheduling events: the pending pods' reasons.
 	eventFactory := informers.NewSharedInformerFactoryWithOptions(s.opts.Client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-		o.FieldSelector = fields.OneTermEqualSelector("reason", "FailedScheduling").String()
+		o.FieldSelector = fields.OneTermEqualSelector("reason", clusterview.ReasonFailedScheduling).String()
 	}))
 	podInformer, nodeInformer := factory.Core().V1().Pods(), factory.Core().V1().Nodes()
 	eventInformer := eventFactory.Core().V1().Events()
@@ -95,19 +101,26 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 	s.nodes = func() ([]*corev1.Node, error) { return nodeInformer.Lister().List(labels.Everything()) }
 	s.events = func() ([]*corev1.Event, error) { return eventInformer.Lister().List(labels.Everything()) }
 
+	if tcp, ok := l.Addr().(*net.TCPAddr); ok && tcp.IP.IsLoopback() {
+		s.loopbackOnly = true
+	}
+	// Requests end with ctx (BaseContext): no stream outlives Run.
 	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second, BaseContext: func(net.Listener) context.Context { return ctx }}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
 	factory.Start(ctx.Done())
 	eventFactory.Start(ctx.Done())
-	for _, ok := range factory.WaitForCacheSync(ctx.Done()) {
-		if !ok {
-			return errors.Join(ctx.Err(), srv.Close())
-		}
-	}
-	for _, ok := range eventFactory.WaitForCacheSync(ctx.Done()) {
-		if !ok {
-			return errors.Join(ctx.Err(), srv.Close())
+	defer factory.Shutdown()
+	defer eventFactory.Shutdown()
+	for _, f := range []interface {
+		WaitForCacheSync(<-chan struct{}) map[reflect.Type]bool
+	}{factory, eventFactory} {
+		for _, ok := range f.WaitForCacheSync(ctx.Done()) {
+			if !ok {
+				// Stopped before the first sync: a stop, not a failure.
+				s.closeStreams()
+				return srv.Close()
+			}
 		}
 	}
 	if err := s.rebuild(); err != nil {
@@ -144,8 +157,8 @@ func (s *Server) poke() {
 	}
 }
 
-// View builds the view from what the informers hold.
-func (s *Server) View() (clusterview.View, error) {
+// view builds the view from what the informers hold.
+func (s *Server) view() (clusterview.View, error) {
 	pods, err := s.pods()
 	if err != nil {
 		return clusterview.View{}, err
@@ -158,13 +171,9 @@ func (s *Server) View() (clusterview.View, error) {
 	if err != nil {
 		return clusterview.View{}, err
 	}
-	return BuildView(deref(nodes), deref(pods), deref(events), s.opts.ReservationNamespace, s.opts.Reserve), nil
-}
-
-// BuildView is the dashboard's view: `gpufrac top`'s, with the pending
-// pods' reasons from the scheduler's FailedScheduling events.
-func BuildView(nodes []corev1.Node, pods []corev1.Pod, events []corev1.Event, reservationNamespace string, reserve func(string) int64) clusterview.View {
-	return clusterview.WithReasons(clusterview.Build(nodes, pods, reservationNamespace, reserve), events)
+	// `gpufrac top`'s view, with reasons from events where a pending pod
+	// has no condition that says why.
+	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), s.opts.ReservationNamespace, s.opts.Reserve), deref(events)), nil
 }
 
 func deref[T any](in []*T) []T {
@@ -178,7 +187,7 @@ func deref[T any](in []*T) []T {
 // rebuild makes the view again and, when it changed, pushes it to every
 // open stream.
 func (s *Server) rebuild() error {
-	v, err := s.View()
+	v, err := s.view()
 	if err != nil {
 		return err
 	}
@@ -214,9 +223,14 @@ func send(sub chan []byte, raw []byte) {
 	}
 }
 
+// subscribe opens a stream: its channel gets each new view, and is
+// closed at shutdown (nil once shutting down).
 func (s *Server) subscribe() (chan []byte, []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed {
+		return nil, nil
+	}
 	sub := make(chan []byte, 1)
 	s.subs[sub] = struct{}{}
 	return sub, s.current
@@ -233,6 +247,7 @@ func (s *Server) unsubscribe(sub chan []byte) {
 func (s *Server) closeStreams() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.closed = true
 	for sub := range s.subs {
 		close(sub)
 		delete(s.subs, sub)
@@ -241,8 +256,9 @@ func (s *Server) closeStreams() {
 
 // Handler serves the page (/), the view as JSON (/api/view, as `gpufrac
 // top -o json` prints it, with reasons), the stream of views
-// (/api/stream) and /healthz (ok once the informers have synced). Only GET
-// and HEAD: the dashboard changes nothing.
+// (/api/stream), /healthz (ok once the informers have synced: readiness)
+// and /livez (ok while it serves). Only GET and HEAD: the dashboard
+// changes nothing.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	files, err := fs.Sub(static, "static")
@@ -258,8 +274,9 @@ func (s *Server) Handler() http.Handler {
 			http.Error(w, "informers not synced yet", http.StatusServiceUnavailable)
 		}
 	})
+	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	mux.HandleFunc("GET /api/view", func(w http.ResponseWriter, _ *http.Request) {
-		_, raw := s.snapshot()
+		raw := s.snapshot()
 		if raw == nil {
 			http.Error(w, "informers not synced yet", http.StatusServiceUnavailable)
 			return
@@ -268,13 +285,14 @@ func (s *Server) Handler() http.Handler {
 		_, _ = w.Write(raw)
 	})
 	mux.HandleFunc("GET /api/stream", s.stream)
-	return secure(mux)
+	return s.secure(mux)
 }
 
-func (s *Server) snapshot() (bool, []byte) {
+// snapshot is the latest view as JSON; nil before the first sync.
+func (s *Server) snapshot() []byte {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.current != nil, s.current
+	return s.current
 }
 
 // stream sends the current view, then each new one, as Server-Sent Events
@@ -287,6 +305,10 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sub, current := s.subscribe()
+	if sub == nil {
+		http.Error(w, "shutting down", http.StatusServiceUnavailable)
+		return
+	}
 	defer s.unsubscribe(sub)
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -321,13 +343,35 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request) {
 }
 
 // secure sets the headers of a read-only page that loads nothing from
-// elsewhere: only its own script and style, no framing, no sniffing.
-func secure(next http.Handler) http.Handler {
+// elsewhere: only its own script and style, no framing, no sniffing. On a
+// loopback address it answers only requests for a loopback host: a page
+// on the web that rebinds its own name to 127.0.0.1 gets nothing. (On
+// other addresses, in a cluster behind a Service or a proxy, the Host is
+// the operator's to choose.)
+func (s *Server) secure(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.loopbackOnly && !loopbackHost(r.Host) {
+			http.Error(w, fmt.Sprintf("host %q: this dashboard serves on a loopback address and answers only localhost or a loopback IP", r.Host), http.StatusMisdirectedRequest)
+			return
+		}
 		h := w.Header()
 		h.Set("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 		h.Set("X-Content-Type-Options", "nosniff")
 		h.Set("Referrer-Policy", "no-referrer")
 		next.ServeHTTP(w, r)
 	})
+}
+
+// loopbackHost reports whether a Host header names this machine's loopback:
+// localhost or a loopback IP, with or without a port.
+func loopbackHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.Trim(host, "[]")
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

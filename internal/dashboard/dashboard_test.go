@@ -15,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -42,7 +43,7 @@ func tenant(name string, mib int64, uuid string) *corev1.Pod {
 }
 
 func pending(name string) *corev1.Pod {
-	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", UID: types.UID("uid-" + name), Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	p.Spec.Containers = []corev1.Container{{Name: "main"}}
 	return p
 }
@@ -89,7 +90,7 @@ func TestViewIsTopsView(t *testing.T) {
 	n := node("n1")
 	pods := []*corev1.Pod{tenant("big", 40960, "GPU-a"), tenant("small", 20480, "GPU-a"), pending("waiting")}
 	event := &corev1.Event{ObjectMeta: metav1.ObjectMeta{Name: "waiting.1", Namespace: "team"}, Reason: "FailedScheduling",
-		Message: "0/1 nodes are available: 1 no GPU has 40960Mi free", InvolvedObject: corev1.ObjectReference{Kind: "Pod", Namespace: "team", Name: "waiting"},
+		Message: "0/1 nodes are available: 1 no GPU has 40960Mi free", InvolvedObject: corev1.ObjectReference{Kind: "Pod", Namespace: "team", Name: "waiting", UID: "uid-waiting"},
 		LastTimestamp: metav1.Now()}
 	client := fake.NewClientset(n, pods[0], pods[1], pods[2], event)
 	base := serve(t, client)
@@ -199,5 +200,39 @@ func TestServesTheEmbeddedPage(t *testing.T) {
 		if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), want) {
 			t.Errorf("/%s: %d %q", path, resp.StatusCode, resp.Header.Get("Content-Type"))
 		}
+	}
+}
+
+// On a loopback address only a loopback Host is answered: a web page that
+// rebinds its own name to 127.0.0.1 reads nothing.
+func TestLoopbackAnswersOnlyLoopbackHosts(t *testing.T) {
+	base := serve(t, fake.NewClientset(node("n1")))
+	for host, want := range map[string]int{
+		"": http.StatusOK, "localhost:8080": http.StatusOK, "[::1]:8080": http.StatusOK,
+		"attacker.example": http.StatusMisdirectedRequest, "attacker.example:8080": http.StatusMisdirectedRequest,
+	} {
+		req, err := http.NewRequest(http.MethodGet, base+"api/view", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if host != "" {
+			req.Host = host
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Errorf("Host %q: %d, want %d", host, resp.StatusCode, want)
+		}
+	}
+	resp, err := http.Get(base + "livez")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("/livez: %d", resp.StatusCode)
 	}
 }

@@ -1,11 +1,11 @@
 // Package localcluster runs gpufrac's whole stack on this machine, on
 // loopback: the real etcd and kube-apiserver (with RBAC and admission),
 // the admission webhook with a generated CA, kube-controller-manager with
-// the workload controllers (Deployments, Jobs, StatefulSets, claim
-// templates), `gpufrac scheduler` and one `gpufrac node-agent` per node in
-// GPU-simulation mode, and KWOK as the nodes' kubelets: bound pods become
-// Running (no container runs), a Job's pods complete, and deleted pods go
-// away.
+// the workload controllers (Deployments, StatefulSets, DaemonSets, Jobs,
+// CronJobs, claim templates), `gpufrac scheduler`, one `gpufrac
+// node-agent` per node in GPU-simulation mode, `gpufrac dashboard`, and
+// KWOK as the nodes' kubelets: bound pods become Running (no container
+// runs), a Job's pods complete, and deleted pods go away.
 package localcluster
 
 import (
@@ -57,8 +57,8 @@ type Options struct {
 	Root string
 	// Progress receives one line per step, with its time.
 	Progress io.Writer
-	// Dashboard is the address the dashboard serves on (host:port); ""
-	// picks a free loopback port.
+	// Dashboard is the address the dashboard should serve on (host:port);
+	// when it is "" or taken, a free loopback port.
 	Dashboard string
 }
 
@@ -135,7 +135,7 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := c.step("scheduler (kube-scheduler + GPUFractions, profile gpufrac)", c.startScheduler); err != nil {
 		return nil, err
 	}
-	if err := c.step("kube-controller-manager (Deployments, Jobs, claims; a credential per controller)", func() error { return c.startControllerManager(ctx) }); err != nil {
+	if err := c.step("kube-controller-manager (workloads, claims; one credential each)", func() error { return c.startControllerManager(ctx) }); err != nil {
 		return nil, err
 	}
 	if err := c.step("dashboard (read-only: pods, nodes, events)", func() error { return c.startDashboard(ctx) }); err != nil {
@@ -203,7 +203,10 @@ func (c *Cluster) kwokBinary() string { return filepath.Join(c.opts.Root, "bin",
 // KWOK from source (through the Go module proxy, into bin/) when one is
 // missing; afterwards they are reused as they are.
 func (c *Cluster) ensureTools() error {
-	_, kubeErr := testenv.AssetsDir()
+	kubeDir, kubeErr := testenv.AssetsDir()
+	if kubeErr == nil {
+		_, kubeErr = os.Stat(filepath.Join(kubeDir, "kube-controller-manager"))
+	}
 	_, kwokErr := os.Stat(c.kwokBinary())
 	if kubeErr == nil && kwokErr == nil {
 		return nil
@@ -423,6 +426,10 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	bin := filepath.Join(kubeDir, "kube-controller-manager")
+	if _, err := os.Stat(bin); err != nil {
+		return fmt.Errorf("kube-controller-manager not in %s: run `make kube-binaries`", kubeDir)
+	}
 	if err := applyRBACDocs(ctx, c.Admin, "controller-manager-rbac.yaml", controllerManagerRBAC); err != nil {
 		return err
 	}
@@ -435,7 +442,7 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 		return err
 	}
 	certs := filepath.Join(c.opts.Dir, "controller-manager")
-	if err := c.startBinary(filepath.Join(kubeDir, "kube-controller-manager"), "controller-manager",
+	if err := c.startBinary(bin, "controller-manager",
 		// No delegated authentication or authorization: nothing but this
 		// process's health probe (an always-allowed path) calls its port.
 		"--kubeconfig", kc,
@@ -447,7 +454,7 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 	// A controller's check joins /healthz once the controller is built;
 	// the serving certificate is self-signed and only this process asks.
 	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // loopback health probe of a child process
-	var waiting string
+	waiting := "its /healthz"
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
 		if err := c.exited("controller-manager"); err != nil {
 			return false, err
@@ -486,6 +493,16 @@ func (c *Cluster) startDashboard(ctx context.Context) error {
 		return err
 	}
 	addr := c.opts.Dashboard
+	if addr != "" {
+		// Taken (another up, or anything else): a free port rather than no
+		// dashboard; the URL is printed either way.
+		if l, err := net.Listen("tcp", addr); err != nil {
+			fmt.Fprintf(c.opts.Progress, "(%s is taken: a free port) ", addr)
+			addr = ""
+		} else {
+			_ = l.Close()
+		}
+	}
 	if addr == "" {
 		port, err := freePort()
 		if err != nil {
@@ -576,8 +593,8 @@ func (c *Cluster) startBinary(bin, name string, args ...string) error {
 	return nil
 }
 
-// Components lists the child processes by name: kwok, scheduler,
-// node-agent-<node>.
+// Components lists the child processes by name: node-agent-<node>, kwok,
+// scheduler, controller-manager, dashboard.
 func (c *Cluster) Components() []string {
 	var names []string
 	for _, p := range c.procs {
@@ -628,8 +645,8 @@ func (c *Cluster) waitReady(ctx context.Context) error {
 	})
 }
 
-// Down stops everything in reverse order: kube-controller-manager, the
-// scheduler, KWOK and the node agents (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
+// Down stops everything in reverse order: the dashboard,
+// kube-controller-manager, the scheduler, KWOK and the node agents (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
 // etcd. No process is left behind.
 func (c *Cluster) Down() {
 	for i := len(c.procs) - 1; i >= 0; i-- {

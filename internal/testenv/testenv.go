@@ -35,8 +35,8 @@ func RepoRoot() (string, error) {
 	}
 }
 
-// AssetsDir is where kube-apiserver, etcd and kube-controller-manager are:
-// $KUBEBUILDER_ASSETS, or
+// AssetsDir is where kube-apiserver and etcd are (and, from `make
+// kube-binaries`, kube-controller-manager): $KUBEBUILDER_ASSETS, or
 // bin/kube in the repository. A missing binary is an error that says how
 // to build it, never a skipped test.
 func AssetsDir() (string, error) {
@@ -48,7 +48,7 @@ func AssetsDir() (string, error) {
 		}
 		dir = filepath.Join(root, "bin", "kube")
 	}
-	for _, bin := range []string{"kube-apiserver", "etcd", "kube-controller-manager"} {
+	for _, bin := range []string{"kube-apiserver", "etcd"} {
 		if _, err := os.Stat(filepath.Join(dir, bin)); err != nil {
 			return "", fmt.Errorf("%s not found in %s: run `make kube-binaries` (or `make test`, which builds them)", bin, dir)
 		}
@@ -57,9 +57,9 @@ func AssetsDir() (string, error) {
 }
 
 // New returns an envtest environment over the real binaries, configured as
-// gpufrac's tests need: no controller-manager runs, so the admission
-// plugins that wait for one (service-account tokens, the not-ready taint)
-// are off.
+// gpufrac's tests need: the admission plugins that wait on controllers
+// gpufrac's clusters do not run (the service-account token controller, the
+// node lifecycle controller's not-ready taint) are off.
 func New() (*envtest.Environment, error) {
 	dir, err := AssetsDir()
 	if err != nil {

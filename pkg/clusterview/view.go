@@ -32,10 +32,17 @@ type PendingPod struct {
 	Pod string `json:"pod"` // namespace/name
 	// Asks is what it asks for, as its annotations say it.
 	Asks string `json:"asks"`
-	// Reason is the scheduler's latest word on it (its FailedScheduling
-	// event), once WithReasons has read the events.
+	// Reason is the scheduler's latest word on it: the message of the
+	// pod's PodScheduled=False condition, which the scheduler rewrites at
+	// every attempt, or else (WithReasons) of its latest FailedScheduling
+	// event.
 	Reason string `json:"reason,omitempty"`
+	uid    string
 }
+
+// ReasonFailedScheduling is the reason of the events a scheduler records
+// when it cannot place a pod.
+const ReasonFailedScheduling = "FailedScheduling"
 
 // Node is one node with GPUs.
 type Node struct {
@@ -125,7 +132,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, 
 		if p.Spec.NodeName == "" && p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
 			if reqs, err := api.Parse(api.Intent(p)); err == nil && len(reqs) > 0 {
 				v.Summary.Pending++
-				v.Pending = append(v.Pending, PendingPod{Pod: p.Namespace + "/" + p.Name, Asks: asks(reqs)})
+				v.Pending = append(v.Pending, PendingPod{Pod: p.Namespace + "/" + p.Name, Asks: asks(reqs), Reason: unschedulable(p), uid: string(p.UID)})
 			}
 		}
 		for k, val := range p.Annotations {
@@ -217,17 +224,30 @@ func asks(reqs []api.Request) string {
 	return strings.Join(parts, "; ")
 }
 
-// WithReasons sets each pending pod's Reason to the message of the latest
-// FailedScheduling event about it: the scheduler's own account of why it
-// waits.
+// unschedulable is the message of a pod's PodScheduled=False condition.
+func unschedulable(p *corev1.Pod) string {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse {
+			return c.Message
+		}
+	}
+	return ""
+}
+
+// WithReasons gives each pending pod without a PodScheduled condition
+// message the message of the latest FailedScheduling event about it (that
+// very pod: by UID, so not a deleted namesake's). A scheduler that records
+// events but sets no condition is still heard; where both exist the
+// condition wins, since an event series keeps its first message while it
+// counts repeats.
 func WithReasons(v View, events []corev1.Event) View {
-	latest := map[string]*corev1.Event{}
+	latest := map[string]*corev1.Event{} // pod UID → event
 	for i := range events {
 		e := &events[i]
-		if e.Reason != "FailedScheduling" || e.InvolvedObject.Kind != "Pod" {
+		if e.Reason != ReasonFailedScheduling || e.InvolvedObject.Kind != "Pod" || e.InvolvedObject.UID == "" {
 			continue
 		}
-		key := e.InvolvedObject.Namespace + "/" + e.InvolvedObject.Name
+		key := string(e.InvolvedObject.UID)
 		if old, ok := latest[key]; !ok || eventTime(e).After(eventTime(old)) {
 			latest[key] = e
 		}
@@ -235,7 +255,7 @@ func WithReasons(v View, events []corev1.Event) View {
 	out := v
 	out.Pending = slices.Clone(v.Pending)
 	for i, p := range out.Pending {
-		if e, ok := latest[p.Pod]; ok {
+		if e, ok := latest[p.uid]; ok && p.Reason == "" {
 			out.Pending[i].Reason = e.Message
 		}
 	}
@@ -245,7 +265,11 @@ func WithReasons(v View, events []corev1.Event) View {
 // eventTime is when an event last happened, whichever of its clocks its
 // reporter set.
 func eventTime(e *corev1.Event) time.Time {
-	for _, t := range []time.Time{e.LastTimestamp.Time, e.EventTime.Time, e.FirstTimestamp.Time, e.CreationTimestamp.Time} {
+	var last time.Time
+	if e.Series != nil {
+		last = e.Series.LastObservedTime.Time
+	}
+	for _, t := range []time.Time{last, e.LastTimestamp.Time, e.EventTime.Time, e.FirstTimestamp.Time, e.CreationTimestamp.Time} {
 		if !t.IsZero() {
 			return t
 		}

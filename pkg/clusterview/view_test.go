@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
@@ -58,7 +59,7 @@ func reservation(node, group string) corev1.Pod {
 func cluster() View { return clusterWithReserve(nil) }
 
 func clusterWithReserve(reserve func(string) int64) View {
-	pending := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
+	pending := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", UID: "uid-waiting", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	pending.Spec.Containers = []corev1.Container{{Name: "main"}}
 	return Build(
 		[]corev1.Node{gpuNode("n1", 4, true), gpuNode("cpu-only", 0, false), gpuNode("n0", 2, false)},
@@ -127,19 +128,21 @@ func TestBuild(t *testing.T) {
 	}
 }
 
-// A pending pod's reason is the latest FailedScheduling event about it,
-// whichever clock its reporter set; other events and pods are left out.
+// A pending pod's reason is the latest FailedScheduling event about that
+// very pod (by UID), whichever clock its reporter set; other events, other
+// pods and a deleted namesake are left out. Its PodScheduled condition,
+// where the scheduler set one, wins.
 func TestWithReasons(t *testing.T) {
 	at := func(sec int64) metav1.Time { return metav1.Unix(sec, 0) }
-	ev := func(name, reason, msg string, last metav1.Time, micro metav1.MicroTime) corev1.Event {
-		return corev1.Event{InvolvedObject: corev1.ObjectReference{Kind: "Pod", Namespace: "team", Name: name},
-			Reason: reason, Message: msg, LastTimestamp: last, EventTime: micro}
+	ev := func(uid, reason, msg string, last metav1.Time, series *corev1.EventSeries) corev1.Event {
+		return corev1.Event{InvolvedObject: corev1.ObjectReference{Kind: "Pod", Namespace: "team", Name: "waiting", UID: types.UID(uid)},
+			Reason: reason, Message: msg, LastTimestamp: last, Series: series}
 	}
 	events := []corev1.Event{
-		ev("waiting", "FailedScheduling", "old", at(10), metav1.MicroTime{}),
-		ev("waiting", "FailedScheduling", "0/3 nodes are available: 2 no GPU with 40960Mi free", metav1.Time{}, metav1.NewMicroTime(at(20).Time)),
-		ev("waiting", "Scheduled", "later but not a failure", at(30), metav1.MicroTime{}),
-		ev("other", "FailedScheduling", "not pending", at(40), metav1.MicroTime{}),
+		ev("uid-waiting", ReasonFailedScheduling, "old", at(10), nil),
+		ev("uid-waiting", ReasonFailedScheduling, "0/3 nodes are available: 2 no GPU with 40960Mi free", at(5), &corev1.EventSeries{Count: 3, LastObservedTime: metav1.NewMicroTime(at(20).Time)}),
+		ev("uid-waiting", "Scheduled", "later but not a failure", at(30), nil),
+		ev("uid-of-a-deleted-namesake", ReasonFailedScheduling, "not this pod", at(40), nil),
 	}
 	v := cluster()
 	got := WithReasons(v, events)
@@ -148,6 +151,22 @@ func TestWithReasons(t *testing.T) {
 	}
 	if v.Pending[0].Reason != "" {
 		t.Errorf("WithReasons changed its argument: %+v", v.Pending)
+	}
+	// The condition, current at every attempt, over the events.
+	v.Pending[0].Reason = "0/3 nodes are available: the condition's message"
+	if got := WithReasons(v, events); got.Pending[0].Reason != "0/3 nodes are available: the condition's message" {
+		t.Errorf("the condition lost to an event: %q", got.Pending[0].Reason)
+	}
+}
+
+// Build reads a pending pod's reason from its PodScheduled=False condition.
+func TestPendingReasonFromTheCondition(t *testing.T) {
+	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
+	p.Spec.Containers = []corev1.Container{{Name: "main"}}
+	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: "Unschedulable", Message: "0/1 nodes are available: 1 no GPU"}}
+	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, "gpufrac-reservations", nil)
+	if len(v.Pending) != 1 || v.Pending[0].Reason != "0/1 nodes are available: 1 no GPU" {
+		t.Errorf("pending: %+v", v.Pending)
 	}
 }
 

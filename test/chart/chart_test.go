@@ -521,8 +521,11 @@ func TestChartDashboard(t *testing.T) {
 		}
 	}
 	svc := find(chart, "Service", namespace, "gpufrac-dashboard")
-	if typ, _, _ := unstructured.NestedString(svc.Object, "spec", "type"); svc == nil || typ != "ClusterIP" {
-		t.Errorf("dashboard Service: %v", svc)
+	if svc == nil {
+		t.Fatal("no dashboard Service")
+	}
+	if typ, _, _ := unstructured.NestedString(svc.Object, "spec", "type"); typ != "ClusterIP" {
+		t.Errorf("dashboard Service type %q, want ClusterIP", typ)
 	}
 	d := find(chart, "Deployment", namespace, "gpufrac-dashboard")
 	if d == nil {
@@ -536,9 +539,14 @@ func TestChartDashboard(t *testing.T) {
 	if c.Args[0] != "dashboard" || !slices.Contains(c.Args, "--gpu-memory-reserve-mib=1024") || !slices.Contains(c.Args, "--reservation-namespace=gpufrac-reservations") {
 		t.Errorf("dashboard args %v", c.Args)
 	}
-	sc := c.SecurityContext
+	sc, psc := c.SecurityContext, dep.Spec.Template.Spec.SecurityContext
 	if dep.Spec.Template.Spec.ServiceAccountName != "gpufrac-dashboard" || sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation ||
-		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || dep.Spec.Template.Spec.HostNetwork {
+		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+		psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot || psc.SeccompProfile == nil || psc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault ||
+		dep.Spec.Template.Spec.HostNetwork || dep.Spec.Template.Spec.HostPID || len(dep.Spec.Template.Spec.Volumes) > 0 {
 		t.Errorf("dashboard pod privileges: %+v", dep.Spec.Template.Spec)
+	}
+	if c.LivenessProbe == nil || c.LivenessProbe.HTTPGet.Path != "/livez" || c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet.Path != "/healthz" {
+		t.Errorf("dashboard probes: liveness %+v, readiness %+v", c.LivenessProbe, c.ReadinessProbe)
 	}
 }

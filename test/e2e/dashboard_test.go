@@ -21,6 +21,21 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 )
 
+// apiView is the dashboard's view as its /api/view serves it.
+func apiView(t *testing.T, base string) clusterview.View {
+	t.Helper()
+	resp, err := http.Get(base + "api/view")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	var v clusterview.View
+	if err := json.NewDecoder(resp.Body).Decode(&v); err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
 // chromium is Debian's Chromium ($CHROMIUM, or on PATH), which `make
 // test` installs; missing, the test fails and says how to get it.
 func chromium(t *testing.T) string {
@@ -49,39 +64,18 @@ func mib(v int64) string {
 // deleted one as it goes without a reload, a pending pod with the
 // scheduler's reason, and fits a phone's width. The screenshot is saved
 // in the test's artifact directory (go test -artifacts keeps it) and at
-// $GPUFRAC_SCREENSHOT when set (docs/dashboard.png, for the README).
+// $GPUFRAC_SCREENSHOT when set (docs/dashboard.png, for the README; a
+// relative path is from the repository's root).
 func TestDashboardInABrowser(t *testing.T) {
 	browser := chromium(t)
 	c, _ := up(t, 2)
 	ctx := context.Background()
-	root, _ := testenv.RepoRoot()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := c.Demo(ctx, filepath.Join(root, "examples"), io.Discard); err != nil {
 		t.Fatal(err)
-	}
-
-	// The figures the page must show: the server's view.
-	resp, err := http.Get(c.DashboardURL + "api/view")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var view clusterview.View
-	err = json.NewDecoder(resp.Body).Decode(&view)
-	_ = resp.Body.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var halfGPU clusterview.GPU
-	for _, n := range view.Nodes {
-		for _, g := range n.Shared {
-			for _, tn := range g.Tenants {
-				if tn.Pod == "default/fraction-half" {
-					halfGPU = g
-				}
-			}
-		}
-	}
-	if halfGPU.UUID == "" {
-		t.Fatalf("/api/view has no default/fraction-half: %+v", view)
 	}
 
 	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(browser), chromedp.NoSandbox, chromedp.DisableGPU,
@@ -113,11 +107,37 @@ func TestDashboardInABrowser(t *testing.T) {
 	); err != nil {
 		t.Fatalf("the page: %v", err)
 	}
-	if got, want := text(chromedp.CSS(`.gpu[data-uuid="`+halfGPU.UUID+`"] .free`)), "free "+mib(halfGPU.FreeMiB)+" of "+mib(halfGPU.SchedulableMiB); !strings.HasPrefix(got, want) {
-		t.Errorf("fraction-half's GPU says %q, want %q…", got, want)
+	// The page shows the server's view (/api/view, top's figures): both
+	// settle a moment after the demo's last pod, so compare until they
+	// agree, or say how they differ.
+	var halfGPU clusterview.GPU
+	var gotGPU, wantGPU, gotFree, wantFree string
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(300 * time.Millisecond) {
+		view := apiView(t, c.DashboardURL)
+		halfGPU = clusterview.GPU{}
+		for _, n := range view.Nodes {
+			for _, g := range n.Shared {
+				for _, tn := range g.Tenants {
+					if tn.Pod == "default/fraction-half" {
+						halfGPU = g
+					}
+				}
+			}
+		}
+		if halfGPU.UUID == "" {
+			t.Fatalf("/api/view has no default/fraction-half: %+v", view)
+		}
+		wantGPU, wantFree = "free "+mib(halfGPU.FreeMiB)+" of "+mib(halfGPU.SchedulableMiB), mib(view.Summary.FreeMiB)
+		gotGPU, gotFree = text(chromedp.CSS(`.gpu[data-uuid="`+halfGPU.UUID+`"] .free`)), text(`#fig-free dd`)
+		if strings.HasPrefix(gotGPU, wantGPU) && gotFree == wantFree || time.Now().After(deadline) {
+			break
+		}
 	}
-	if got := text(`#fig-free dd`); got != mib(view.Summary.FreeMiB) {
-		t.Errorf("the summary's free memory is %q, want %q", got, mib(view.Summary.FreeMiB))
+	if !strings.HasPrefix(gotGPU, wantGPU) {
+		t.Errorf("fraction-half's GPU says %q, want %q…", gotGPU, wantGPU)
+	}
+	if gotFree != wantFree {
+		t.Errorf("the summary's free memory is %q, want %q", gotFree, wantFree)
 	}
 	if got := text(tenant("default/fraction-half") + " dl"); !strings.Contains(got, api.ContainerKey("main", api.SuffixDevices)) || !strings.Contains(got, halfGPU.UUID) {
 		t.Errorf("fraction-half's annotations on the page: %q", got)
@@ -165,6 +185,9 @@ func TestDashboardInABrowser(t *testing.T) {
 	for _, path := range []string{filepath.Join(t.ArtifactDir(), "dashboard.png"), os.Getenv("GPUFRAC_SCREENSHOT")} {
 		if path == "" {
 			continue
+		}
+		if !filepath.IsAbs(path) {
+			path = filepath.Join(root, path) // go test runs in test/e2e
 		}
 		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 			t.Fatal(err)

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"maps"
 	"path/filepath"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
@@ -90,33 +92,31 @@ func auditClean(t *testing.T, c *localcluster.Cluster) {
 	}
 }
 
-// reservationsMatchTenants waits until every reservation pod holds a GPU
-// group that a live pod still uses, and each such group has one: what a
-// workload's deletion leaves.
+// reservationsMatchTenants waits until the reservation pods hold exactly
+// the GPU groups live pods still use, one each: what a workload's deletion
+// leaves.
 func reservationsMatchTenants(t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
-	var groups, reservations int
+	var used, held map[string]int
 	err := wait.PollUntilContextTimeout(context.Background(), 250*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
 		_, pods := snapshot(t, c)
-		used := map[string]bool{}
-		reservations = 0
+		used, held = map[string]int{}, map[string]int{}
 		for _, p := range pods.Items {
 			if p.Namespace == scheduler.DefaultReservationNamespace {
-				reservations++
+				held[p.Labels[api.GPUGroupLabel]]++
 				continue
 			}
 			if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 				continue
 			}
 			for _, g := range api.SplitList(p.Annotations[api.GPUGroupsAnnotation]) {
-				used[g] = true
+				used[g] = 1
 			}
 		}
-		groups = len(used)
-		return reservations == groups, nil
+		return maps.Equal(used, held), nil
 	})
 	if err != nil {
-		t.Fatalf("%d reservation pods for the %d GPU groups live pods use", reservations, groups)
+		t.Fatalf("reservation pods by GPU group %v, want one for each group live pods use %v", held, used)
 	}
 }
 
@@ -139,6 +139,10 @@ func leastPrivilege(t *testing.T, dir string) {
 	}{
 		{authorizationv1.ResourceAttributes{Namespace: "kube-system", Verb: "create", Resource: "serviceaccounts", Subresource: "token"}, true},
 		{authorizationv1.ResourceAttributes{Namespace: "default", Verb: "watch", Resource: "pods"}, true},
+		// Its informers, the garbage collector's over every resource
+		// included, list what they watch: Secrets too (as upstream's
+		// role allows), but it may not read one by name or change one.
+		{authorizationv1.ResourceAttributes{Namespace: "kube-system", Verb: "list", Resource: "secrets"}, true},
 		{authorizationv1.ResourceAttributes{Namespace: "default", Verb: "create", Resource: "serviceaccounts", Subresource: "token"}, false},
 		{authorizationv1.ResourceAttributes{Namespace: "default", Verb: "create", Resource: "pods"}, false},
 		{authorizationv1.ResourceAttributes{Namespace: "default", Verb: "delete", Resource: "pods"}, false},
@@ -278,7 +282,10 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	}
 	err = wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		_, err := c.Admin.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
-		return err != nil, nil
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		return false, err
 	})
 	if err != nil {
 		t.Fatalf("namespace %s was not deleted: %v", ns, err)

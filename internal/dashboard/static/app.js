@@ -2,7 +2,8 @@
 // Every figure is text in the page; the bars only draw what the text says.
 "use strict";
 
-const open = new Set(); // tenants whose annotations are shown, kept across updates
+let open = new Set(); // tenants whose annotations are shown, kept across updates
+let shown = new Set(); // tenants on the page now
 
 function mib(v) {
   if (v !== 0 && v % 1024 === 0) return (v / 1024) + "Gi";
@@ -67,7 +68,8 @@ function renderTenant(node, gpu, t, i) {
   const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
   swatch.style.backgroundColor = colour(i);
   const details = el("details", {},
-    el("summary", {}, swatch, el("span", { class: "pod" }, t.pod), el("span", { class: "nums" }, nums)));
+    el("summary", { "data-key": key }, swatch, el("span", { class: "pod" }, t.pod), el("span", { class: "nums" }, nums)));
+  shown.add(key);
   const dl = el("dl", { "aria-label": "annotations of " + t.pod });
   for (const k of Object.keys(t.annotations || {}).sort()) {
     dl.append(el("dt", {}, k), el("dd", {}, t.annotations[k]));
@@ -129,23 +131,37 @@ function render(v) {
   // Go writes an empty list as null.
   v.nodes = v.nodes || [];
   v.pending = v.pending || [];
+  // The page is drawn afresh: keep the keyboard's place on a tenant.
+  const focused = document.activeElement && document.activeElement.dataset ? document.activeElement.dataset.key : undefined;
+  shown = new Set();
   renderSummary(v);
   renderPending(v);
   document.getElementById("nodes").replaceChildren(...v.nodes.map(renderNode));
+  open = new Set([...open].filter(k => shown.has(k))); // forget tenants that left
+  if (focused) {
+    const again = [...document.querySelectorAll("summary[data-key]")].find(e => e.dataset.key === focused);
+    if (again) again.focus();
+  }
 }
 
 function connect() {
+  // The status line is announced (aria-live) only when the connection
+  // changes, not at every update; the time of the last update is beside it.
   const status = document.getElementById("status");
+  const updated = document.getElementById("updated");
+  const say = (text, cls) => {
+    if (status.textContent !== text) status.textContent = text;
+    status.className = cls;
+  };
   const source = new EventSource("api/stream");
   source.addEventListener("view", e => {
     render(JSON.parse(e.data));
-    status.textContent = "live · updated " + new Date().toLocaleTimeString();
-    status.className = "live";
+    say("live", "live");
+    updated.textContent = "updated " + new Date().toLocaleTimeString();
   });
   source.onerror = () => {
     // EventSource reconnects by itself; say so meanwhile.
-    status.textContent = "disconnected, reconnecting…";
-    status.className = "down";
+    say("disconnected, reconnecting…", "down");
   };
 }
 
