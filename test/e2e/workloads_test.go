@@ -23,6 +23,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -169,6 +170,11 @@ func leastPrivilege(t *testing.T, dir string) {
 func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	ctx := context.Background()
 	leastPrivilege(t, dir)
+	allocated := func() int64 {
+		nodes, pods := snapshot(t, c)
+		return clusterview.Build(nodes.Items, pods.Items, scheduler.DefaultReservationNamespace, nil).Summary.AllocatedMiB
+	}
+	before := allocated()
 	const ns = "apps"
 	if _, err := c.Admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -277,6 +283,11 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	}
 	placed(t, c, ns, "app=inference", 0, corev1.PodRunning)
 	reservationsMatchTenants(t, c)
+	// Every GPU memory MiB the workloads held is free again (the Job's
+	// Succeeded pods and the unplaced claimer hold none).
+	if after := allocated(); after != before {
+		t.Errorf("GPU memory allocated %d MiB after deleting the Deployment, %d MiB before it", after, before)
+	}
 	if err := c.Admin.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
