@@ -166,7 +166,8 @@ func leastPrivilege(t *testing.T, dir string) {
 
 // workloads runs what users apply first through kube-controller-manager:
 // a Deployment of fractional replicas scaled 20 → 40 → 5, a Job of 10
-// completions, and a pod whose claim comes from a ResourceClaimTemplate.
+// completions, a pod whose claim comes from a ResourceClaimTemplate, a
+// StatefulSet and a DaemonSet; deleting them frees every MiB they held.
 func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	ctx := context.Background()
 	leastPrivilege(t, dir)
@@ -288,6 +289,41 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	if after := allocated(); after != before {
 		t.Errorf("GPU memory allocated %d MiB after deleting the Deployment, %d MiB before it", after, before)
 	}
+
+	// A StatefulSet's replicas come one after another (each waits for the
+	// one before to be Ready); a DaemonSet puts one pod on every GPU node.
+	sts := &appsv1.StatefulSet{
+		ObjectMeta: metav1.ObjectMeta{Name: "shard"},
+		Spec: appsv1.StatefulSetSpec{
+			Replicas: new(int32(3)),
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "shard"}},
+			Template: podTemplate("shard", map[string]string{api.KeyMemory: "8192"}, corev1.RestartPolicyAlways),
+		},
+	}
+	if _, err := c.Admin.AppsV1().StatefulSets(ns).Create(ctx, sts, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	placed(t, c, ns, "app=shard", 3, corev1.PodRunning)
+	nodes, _ := snapshot(t, c)
+	ds := &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Name: "probe"},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "probe"}},
+			Template: podTemplate("probe", map[string]string{api.KeyFraction: "0.05"}, corev1.RestartPolicyAlways),
+		},
+	}
+	ds.Spec.Template.Spec.NodeSelector = map[string]string{"gpufrac.io/simulated": "true"}
+	if _, err := c.Admin.AppsV1().DaemonSets(ns).Create(ctx, ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	perNode := map[string]int{}
+	for _, p := range placed(t, c, ns, "app=probe", len(nodes.Items), corev1.PodRunning) {
+		perNode[p.Spec.NodeName]++
+	}
+	if len(perNode) != len(nodes.Items) {
+		t.Errorf("the DaemonSet's pods are on %d of %d nodes: %v", len(perNode), len(nodes.Items), perNode)
+	}
+
 	if err := c.Admin.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -303,4 +339,7 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	}
 	reservationsMatchTenants(t, c)
 	auditClean(t, c)
+	if after := allocated(); after != before {
+		t.Errorf("GPU memory allocated %d MiB after deleting the namespace, %d MiB before its workloads", after, before)
+	}
 }
