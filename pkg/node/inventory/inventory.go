@@ -57,9 +57,13 @@ const (
 	minLimitsDriver = 615
 )
 
-// Capability is the enforcement inv allows.
+// Capability is the enforcement inv allows. None with a MIG-enabled GPU:
+// a fraction is of a whole GPU's memory, which MIG has split into
+// instances, and MPS v3 memory partitioning does not support MIG
+// (NVIDIA MPS, "MPS v3 Memory Partitioning": "MIG is explicitly
+// unsupported"), so nothing would enforce the share.
 func (inv Inventory) Capability() Enforcement {
-	if len(inv.GPUs) == 0 {
+	if len(inv.GPUs) == 0 || inv.MIGEnabled() >= 0 {
 		return EnforcementNone
 	}
 	major, _, _ := strings.Cut(inv.DriverVersion, ".")
@@ -67,6 +71,16 @@ func (inv Inventory) Capability() Enforcement {
 		return EnforcementDriver
 	}
 	return EnforcementMPSPinned
+}
+
+// MIGEnabled is the index of the first GPU with MIG enabled, or -1.
+func (inv Inventory) MIGEnabled() int {
+	for _, g := range inv.GPUs {
+		if g.MIGEnabled {
+			return g.Index
+		}
+	}
+	return -1
 }
 
 // CUDAVersion renders CUDADriverVersion as "13.4".
@@ -165,8 +179,8 @@ func readDevice(lib nvml.Interface, i int) (GPU, error) {
 		return GPU{}, nvmlError(fmt.Sprintf("GPU %d: nvmlDeviceGetPciInfo", i), ret)
 	}
 	g.PCIBusID = cString(pci.BusId[:])
-	// MIG mode is informative; a GPU without MIG support answers
-	// NOT_SUPPORTED, which means "not enabled".
+	// A GPU without MIG support answers NOT_SUPPORTED, which means "not
+	// enabled". Enabled, the node takes no fractions (Capability).
 	if current, _, ret := dev.GetMigMode(); ret == nvml.SUCCESS {
 		g.MIGEnabled = current == nvml.DEVICE_MIG_ENABLE
 	} else if !errors.Is(ret, nvml.ERROR_NOT_SUPPORTED) {

@@ -64,6 +64,9 @@ func TestCapabilityFollowsDriverAndCUDA(t *testing.T) {
 		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 13040, GPUs: one}, EnforcementMPSPinned},
 		{Inventory{DriverVersion: "garbage", CUDADriverVersion: 13040, GPUs: one}, EnforcementMPSPinned},
 		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040}, EnforcementNone},
+		// MIG on any GPU: no fraction can be enforced, on r615 or before.
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: []GPU{{UUID: "GPU-a"}, {Index: 1, UUID: "GPU-b", MIGEnabled: true}}}, EnforcementNone},
+		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 12040, GPUs: []GPU{{UUID: "GPU-a", MIGEnabled: true}}}, EnforcementNone},
 	}
 	for _, tt := range tests {
 		if got := tt.inv.Capability(); got != tt.want {

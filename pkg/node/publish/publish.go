@@ -46,6 +46,7 @@ const (
 	ReasonNoEnforcement = "NoMemoryEnforcement"
 	ReasonBackend       = "MemoryLimitsUnavailable"
 	ReasonMixedGPUs     = "MixedGPUModels"
+	ReasonMIG           = "MIGEnabled"
 )
 
 // State is what the agent knows about its node.
@@ -108,6 +109,10 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 		return corev1.ConditionFalse, ReasonNoGPUs, "NVML reports no GPUs on this node"
 	case mixedModels(s.Inventory.GPUs):
 		return corev1.ConditionFalse, ReasonMixedGPUs, "the GPUs differ in model or memory, which the per-node inventory labels cannot describe"
+	case s.Inventory.MIGEnabled() >= 0:
+		// Not even with fail-open: a fraction of a MIG-split GPU's memory is
+		// not there to give.
+		return corev1.ConditionFalse, ReasonMIG, fmt.Sprintf("GPU %d has MIG enabled: gpufrac shares whole GPUs and MPS v3 memory partitioning does not support MIG; disable MIG on this node's GPUs, or keep fractions off it", s.Inventory.MIGEnabled())
 	case !s.NRIRegistered:
 		return corev1.ConditionFalse, ReasonNRI, "the gpufrac NRI plugin is not registered with the container runtime, so limits cannot be injected"
 	}
