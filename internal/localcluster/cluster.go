@@ -393,7 +393,10 @@ func (c *Cluster) startScheduler() error {
 // cluster runs: those that turn what users apply (Deployments, ReplicaSets,
 // StatefulSets, DaemonSets, Jobs, CronJobs, DRA claim templates) into pods
 // and claims, the garbage collector (a deleted Deployment's ReplicaSets and
-// pods), and the namespace controller (a deleted namespace's contents).
+// pods), the namespace controller (a deleted namespace's contents), and
+// what those workloads usually come with: PodDisruptionBudgets' status
+// (without it an eviction, the node agent's included, is refused under
+// any budget), finished Jobs' TTL, and a Service's EndpointSlices.
 // Left out: the node lifecycle controller (KWOK and the node agents keep
 // the nodes' status), the service-account and token controllers (the
 // ServiceAccount admission plugin is off: no kubelet would mount a token),
@@ -402,7 +405,7 @@ func (c *Cluster) startScheduler() error {
 var Controllers = []string{
 	"deployment-controller", "replicaset-controller", "statefulset-controller", "daemonset-controller",
 	"job-controller", "cronjob-controller", "garbage-collector-controller", "namespace-controller",
-	"resourceclaim-controller",
+	"resourceclaim-controller", "disruption-controller", "ttl-after-finished-controller", "endpointslice-controller",
 }
 
 // controllerManagerUser is kube-controller-manager's own identity, with

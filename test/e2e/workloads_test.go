@@ -13,9 +13,11 @@ import (
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -192,6 +194,23 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 		t.Fatal(err)
 	}
 	placed(t, c, ns, "app=inference", 20, corev1.PodRunning)
+	// A budget over the replicas gets its status (the disruption
+	// controller), so evictions under it are judged, not refused outright.
+	pdb := &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Name: "inference"},
+		Spec: policyv1.PodDisruptionBudgetSpec{MinAvailable: new(intstr.FromInt32(1)),
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "inference"}}},
+	}
+	if _, err := c.Admin.PolicyV1().PodDisruptionBudgets(ns).Create(ctx, pdb, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		got, err := c.Admin.PolicyV1().PodDisruptionBudgets(ns).Get(ctx, "inference", metav1.GetOptions{})
+		return err == nil && got.Status.ExpectedPods == 20 && got.Status.DisruptionsAllowed == 19, err
+	})
+	if err != nil {
+		t.Fatalf("the PodDisruptionBudget got no status: %v", err)
+	}
 	for _, n := range []int32{40, 5} {
 		scale := &autoscalingv1.Scale{ObjectMeta: metav1.ObjectMeta{Name: "inference", Namespace: ns}, Spec: autoscalingv1.ScaleSpec{Replicas: n}}
 		if _, err := c.Admin.AppsV1().Deployments(ns).UpdateScale(ctx, "inference", scale, metav1.UpdateOptions{}); err != nil {
@@ -221,7 +240,7 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	if _, err := c.Admin.BatchV1().Jobs(ns).Create(ctx, job, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+	err = wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		j, err := c.Admin.BatchV1().Jobs(ns).Get(ctx, "train", metav1.GetOptions{})
 		if err != nil {
 			return false, err
