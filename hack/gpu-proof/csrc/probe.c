@@ -1,0 +1,199 @@
+/*
+ * probe: the CUDA side of hack/gpu-proof.sh, with no CUDA toolkit. It loads
+ * the driver API from libcuda.so.1 with dlopen, so it builds with any C
+ * compiler and runs on any machine with an NVIDIA driver (or, in the tests,
+ * the stand-in in fakecuda.c).
+ *
+ *   probe info          one line per device: index, UUID, name, total MiB
+ *   probe alloc MIB     allocate MIB MiB on device 0 in one piece
+ *   probe spin MS       run one block that spins for MS milliseconds
+ *
+ * Exit status: 0 done, 1 usage, 2 no driver (libcuda or a symbol missing),
+ * 3 the operation failed (a CUDA error, named on stderr).
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUmodule;
+typedef void *CUfunction;
+typedef unsigned long long CUdeviceptr;
+
+#define CU_DEVICE_ATTRIBUTE_CLOCK_RATE 13 /* kHz */
+
+static CUresult (*cuInit)(unsigned int);
+static CUresult (*cuDeviceGetCount)(int *);
+static CUresult (*cuDeviceGet)(CUdevice *, int);
+static CUresult (*cuDeviceGetName)(char *, int, CUdevice);
+static CUresult (*cuDeviceTotalMem)(size_t *, CUdevice);
+static CUresult (*cuDeviceGetUuid)(unsigned char *, CUdevice);
+static CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
+static CUresult (*cuCtxCreate)(CUcontext *, unsigned int, CUdevice);
+static CUresult (*cuCtxSynchronize)(void);
+static CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
+static CUresult (*cuMemFree)(CUdeviceptr);
+static CUresult (*cuModuleLoadData)(CUmodule *, const void *);
+static CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+static CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  unsigned, void *, void **, void **);
+static CUresult (*cuGetErrorName)(CUresult, const char **);
+
+/* A kernel that spins until its clock has advanced by the given cycles. */
+static const char spin_ptx[] =
+    ".version 7.0\n"
+    ".target sm_70\n"
+    ".address_size 64\n"
+    ".visible .entry spin(.param .u64 cycles)\n"
+    "{\n"
+    "  .reg .u64 %rd<5>;\n"
+    "  .reg .pred %p;\n"
+    "  ld.param.u64 %rd1, [cycles];\n"
+    "  mov.u64 %rd2, %clock64;\n"
+    "LOOP:\n"
+    "  mov.u64 %rd3, %clock64;\n"
+    "  sub.u64 %rd4, %rd3, %rd2;\n"
+    "  setp.lt.u64 %p, %rd4, %rd1;\n"
+    "  @%p bra LOOP;\n"
+    "  ret;\n"
+    "}\n";
+
+static void *lib;
+
+static void *sym(const char *name) {
+  void *p = dlsym(lib, name);
+  if (p == NULL) {
+    fprintf(stderr, "probe: libcuda.so.1 has no %s: %s\n", name, dlerror());
+    exit(2);
+  }
+  return p;
+}
+
+static const char *errname(CUresult r) {
+  const char *s = NULL;
+  if (cuGetErrorName == NULL || cuGetErrorName(r, &s) != 0 || s == NULL) return "CUDA_ERROR_UNKNOWN";
+  return s;
+}
+
+#define CHECK(call)                                                          \
+  do {                                                                       \
+    CUresult r_ = (call);                                                    \
+    if (r_ != 0) {                                                           \
+      fprintf(stderr, "probe: %s: %s (%d)\n", #call, errname(r_), r_);       \
+      return 3;                                                              \
+    }                                                                        \
+  } while (0)
+
+static void load(void) {
+  lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    fprintf(stderr, "probe: cannot load libcuda.so.1 (no NVIDIA driver here?): %s\n", dlerror());
+    exit(2);
+  }
+  *(void **)&cuGetErrorName = sym("cuGetErrorName");
+  *(void **)&cuInit = sym("cuInit");
+  *(void **)&cuDeviceGetCount = sym("cuDeviceGetCount");
+  *(void **)&cuDeviceGet = sym("cuDeviceGet");
+  *(void **)&cuDeviceGetName = sym("cuDeviceGetName");
+  *(void **)&cuDeviceTotalMem = sym("cuDeviceTotalMem_v2");
+  *(void **)&cuDeviceGetUuid = sym("cuDeviceGetUuid_v2");
+  *(void **)&cuDeviceGetAttribute = sym("cuDeviceGetAttribute");
+  *(void **)&cuCtxCreate = sym("cuCtxCreate_v2");
+  *(void **)&cuCtxSynchronize = sym("cuCtxSynchronize");
+  *(void **)&cuMemAlloc = sym("cuMemAlloc_v2");
+  *(void **)&cuMemFree = sym("cuMemFree_v2");
+  *(void **)&cuModuleLoadData = sym("cuModuleLoadData");
+  *(void **)&cuModuleGetFunction = sym("cuModuleGetFunction");
+  *(void **)&cuLaunchKernel = sym("cuLaunchKernel");
+}
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int info(void) {
+  int n = 0;
+  CHECK(cuDeviceGetCount(&n));
+  for (int i = 0; i < n; i++) {
+    CUdevice d;
+    char name[256] = {0};
+    size_t total = 0;
+    unsigned char u[16];
+    CHECK(cuDeviceGet(&d, i));
+    CHECK(cuDeviceGetName(name, sizeof name - 1, d));
+    CHECK(cuDeviceTotalMem(&total, d));
+    CHECK(cuDeviceGetUuid(u, d));
+    printf("device %d GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x %zu MiB %s\n", i,
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15],
+           total >> 20, name);
+  }
+  return 0;
+}
+
+static int context(CUdevice *d) {
+  CUcontext ctx;
+  CHECK(cuDeviceGet(d, 0));
+  CHECK(cuCtxCreate(&ctx, 0, *d));
+  return 0;
+}
+
+static int alloc(long mib) {
+  CUdevice d;
+  CUdeviceptr p;
+  int rc = context(&d);
+  if (rc != 0) return rc;
+  CUresult r = cuMemAlloc(&p, (size_t)mib << 20);
+  if (r != 0) {
+    printf("alloc %ld MiB: failed: %s\n", mib, errname(r));
+    return 3;
+  }
+  printf("alloc %ld MiB: ok\n", mib);
+  CHECK(cuMemFree(p));
+  return 0;
+}
+
+static int spin(long ms) {
+  CUdevice d;
+  CUmodule m;
+  CUfunction f;
+  int khz = 0;
+  int rc = context(&d);
+  if (rc != 0) return rc;
+  CHECK(cuDeviceGetAttribute(&khz, CU_DEVICE_ATTRIBUTE_CLOCK_RATE, d));
+  CHECK(cuModuleLoadData(&m, spin_ptx));
+  CHECK(cuModuleGetFunction(&f, m, "spin"));
+  unsigned long long cycles = (unsigned long long)khz * (unsigned long long)ms;
+  void *args[] = {&cycles};
+  double start = now();
+  CHECK(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
+  CHECK(cuCtxSynchronize());
+  double end = now();
+  printf("spin %ld ms: start %.6f end %.6f took %.0f ms\n", ms, start, end, (end - start) * 1000);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || (strcmp(argv[1], "info") != 0 && argc != 3)) {
+    fprintf(stderr, "usage: probe info | probe alloc MIB | probe spin MS\n");
+    return 1;
+  }
+  char *end = NULL;
+  long n = argc == 3 ? strtol(argv[2], &end, 10) : 0;
+  if (argc == 3 && (end == argv[2] || *end != '\0' || n <= 0)) {
+    fprintf(stderr, "probe: %s %s: want a positive whole number\n", argv[1], argv[2]);
+    return 1;
+  }
+  load();
+  CHECK(cuInit(0));
+  if (strcmp(argv[1], "info") == 0) return info();
+  if (strcmp(argv[1], "alloc") == 0) return alloc(n);
+  if (strcmp(argv[1], "spin") == 0) return spin(n);
+  fprintf(stderr, "usage: probe info | probe alloc MIB | probe spin MS\n");
+  return 1;
+}

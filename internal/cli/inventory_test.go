@@ -1,0 +1,36 @@
+package cli
+
+import (
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+)
+
+// The inventory prints what the agent reads, one line per GPU in
+// nvidia-smi -L's form, so that the two can be compared line by line.
+func TestInventory(t *testing.T) {
+	out, errOut, code := runCLI(t, "", "inventory", "--simulate-gpus", "dgxh100")
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if code != 0 || len(lines) != 9 || lines[0] != "driver 550.54.15, CUDA 12.4, enforcement mps-pinned" ||
+		!strings.HasPrefix(lines[1], "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-") || !strings.HasSuffix(lines[1], ") 81920 MiB") {
+		t.Errorf("exit %d, %q\n%s", code, errOut, out)
+	}
+	out, _, code = runCLI(t, "", "inventory", "--simulate-gpus", "dgxb200", "-o", "json")
+	var inv struct {
+		DriverVersion string
+		GPUs          []struct{ UUID string }
+		Capability    string
+	}
+	if err := json.Unmarshal([]byte(out), &inv); err != nil || code != 0 || len(inv.GPUs) != 8 || inv.Capability == "" {
+		t.Errorf("json: %v, exit %d: %s", err, code, out)
+	}
+	cmd := NewRootCommand()
+	cmd.SetArgs([]string{"inventory", "--simulate-gpus", "dgx-nope"})
+	cmd.SetOut(&strings.Builder{})
+	cmd.SetErr(&strings.Builder{})
+	var exit *ExitError
+	if err := cmd.Execute(); !errors.As(err, &exit) || exit.Code != 2 || !strings.Contains(err.Error(), `--simulate-gpus "dgx-nope": must be one of`) {
+		t.Errorf("bad machine: %v", err)
+	}
+}
