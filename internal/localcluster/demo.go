@@ -26,7 +26,7 @@ import (
 )
 
 // demoNamespace is where the demo applies the examples that name none.
-const demoNamespace = "default"
+const demoNamespace = metav1.NamespaceDefault
 
 // Demo applies every object of the examples directory (Pods, and the
 // Deployments kube-controller-manager turns into pods), waits until the
