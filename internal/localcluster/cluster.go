@@ -458,29 +458,13 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 	// the serving certificate is self-signed and only this process asks.
 	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // loopback health probe of a child process
 	waiting := "its /healthz"
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
-		if err := c.exited("controller-manager"); err != nil {
-			return false, err
-		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("https://127.0.0.1:%d/healthz?verbose", port), nil)
-		if err != nil {
-			return false, err
-		}
-		resp, err := client.Do(req)
-		if err != nil {
-			return false, nil //nolint:nilerr // not serving yet: ask again
-		}
-		body, err := io.ReadAll(resp.Body)
-		_ = resp.Body.Close()
-		if err != nil {
-			return false, nil //nolint:nilerr // ask again
-		}
+	err = c.waitServing(ctx, "controller-manager", client, fmt.Sprintf("https://127.0.0.1:%d/healthz?verbose", port), func(_ int, body []byte) bool {
 		for _, name := range Controllers {
 			if waiting = name; !strings.Contains(string(body), "[+]"+name+" ok") {
-				return false, nil
+				return false
 			}
 		}
-		return true, nil
+		return true
 	})
 	if err != nil && c.exited("controller-manager") == nil {
 		return fmt.Errorf("%s has not started: %w (see %s)", waiting, err, filepath.Join(c.opts.Dir, "logs", "controller-manager.log"))
@@ -517,12 +501,20 @@ func (c *Cluster) startDashboard(ctx context.Context) error {
 		return err
 	}
 	c.DashboardURL = "http://" + addr + "/"
-	client := &http.Client{Timeout: 2 * time.Second}
+	return c.waitServing(ctx, "dashboard", &http.Client{Timeout: 2 * time.Second}, c.DashboardURL+"healthz",
+		func(status int, _ []byte) bool { return status == http.StatusOK })
+}
+
+// waitServing polls url, for up to a minute, until ready accepts the
+// answer (its status and body); it fails at once when the child process
+// name has exited. Until the child listens, a refused connection is
+// simply asked again.
+func (c *Cluster) waitServing(ctx context.Context, name string, client *http.Client, url string, ready func(status int, body []byte) bool) error {
 	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
-		if err := c.exited("dashboard"); err != nil {
+		if err := c.exited(name); err != nil {
 			return false, err
 		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.DashboardURL+"healthz", nil)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 		if err != nil {
 			return false, err
 		}
@@ -530,8 +522,12 @@ func (c *Cluster) startDashboard(ctx context.Context) error {
 		if err != nil {
 			return false, nil //nolint:nilerr // not serving yet: ask again
 		}
+		body, err := io.ReadAll(resp.Body)
 		_ = resp.Body.Close()
-		return resp.StatusCode == http.StatusOK, nil
+		if err != nil {
+			return false, nil //nolint:nilerr // a cut-off answer: ask again
+		}
+		return ready(resp.StatusCode, body), nil
 	})
 }
 

@@ -15,12 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUmodule;
-typedef void *CUfunction;
-typedef unsigned long long CUdeviceptr;
+#include "cuda_abi.h"
 
 static long env(const char *name, long otherwise) {
   const char *v = getenv(name);
@@ -29,17 +24,17 @@ static long env(const char *name, long otherwise) {
 
 CUresult cuGetErrorName(CUresult r, const char **s) {
   switch (r) {
-  case 0: *s = "CUDA_SUCCESS"; break;
-  case 2: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-  case 100: *s = "CUDA_ERROR_NO_DEVICE"; break;
-  case 200: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+  case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+  case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+  case CUDA_ERROR_NO_DEVICE: *s = "CUDA_ERROR_NO_DEVICE"; break;
+  case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
   default: *s = "CUDA_ERROR_UNKNOWN"; break;
   }
   return 0;
 }
 CUresult cuInit(unsigned int flags) { (void)flags; return (CUresult)env("FAKECUDA_INIT_ERROR", 0); }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
-CUresult cuDeviceGet(CUdevice *d, int i) { *d = i; return i == 0 ? 0 : 101; }
+CUresult cuDeviceGet(CUdevice *d, int i) { *d = i; return i == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE; }
 CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
   (void)d;
   strncpy(name, "Fake GPU (not CUDA)", (size_t)len);
@@ -56,7 +51,7 @@ CUresult cuDeviceGetUuid_v2(unsigned char *u, CUdevice d) {
 }
 CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   (void)d;
-  *v = attr == 13 ? 1000000 : 0; /* clock rate in kHz: 1 GHz */
+  *v = attr == CU_DEVICE_ATTRIBUTE_CLOCK_RATE ? 1000000 : 0; /* clock rate in kHz: 1 GHz */
   return 0;
 }
 CUresult cuCtxCreate_v2(CUcontext *c, unsigned int flags, CUdevice d) {
@@ -67,19 +62,19 @@ CUresult cuCtxCreate_v2(CUcontext *c, unsigned int flags, CUdevice d) {
 CUresult cuCtxSynchronize(void) { return 0; }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
   long total = env("FAKECUDA_TOTAL_MIB", 81920);
-  if ((long)(bytes >> 20) > env("FAKECUDA_FREE_MIB", total)) return 2;
+  if ((long)(bytes >> 20) > env("FAKECUDA_FREE_MIB", total)) return CUDA_ERROR_OUT_OF_MEMORY;
   *p = 0x1000;
   return 0;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return 0; }
 CUresult cuModuleLoadData(CUmodule *m, const void *image) {
-  if (strstr((const char *)image, ".entry spin") == NULL) return 200;
+  if (strstr((const char *)image, ".entry spin") == NULL) return CUDA_ERROR_INVALID_IMAGE;
   *m = (CUmodule)1;
   return 0;
 }
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
   (void)m;
-  if (strcmp(name, "spin") != 0) return 500;
+  if (strcmp(name, "spin") != 0) return CUDA_ERROR_NOT_FOUND;
   *f = (CUfunction)1;
   return 0;
 }

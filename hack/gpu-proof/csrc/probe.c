@@ -17,14 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUmodule;
-typedef void *CUfunction;
-typedef unsigned long long CUdeviceptr;
-
-#define CU_DEVICE_ATTRIBUTE_CLOCK_RATE 13 /* kHz */
+#include "cuda_abi.h"
 
 static CUresult (*cuInit)(unsigned int);
 static CUresult (*cuDeviceGetCount)(int *);
