@@ -14,6 +14,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/manifest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // Exit codes of `gpufrac explain`.
@@ -56,7 +57,7 @@ no Pod.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&o.memoryLimits, "memory-limits", string(injection.BackendDriver), "the node's memory-limit backend: driver, toolkit, mps-pinned, off, or auto (the strongest the --simulate-gpus machine's driver allows)")
+	f.StringVar(&o.memoryLimits, "memory-limits", string(nodeapi.BackendDriver), "the node's memory-limit backend: driver, toolkit, mps-pinned, off, or auto (the strongest the --simulate-gpus machine's driver allows)")
 	f.BoolVar(&o.failOpen, "fail-open", false, "the node agent's --fail-open")
 	f.StringVar(&o.cfg.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "the node agent's --hook-path")
 	f.StringVar(&o.cfg.MPSPipeDir, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir")
@@ -113,7 +114,7 @@ func (o explainOptions) nodeConfig() (injection.Config, error) {
 	if cfg.GPUMemoryReserveMiB < 0 {
 		return cfg, fmt.Errorf("--gpu-memory-reserve-mib %d: must be 0 or more", cfg.GPUMemoryReserveMiB)
 	}
-	if err := injection.CheckBackendFlag(o.memoryLimits); err != nil {
+	if err := nodeapi.CheckBackendFlag(o.memoryLimits); err != nil {
 		return cfg, err
 	}
 	lib, err := inventory.Simulated(o.simulateGPUs)
@@ -124,7 +125,7 @@ func (o explainOptions) nodeConfig() (injection.Config, error) {
 	if err != nil {
 		return cfg, err
 	}
-	cfg.Backend = injection.Backend(o.memoryLimits)
+	cfg.Backend = nodeapi.Backend(o.memoryLimits)
 	if o.memoryLimits == "auto" {
 		// As the agent resolves it; an explicit choice is taken as given,
 		// to show a node configured so.

@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 func newInventoryCommand() *cobra.Command {
@@ -52,7 +53,7 @@ before installing the agent; --simulate-gpus reads a go-nvml mock machine.`,
 				enc.SetIndent("", "  ")
 				return enc.Encode(struct {
 					inventory.Inventory
-					Capability inventory.Enforcement
+					Capability nodeapi.Enforcement
 				}{inv, inv.Capability()})
 			}
 			fmt.Fprintf(out, "driver %s, CUDA %s, enforcement %s\n", inv.DriverVersion, inv.CUDAVersion(), inv.Capability())

@@ -13,8 +13,8 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
-	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
 
@@ -55,7 +55,7 @@ with no GPU, kubelet or container runtime.`,
 					return fmt.Errorf("--gpu-memory-reserve-mib-by-model %s=%d: must be 0 or more", model, v)
 				}
 			}
-			if err := injection.CheckBackendFlag(opts.MemoryLimits); err != nil {
+			if err := nodeapi.CheckBackendFlag(opts.MemoryLimits); err != nil {
 				return err
 			}
 			if opts.ResyncPeriod < time.Second {

@@ -22,6 +22,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
@@ -187,7 +188,7 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	state := publish.State{Inventory: inv, Backend: injection.BackendMPSPinned, PublishGPULabels: true}
+	state := publish.State{Inventory: inv, Backend: nodeapi.BackendMPSPinned, PublishGPULabels: true}
 	read := func() *corev1.Node {
 		n, err := shared.admin.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
 		if err != nil {

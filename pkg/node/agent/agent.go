@@ -34,6 +34,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/metrics"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
@@ -65,7 +66,7 @@ type Options struct {
 	MPSControl       string
 	FailOpen         bool
 	PublishGPULabels bool
-	// MemoryLimits is --memory-limits: auto or one of injection.Backends.
+	// MemoryLimits is --memory-limits: auto or one of nodeapi.Backends.
 	MemoryLimits string
 	// Injection is the node's injection configuration; its Backend is
 	// chosen by the agent from MemoryLimits and the driver.
@@ -250,7 +251,7 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 		a.setPublished(false)
 		return
 	}
-	capability := inventory.EnforcementNone
+	capability := nodeapi.EnforcementNone
 	if invErr == nil {
 		capability = inv.Capability()
 	}

@@ -22,7 +22,7 @@ import (
 	rspec "github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 const mebibyte = uint64(1) << 20
@@ -38,27 +38,27 @@ type Limits struct {
 // LimitsFromEnv reads the limits the NRI plugin put in the hook's
 // environment (see package injection).
 func LimitsFromEnv(getenv func(string) string) (Limits, error) {
-	l := Limits{Container: getenv(injection.EnvHookContainer)}
-	devices := getenv(injection.EnvHookDevices)
+	l := Limits{Container: getenv(nodeapi.EnvHookContainer)}
+	devices := getenv(nodeapi.EnvHookDevices)
 	if devices == "" {
-		return Limits{}, fmt.Errorf("%s is empty: the hook was not configured by the gpufrac NRI plugin", injection.EnvHookDevices)
+		return Limits{}, fmt.Errorf("%s is empty: the hook was not configured by the gpufrac NRI plugin", nodeapi.EnvHookDevices)
 	}
 	// The plugin passes bare UUIDs; CDI names are read too, since the
 	// device list is the scheduler's and NVML wants the UUID.
 	uuids, _, bad := api.ParseDeviceList(devices)
 	if bad != "" {
-		return Limits{}, fmt.Errorf("%s %q: %s", injection.EnvHookDevices, devices, bad)
+		return Limits{}, fmt.Errorf("%s %q: %s", nodeapi.EnvHookDevices, devices, bad)
 	}
 	l.Devices = uuids
 	var err error
-	if l.RequestMiB, err = positive(getenv, injection.EnvHookRequestMiB); err != nil {
+	if l.RequestMiB, err = positive(getenv, nodeapi.EnvHookRequestMiB); err != nil {
 		return Limits{}, err
 	}
-	if l.LimitMiB, err = positive(getenv, injection.EnvHookLimitMiB); err != nil {
+	if l.LimitMiB, err = positive(getenv, nodeapi.EnvHookLimitMiB); err != nil {
 		return Limits{}, err
 	}
 	if l.LimitMiB < l.RequestMiB {
-		return Limits{}, fmt.Errorf("%s %d is below %s %d", injection.EnvHookLimitMiB, l.LimitMiB, injection.EnvHookRequestMiB, l.RequestMiB)
+		return Limits{}, fmt.Errorf("%s %d is below %s %d", nodeapi.EnvHookLimitMiB, l.LimitMiB, nodeapi.EnvHookRequestMiB, l.RequestMiB)
 	}
 	return l, nil
 }

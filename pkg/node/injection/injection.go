@@ -7,112 +7,57 @@ package injection
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
-)
-
-// Environment variables the node sets. Pod-provided values of all of them
-// are replaced, never trusted.
-const (
-	EnvVisibleDevices   = "NVIDIA_VISIBLE_DEVICES"
-	EnvMemoryRequest    = "NVIDIA_GPU_MEMORY_REQUEST" // MiB, read by NVIDIA Container Toolkit's memory-limit hook
-	EnvMemoryLimit      = "NVIDIA_GPU_MEMORY_LIMIT"   // MiB
-	EnvMPSPinnedLimit   = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
-	EnvMPSPipeDirectory = "CUDA_MPS_PIPE_DIRECTORY"
-	EnvMPSThreads       = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-	EnvLibraryPath      = "LD_LIBRARY_PATH"
-
-	// Hook environment: what the createRuntime hook applies.
-	EnvHookDevices    = "GPUFRAC_DEVICES"
-	EnvHookRequestMiB = "GPUFRAC_MEMORY_REQUEST_MIB"
-	EnvHookLimitMiB   = "GPUFRAC_MEMORY_LIMIT_MIB"
-	EnvHookContainer  = "GPUFRAC_CONTAINER"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // noDevices is the NVIDIA Container Toolkit value that exposes no GPU.
 const noDevices = "void"
 
-// Paths inside the container.
-const (
-	ContainerMPSPipeDir = "/run/nvidia/mps"
-	ContainerShimDir    = "/usr/local/gpufrac/lib"
-)
-
 // HookCommand is the gpufrac subcommand the runtime runs as the
 // createRuntime hook to apply driver memory limits.
 var HookCommand = []string{"hook", "apply-memory-limits"}
-
-// Backend is how a node enforces fractional containers' memory limits.
-type Backend string
-
-// The backends, strongest first.
-const (
-	// BackendDriver: the createRuntime hook sets per-cgroup soft and hard
-	// limits in the driver (CUDA 13.4, driver r615, kernel dmem controller).
-	BackendDriver Backend = "driver"
-	// BackendToolkit: NVIDIA Container Toolkit's CDI hook sets the same
-	// driver limits from NVIDIA_GPU_MEMORY_REQUEST/_LIMIT.
-	BackendToolkit Backend = "toolkit"
-	// BackendMPSPinned: only MPS's client-side pinned limit
-	// (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), which a process can bypass. Weak.
-	BackendMPSPinned Backend = "mps-pinned"
-	// BackendOff: no enforcement; fractional containers are refused (or,
-	// failing open, get no GPU).
-	BackendOff Backend = "off"
-)
-
-// Backends are the values --memory-limits accepts besides "auto".
-var Backends = []Backend{BackendDriver, BackendToolkit, BackendMPSPinned, BackendOff}
-
-// CheckBackendFlag validates --memory-limits before the node is known.
-func CheckBackendFlag(flag string) error {
-	if flag == "auto" || slices.Contains(Backends, Backend(flag)) {
-		return nil
-	}
-	return fmt.Errorf("--memory-limits %q: must be auto, driver, toolkit, mps-pinned or off", flag)
-}
 
 // ChooseBackend resolves --memory-limits against what the node can do:
 // "auto" takes the strongest available; an explicit choice the node cannot
 // honour is an error (the node then reports not ready), never a silent
 // downgrade.
-func ChooseBackend(flag string, capability inventory.Enforcement) (Backend, error) {
-	switch Backend(flag) {
+func ChooseBackend(flag string, capability nodeapi.Enforcement) (nodeapi.Backend, error) {
+	switch nodeapi.Backend(flag) {
 	case "auto":
 		switch capability {
-		case inventory.EnforcementDriver:
-			return BackendDriver, nil
-		case inventory.EnforcementMPSPinned:
-			return BackendMPSPinned, nil
+		case nodeapi.EnforcementDriver:
+			return nodeapi.BackendDriver, nil
+		case nodeapi.EnforcementMPSPinned:
+			return nodeapi.BackendMPSPinned, nil
 		}
-		return BackendOff, nil
-	case BackendDriver, BackendToolkit:
-		if capability != inventory.EnforcementDriver {
-			return BackendOff, fmt.Errorf("--memory-limits=%s needs driver memory limits (driver r615 and CUDA 13.4), and this node can do %q", flag, capability)
+		return nodeapi.BackendOff, nil
+	case nodeapi.BackendDriver, nodeapi.BackendToolkit:
+		if capability != nodeapi.EnforcementDriver {
+			return nodeapi.BackendOff, fmt.Errorf("--memory-limits=%s needs driver memory limits (driver r615 and CUDA 13.4), and this node can do %q", flag, capability)
 		}
-		return Backend(flag), nil
-	case BackendMPSPinned:
-		if capability == inventory.EnforcementNone {
-			return BackendOff, fmt.Errorf("--memory-limits=mps-pinned needs a working GPU driver, and this node can do %q", capability)
+		return nodeapi.Backend(flag), nil
+	case nodeapi.BackendMPSPinned:
+		if capability == nodeapi.EnforcementNone {
+			return nodeapi.BackendOff, fmt.Errorf("--memory-limits=mps-pinned needs a working GPU driver, and this node can do %q", capability)
 		}
-		return BackendMPSPinned, nil
-	case BackendOff:
-		return BackendOff, nil
+		return nodeapi.BackendMPSPinned, nil
+	case nodeapi.BackendOff:
+		return nodeapi.BackendOff, nil
 	}
-	return BackendOff, CheckBackendFlag(flag)
+	return nodeapi.BackendOff, nodeapi.CheckBackendFlag(flag)
 }
 
 // Config is what the node contributes to every injection.
 type Config struct {
 	// Backend enforces the memory limits; see ChooseBackend.
-	Backend Backend
+	Backend nodeapi.Backend
 	// HookPath is the gpufrac binary on the host the runtime runs as the
 	// createRuntime hook of the driver backend.
 	HookPath string
@@ -261,12 +206,12 @@ func derivePortion(a api.Assignment, cfg Config) (api.Fraction, string, error) {
 
 func checkBackend(container string, cfg Config) error {
 	switch cfg.Backend {
-	case BackendDriver:
+	case nodeapi.BackendDriver:
 		if cfg.HookPath == "" {
 			return fmt.Errorf("container %q: the driver memory-limit backend needs the hook binary (--hook-path)", container)
 		}
-	case BackendToolkit, BackendMPSPinned:
-	case BackendOff:
+	case nodeapi.BackendToolkit, nodeapi.BackendMPSPinned:
+	case nodeapi.BackendOff:
 		return fmt.Errorf("container %q: this node enforces no GPU memory limits (memory-limit backend off)", container)
 	default:
 		return fmt.Errorf("container %q: no memory-limit backend is in effect on this node yet", container)
@@ -279,7 +224,7 @@ func checkBackend(container string, cfg Config) error {
 // devices, which only a CDI name of that kind selects; bare UUIDs would
 // start the container with no limit at all.
 func checkToolkitNaming(a api.Assignment, cfg Config) error {
-	if cfg.Backend != BackendToolkit || a.CDIKind == api.CDIKindNVIDIAGPU {
+	if cfg.Backend != nodeapi.BackendToolkit || a.CDIKind == api.CDIKindNVIDIAGPU {
 		return nil
 	}
 	return fmt.Errorf("container %q: the toolkit memory-limit backend applies limits through the CDI spec of %s devices, and %s names %s: schedule with deviceNaming cdi, or run the node with --memory-limits driver",
@@ -317,8 +262,8 @@ func failOpenWithCaps(a api.Assignment, env []string, cfg Config, err error) Dec
 }
 
 func hideGPUs(adj *nriapi.ContainerAdjustment) {
-	setEnv(adj, EnvVisibleDevices, noDevices)
-	for _, k := range []string{EnvMemoryRequest, EnvMemoryLimit, EnvMPSPinnedLimit, EnvMPSPipeDirectory, EnvMPSThreads} {
+	setEnv(adj, nodeapi.EnvVisibleDevices, noDevices)
+	for _, k := range []string{nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSPinnedLimit, nodeapi.EnvMPSPipeDirectory, nodeapi.EnvMPSThreads} {
 		adj.RemoveEnv(k)
 	}
 }
@@ -327,43 +272,43 @@ func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, mpsPipeDir string
 	request, limit := strconv.FormatInt(a.RequestMiB, 10), strconv.FormatInt(a.LimitMiB, 10)
 	// As the scheduler named them: a CDI name is what makes NVIDIA's
 	// runtime apply that device's CDI spec (and its memory-limit hook).
-	setEnv(adj, EnvVisibleDevices, strings.Join(a.DeviceNames(), ","))
-	setEnv(adj, EnvMemoryRequest, request)
-	setEnv(adj, EnvMemoryLimit, limit)
+	setEnv(adj, nodeapi.EnvVisibleDevices, strings.Join(a.DeviceNames(), ","))
+	setEnv(adj, nodeapi.EnvMemoryRequest, request)
+	setEnv(adj, nodeapi.EnvMemoryLimit, limit)
 	// The devices appear in the container as ordinals 0..n-1.
 	pinned := make([]string, len(a.Devices))
 	for i := range a.Devices {
 		pinned[i] = fmt.Sprintf("%d=%sM", i, limit)
 	}
-	setEnv(adj, EnvMPSPinnedLimit, strings.Join(pinned, ","))
+	setEnv(adj, nodeapi.EnvMPSPinnedLimit, strings.Join(pinned, ","))
 
 	if a.Mode == api.SMSharing {
-		setEnv(adj, EnvMPSPipeDirectory, ContainerMPSPipeDir)
-		setEnv(adj, EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
+		setEnv(adj, nodeapi.EnvMPSPipeDirectory, nodeapi.ContainerPipeDir)
+		setEnv(adj, nodeapi.EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
 		// The container's own MPS namespace: a daemon of its own, with its
 		// ceiling, on a pipe directory no other tenant sees.
-		adj.AddMount(&nriapi.Mount{Source: mpsPipeDir, Destination: ContainerMPSPipeDir, Type: "bind",
+		adj.AddMount(&nriapi.Mount{Source: mpsPipeDir, Destination: nodeapi.ContainerPipeDir, Type: "bind",
 			Options: []string{"rbind", "rw"}})
 	} else {
-		adj.RemoveEnv(EnvMPSPipeDirectory)
-		adj.RemoveEnv(EnvMPSThreads)
+		adj.RemoveEnv(nodeapi.EnvMPSPipeDirectory)
+		adj.RemoveEnv(nodeapi.EnvMPSThreads)
 	}
 
 	if cfg.ShimDir != "" {
-		adj.AddMount(&nriapi.Mount{Source: cfg.ShimDir, Destination: ContainerShimDir, Type: "bind",
+		adj.AddMount(&nriapi.Mount{Source: cfg.ShimDir, Destination: nodeapi.ContainerShimDir, Type: "bind",
 			Options: []string{"rbind", "ro"}})
-		setEnv(adj, EnvLibraryPath, mergePath(ContainerShimDir, lookup(env, EnvLibraryPath)))
+		setEnv(adj, nodeapi.EnvLibraryPath, mergePath(nodeapi.ContainerShimDir, lookup(env, nodeapi.EnvLibraryPath)))
 	}
 
-	if cfg.Backend == BackendDriver {
+	if cfg.Backend == nodeapi.BackendDriver {
 		adj.AddHooks(&nriapi.Hooks{CreateRuntime: []*nriapi.Hook{{
 			Path: cfg.HookPath,
 			Args: append([]string{cfg.HookPath}, HookCommand...),
 			Env: []string{
-				EnvHookContainer + "=" + a.Container,
-				EnvHookDevices + "=" + strings.Join(a.Devices, ","),
-				EnvHookRequestMiB + "=" + request,
-				EnvHookLimitMiB + "=" + limit,
+				nodeapi.EnvHookContainer + "=" + a.Container,
+				nodeapi.EnvHookDevices + "=" + strings.Join(a.Devices, ","),
+				nodeapi.EnvHookRequestMiB + "=" + request,
+				nodeapi.EnvHookLimitMiB + "=" + limit,
 			},
 		}}})
 	}

@@ -7,11 +7,10 @@ import (
 
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
-
-	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
-var cfg = Config{Backend: BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib",
+var cfg = Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib",
 	GPUMemoryMiB: 81920}
 
 // Adjust is Decide on a node that does not fail open, as the table tests
@@ -146,7 +145,7 @@ func TestAdjust(t *testing.T) {
 			var mounts []string
 			for _, m := range adj.GetMounts() {
 				mounts = append(mounts, m.Destination)
-				if m.Destination == ContainerMPSPipeDir && m.Source != "/run/gpufrac/mps/uid-1_"+tt.container+"/pipe" {
+				if m.Destination == nodeapi.ContainerPipeDir && m.Source != "/run/gpufrac/mps/uid-1_"+tt.container+"/pipe" {
 					t.Errorf("MPS pipe directory %s is not the container's own namespace", m.Source)
 				}
 			}
@@ -175,7 +174,7 @@ func TestSMSharingNeedsMPS(t *testing.T) {
 
 func TestFailOpenInjectsNoGPU(t *testing.T) {
 	open := cfg
-	open.FailOpen, open.Backend = true, BackendOff
+	open.FailOpen, open.Backend = true, nodeapi.BackendOff
 	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
 	d := Decide(Pod{Annotations: ann}, "main", nil, open)
 	if d.Verdict != FailedOpen || d.Assignment != nil || d.Reason == nil {
@@ -271,21 +270,21 @@ func BenchmarkAdjust(b *testing.B) {
 func TestChooseBackend(t *testing.T) {
 	tests := []struct {
 		flag       string
-		capability inventory.Enforcement
-		want       Backend
+		capability nodeapi.Enforcement
+		want       nodeapi.Backend
 		wantErr    bool
 	}{
-		{"auto", inventory.EnforcementDriver, BackendDriver, false},
-		{"auto", inventory.EnforcementMPSPinned, BackendMPSPinned, false},
-		{"auto", inventory.EnforcementNone, BackendOff, false},
-		{"driver", inventory.EnforcementDriver, BackendDriver, false},
-		{"driver", inventory.EnforcementMPSPinned, BackendOff, true},
-		{"toolkit", inventory.EnforcementDriver, BackendToolkit, false},
-		{"toolkit", inventory.EnforcementNone, BackendOff, true},
-		{"mps-pinned", inventory.EnforcementDriver, BackendMPSPinned, false},
-		{"mps-pinned", inventory.EnforcementNone, BackendOff, true},
-		{"off", inventory.EnforcementDriver, BackendOff, false},
-		{"strict", inventory.EnforcementDriver, BackendOff, true},
+		{"auto", nodeapi.EnforcementDriver, nodeapi.BackendDriver, false},
+		{"auto", nodeapi.EnforcementMPSPinned, nodeapi.BackendMPSPinned, false},
+		{"auto", nodeapi.EnforcementNone, nodeapi.BackendOff, false},
+		{"driver", nodeapi.EnforcementDriver, nodeapi.BackendDriver, false},
+		{"driver", nodeapi.EnforcementMPSPinned, nodeapi.BackendOff, true},
+		{"toolkit", nodeapi.EnforcementDriver, nodeapi.BackendToolkit, false},
+		{"toolkit", nodeapi.EnforcementNone, nodeapi.BackendOff, true},
+		{"mps-pinned", nodeapi.EnforcementDriver, nodeapi.BackendMPSPinned, false},
+		{"mps-pinned", nodeapi.EnforcementNone, nodeapi.BackendOff, true},
+		{"off", nodeapi.EnforcementDriver, nodeapi.BackendOff, false},
+		{"strict", nodeapi.EnforcementDriver, nodeapi.BackendOff, true},
 	}
 	for _, tt := range tests {
 		got, err := ChooseBackend(tt.flag, tt.capability)
@@ -296,7 +295,7 @@ func TestChooseBackend(t *testing.T) {
 }
 
 func TestBackendsShapeTheInjection(t *testing.T) {
-	for _, b := range []Backend{BackendToolkit, BackendMPSPinned} {
+	for _, b := range []nodeapi.Backend{nodeapi.BackendToolkit, nodeapi.BackendMPSPinned} {
 		c := cfg
 		c.Backend = b
 		// The toolkit's limits come with its CDI spec, which only a CDI name selects.
@@ -314,7 +313,7 @@ func TestBackendsShapeTheInjection(t *testing.T) {
 		}
 	}
 	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
-	for _, c := range []Config{{Backend: BackendOff}, {}, {Backend: BackendDriver}, {Backend: BackendToolkit}} {
+	for _, c := range []Config{{Backend: nodeapi.BackendOff}, {}, {Backend: nodeapi.BackendDriver}, {Backend: nodeapi.BackendToolkit}} {
 		if _, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, c); err == nil {
 			t.Errorf("config %+v injected a fraction it cannot enforce", c)
 		}

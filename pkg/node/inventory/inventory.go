@@ -17,6 +17,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh200"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // GPU is one physical GPU as the node sees it.
@@ -37,20 +38,6 @@ type Inventory struct {
 	GPUs              []GPU
 }
 
-// Enforcement is the strongest memory enforcement a node can do.
-type Enforcement string
-
-const (
-	// EnforcementDriver means per-cgroup soft and hard limits set in the
-	// driver (CUDA 13.4, driver r615 and later); a tenant cannot bypass them.
-	EnforcementDriver Enforcement = "driver"
-	// EnforcementMPSPinned means only MPS's client-side pinned memory limit,
-	// which a process that avoids MPS can bypass. Weak.
-	EnforcementMPSPinned Enforcement = "mps-pinned"
-	// EnforcementNone means no memory enforcement is possible.
-	EnforcementNone Enforcement = "none"
-)
-
 // Driver-enforced limits need both CUDA 13.4 and an r615 driver.
 const (
 	minLimitsCUDA   = 13040
@@ -62,15 +49,15 @@ const (
 // instances, and MPS v3 memory partitioning does not support MIG
 // (NVIDIA MPS, "MPS v3 Memory Partitioning": "MIG is explicitly
 // unsupported"), so nothing would enforce the share.
-func (inv Inventory) Capability() Enforcement {
+func (inv Inventory) Capability() nodeapi.Enforcement {
 	if len(inv.GPUs) == 0 || inv.MIGEnabled() >= 0 {
-		return EnforcementNone
+		return nodeapi.EnforcementNone
 	}
 	major, _, _ := strings.Cut(inv.DriverVersion, ".")
 	if m, err := strconv.Atoi(major); err == nil && m >= minLimitsDriver && inv.CUDADriverVersion >= minLimitsCUDA {
-		return EnforcementDriver
+		return nodeapi.EnforcementDriver
 	}
-	return EnforcementMPSPinned
+	return nodeapi.EnforcementMPSPinned
 }
 
 // MIGEnabled is the index of the first GPU with MIG enabled, or -1.

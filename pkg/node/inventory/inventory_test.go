@@ -9,6 +9,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/gpus"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 func TestReadSimulatedMachines(t *testing.T) {
@@ -56,17 +57,17 @@ func TestCapabilityFollowsDriverAndCUDA(t *testing.T) {
 	one := []GPU{{UUID: "GPU-a"}}
 	tests := []struct {
 		inv  Inventory
-		want Enforcement
+		want nodeapi.Enforcement
 	}{
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: one}, EnforcementDriver},
-		{Inventory{DriverVersion: "620.01", CUDADriverVersion: 13050, GPUs: one}, EnforcementDriver},
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13030, GPUs: one}, EnforcementMPSPinned},
-		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 13040, GPUs: one}, EnforcementMPSPinned},
-		{Inventory{DriverVersion: "garbage", CUDADriverVersion: 13040, GPUs: one}, EnforcementMPSPinned},
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040}, EnforcementNone},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementDriver},
+		{Inventory{DriverVersion: "620.01", CUDADriverVersion: 13050, GPUs: one}, nodeapi.EnforcementDriver},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13030, GPUs: one}, nodeapi.EnforcementMPSPinned},
+		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementMPSPinned},
+		{Inventory{DriverVersion: "garbage", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementMPSPinned},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040}, nodeapi.EnforcementNone},
 		// MIG on any GPU: no fraction can be enforced, on r615 or before.
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: []GPU{{UUID: "GPU-a"}, {Index: 1, UUID: "GPU-b", MIGEnabled: true}}}, EnforcementNone},
-		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 12040, GPUs: []GPU{{UUID: "GPU-a", MIGEnabled: true}}}, EnforcementNone},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: []GPU{{UUID: "GPU-a"}, {Index: 1, UUID: "GPU-b", MIGEnabled: true}}}, nodeapi.EnforcementNone},
+		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 12040, GPUs: []GPU{{UUID: "GPU-a", MIGEnabled: true}}}, nodeapi.EnforcementNone},
 	}
 	for _, tt := range tests {
 		if got := tt.inv.Capability(); got != tt.want {

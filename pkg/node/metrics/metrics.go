@@ -14,8 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
-	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 )
 
@@ -163,7 +163,7 @@ func (m *Metrics) GPUUse(lib nvml.Interface, inv inventory.Inventory) {
 }
 
 // Node records the GPUs, the backend and readiness.
-func (m *Metrics) Node(inv inventory.Inventory, backend injection.Backend, ready bool) {
+func (m *Metrics) Node(inv inventory.Inventory, backend nodeapi.Backend, ready bool) {
 	m.gpuMemory.Reset()
 	for _, g := range inv.GPUs {
 		m.gpuMemory.WithLabelValues(g.UUID, strconv.Itoa(g.Index), g.Product).Set(float64(g.MemoryMiB) * mebibyte)

@@ -13,8 +13,8 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
-	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 )
 
@@ -26,7 +26,7 @@ func TestNodeAndContainerMetrics(t *testing.T) {
 	drv.Set(uuids[1], cg, nvml.MemoryLimits_v1{SoftLimit: 1 << 30, HardLimit: 2 << 30, CurrentUsed: 512 << 20})
 
 	m := New()
-	m.Node(inventory.Inventory{GPUs: []inventory.GPU{{Index: 0, UUID: uuids[0], Product: "H100", MemoryMiB: 81920}}}, injection.BackendDriver, true)
+	m.Node(inventory.Inventory{GPUs: []inventory.GPU{{Index: 0, UUID: uuids[0], Product: "H100", MemoryMiB: 81920}}}, nodeapi.BackendDriver, true)
 	m.Containers(lib, map[string]enforce.Lease{"c1": {Pod: "ml/llm", Container: "main", Cgroup: cg, Devices: uuids, RequestMiB: 1024, LimitMiB: 2048}})
 	m.Tenants([]nriplugin.Tenant{
 		{Pod: nriplugin.PodRef{Namespace: "ml", Name: "llm"}, Container: "main", Devices: uuids, RequestMiB: 1024, LimitMiB: 2048,

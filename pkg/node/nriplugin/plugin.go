@@ -20,6 +20,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // Name and index the plugin registers with; the index orders it after
@@ -199,7 +200,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 	case injection.Run:
 		if d.Assignment != nil {
 			state := StateEnforced
-			if cfg.Backend == injection.BackendDriver {
+			if cfg.Backend == nodeapi.BackendDriver {
 				state = StateInjected // verified after start
 			}
 			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *d.Assignment, string(cfg.Backend), state))
@@ -240,7 +241,7 @@ func withNotes(detail string, notes []string) string {
 func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
 	defer p.observe("PostStartContainer", time.Now())
 	cfg := p.injection.Load()
-	if cfg.Backend != injection.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
+	if cfg.Backend != nodeapi.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
 		return nil
 	}
 	d := p.decide(pod, ctr)
@@ -455,7 +456,7 @@ func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Containe
 	// The container's environment must already be what the injection
 	// would make it, for the variables that carry the limits.
 	want := injection.ApplyEnv(ctr.GetEnv(), d.Adjustment)
-	for _, key := range []string{injection.EnvVisibleDevices, injection.EnvMemoryRequest, injection.EnvMemoryLimit, injection.EnvMPSThreads} {
+	for _, key := range []string{nodeapi.EnvVisibleDevices, nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSThreads} {
 		if got := envValue(ctr.GetEnv(), key); got != want[key] {
 			return fmt.Sprintf("%s is %q, want %q", key, got, want[key])
 		}

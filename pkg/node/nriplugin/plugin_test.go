@@ -24,6 +24,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // runtime is the runtime side of NRI as containerd embeds it
@@ -136,7 +137,7 @@ func connect(t *testing.T, p *Plugin, rt *runtime) {
 	}
 }
 
-var cfg = injection.Config{Backend: injection.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
+var cfg = injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
 
 func sandbox(id, name string, annotations map[string]string) *nriapi.PodSandbox {
 	return &nriapi.PodSandbox{Id: id, Name: name, Namespace: "ml", Uid: "uid-" + id, Annotations: annotations}
@@ -527,7 +528,7 @@ func TestSMSharingGetsItsOwnMPSNamespace(t *testing.T) {
 	key := mps.Key(pod.GetUid(), "main")
 	var source string
 	for _, m := range resp.GetAdjust().GetMounts() {
-		if m.Destination == injection.ContainerMPSPipeDir {
+		if m.Destination == nodeapi.ContainerPipeDir {
 			source = m.Source
 		}
 	}
@@ -615,7 +616,7 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 	sup := mps.New(os.Args[0], root)
 	rt := startRuntime(t, nil, nil)
 	c := cfg
-	c.Backend, c.MPSPipeDir, c.GPUMemoryMiB = injection.BackendMPSPinned, root, 81920
+	c.Backend, c.MPSPipeDir, c.GPUMemoryMiB = nodeapi.BackendMPSPinned, root, 81920
 	rec := &recorder{}
 	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
 	p.EnableMPS(sup)

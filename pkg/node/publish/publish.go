@@ -17,8 +17,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // ConditionReady is the node condition schedulers read (KAI's key).
@@ -57,7 +57,7 @@ type State struct {
 	NRIRegistered bool
 	// Backend is the memory-limit backend in effect; BackendErr says why
 	// the one the operator asked for cannot be used.
-	Backend    injection.Backend
+	Backend    nodeapi.Backend
 	BackendErr error
 	// FailOpen: the operator lets unenforceable containers run without a GPU.
 	FailOpen bool
@@ -84,7 +84,7 @@ func Compute(s State, current map[string]string) Desired {
 	if s.InventoryErr == nil {
 		d.Labels[LabelDriverVersion] = ptr(labelValue(s.Inventory.DriverVersion))
 		d.Labels[LabelCUDAVersion] = ptr(s.Inventory.CUDAVersion())
-		if s.Backend != "" && s.Backend != injection.BackendOff {
+		if s.Backend != "" && s.Backend != nodeapi.BackendOff {
 			enforcement = string(s.Backend)
 		}
 	}
@@ -118,16 +118,16 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 	}
 	versions := fmt.Sprintf("driver %s, CUDA %s", s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
 	switch {
-	case (s.Backend == injection.BackendOff || s.Backend == "") && s.FailOpen:
+	case (s.Backend == nodeapi.BackendOff || s.Backend == "") && s.FailOpen:
 		return corev1.ConditionTrue, ReasonFailOpen, "no memory enforcement in effect; fail-open is configured, so fractional containers run without a GPU"
 	case s.BackendErr != nil:
 		return corev1.ConditionFalse, ReasonBackend, s.BackendErr.Error()
-	case s.Backend == injection.BackendOff || s.Backend == "":
+	case s.Backend == nodeapi.BackendOff || s.Backend == "":
 		return corev1.ConditionFalse, ReasonNoEnforcement, "no GPU memory enforcement is in effect on this node (" + versions + ")"
-	case s.Backend == injection.BackendMPSPinned:
+	case s.Backend == nodeapi.BackendMPSPinned:
 		return corev1.ConditionTrue, ReasonReady, "memory limits: MPS pinned-memory limits only (" + versions +
 			"; driver enforcement needs r615 and CUDA 13.4); a process can bypass them"
-	case s.Backend == injection.BackendToolkit:
+	case s.Backend == nodeapi.BackendToolkit:
 		return corev1.ConditionTrue, ReasonReady, "memory limits: driver-enforced per container by NVIDIA Container Toolkit's CDI hook (" + versions + ")"
 	}
 	return corev1.ConditionTrue, ReasonReady, "memory limits: driver-enforced per container by the gpufrac hook (" + versions + ")"

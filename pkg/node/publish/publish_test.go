@@ -7,8 +7,8 @@ import (
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 func gpus(n int, product string, mib int64) []inventory.GPU {
@@ -30,34 +30,34 @@ func TestCompute(t *testing.T) {
 		wantReason string
 		wantLabels map[string]string // nil-valued entries are not expected
 	}{
-		{"driver enforcement, labels published", State{Inventory: h100, Backend: injection.BackendDriver, NRIRegistered: true, PublishGPULabels: true}, nil,
+		{"driver enforcement, labels published", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true, PublishGPULabels: true}, nil,
 			corev1.ConditionTrue, ReasonReady, map[string]string{
 				LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver",
 				LabelGPUCount: "8", LabelGPUMemory: "81920", LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", LabelInventoryOwner: "agent"}},
-		{"GFD's labels left alone", State{Inventory: h100, Backend: injection.BackendDriver, NRIRegistered: true, PublishGPULabels: true}, map[string]string{LabelGPUProduct: "NVIDIA-H100-80GB-HBM3"},
+		{"GFD's labels left alone", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true, PublishGPULabels: true}, map[string]string{LabelGPUProduct: "NVIDIA-H100-80GB-HBM3"},
 			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
-		{"older driver: weak MPS limits", State{Inventory: old, Backend: injection.BackendMPSPinned, NRIRegistered: true}, nil,
+		{"older driver: weak MPS limits", State{Inventory: old, Backend: nodeapi.BackendMPSPinned, NRIRegistered: true}, nil,
 			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "550.54.15", LabelCUDAVersion: "12.4", LabelEnforcement: "mps-pinned"}},
-		{"NRI plugin not registered", State{Inventory: h100, Backend: injection.BackendDriver}, nil,
+		{"NRI plugin not registered", State{Inventory: h100, Backend: nodeapi.BackendDriver}, nil,
 			corev1.ConditionFalse, ReasonNRI, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
 		{"NVML fails", State{InventoryErr: errors.New("nvmlInit: ERROR_LIBRARY_NOT_FOUND"), NRIRegistered: true, PublishGPULabels: true}, nil,
 			corev1.ConditionFalse, ReasonNVMLError, map[string]string{LabelEnforcement: "none"}},
 		{"no GPUs even with fail-open", State{Inventory: inventory.Inventory{DriverVersion: "615.1", CUDADriverVersion: 13040}, NRIRegistered: true, FailOpen: true}, nil,
 			corev1.ConditionFalse, ReasonNoGPUs, map[string]string{LabelDriverVersion: "615.1", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
 		{"mixed models", State{Inventory: inventory.Inventory{DriverVersion: "615.1", CUDADriverVersion: 13040,
-			GPUs: append(gpus(1, "A", 1), gpus(1, "B", 2)...)}, Backend: injection.BackendDriver, NRIRegistered: true}, nil,
+			GPUs: append(gpus(1, "A", 1), gpus(1, "B", 2)...)}, Backend: nodeapi.BackendDriver, NRIRegistered: true}, nil,
 			corev1.ConditionFalse, ReasonMixedGPUs, map[string]string{LabelDriverVersion: "615.1", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
 		{"MIG on a GPU, even failing open", State{Inventory: inventory.Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040,
 			GPUs: append(gpus(1, "NVIDIA H100 80GB HBM3", 81920), inventory.GPU{Index: 1, UUID: "GPU-m", Product: "NVIDIA H100 80GB HBM3", MemoryMiB: 81920, MIGEnabled: true})},
-			Backend: injection.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
+			Backend: nodeapi.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
 			corev1.ConditionFalse, ReasonMIG, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
-		{"toolkit backend", State{Inventory: h100, Backend: injection.BackendToolkit, NRIRegistered: true}, nil,
+		{"toolkit backend", State{Inventory: h100, Backend: nodeapi.BackendToolkit, NRIRegistered: true}, nil,
 			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "toolkit"}},
-		{"driver asked for on an old driver", State{Inventory: old, Backend: injection.BackendOff, BackendErr: errors.New("--memory-limits=driver needs r615"), NRIRegistered: true}, nil,
+		{"driver asked for on an old driver", State{Inventory: old, Backend: nodeapi.BackendOff, BackendErr: errors.New("--memory-limits=driver needs r615"), NRIRegistered: true}, nil,
 			corev1.ConditionFalse, ReasonBackend, map[string]string{LabelDriverVersion: "550.54.15", LabelCUDAVersion: "12.4", LabelEnforcement: "none"}},
-		{"enforcement off", State{Inventory: h100, Backend: injection.BackendOff, NRIRegistered: true}, nil,
+		{"enforcement off", State{Inventory: h100, Backend: nodeapi.BackendOff, NRIRegistered: true}, nil,
 			corev1.ConditionFalse, ReasonNoEnforcement, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
-		{"enforcement off, failing open", State{Inventory: h100, Backend: injection.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
+		{"enforcement off, failing open", State{Inventory: h100, Backend: nodeapi.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
 			corev1.ConditionTrue, ReasonFailOpen, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
 	}
 	for _, tt := range tests {
