@@ -14,6 +14,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/manifest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
@@ -27,6 +28,7 @@ type explainOptions struct {
 	failOpen     bool
 	simulateGPUs string
 	gpuMemoryMiB int64
+	mps          string
 	cfg          injection.Config
 }
 
@@ -60,7 +62,8 @@ no Pod.`,
 	f.StringVar(&o.memoryLimits, "memory-limits", string(nodeapi.BackendDriver), "the node's memory-limit backend: driver, toolkit, mps-pinned, off, or auto (the strongest the --simulate-gpus machine's driver allows)")
 	f.BoolVar(&o.failOpen, "fail-open", false, "the node agent's --fail-open")
 	f.StringVar(&o.cfg.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "the node agent's --hook-path")
-	f.StringVar(&o.cfg.MPSPipeDir, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir")
+	f.StringVar(&o.cfg.MPSRoot, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir")
+	f.StringVar(&o.mps, "mps", "auto", "the interface of the node's MPS daemon: v3 (driver r615 and later), v2 (older drivers), none (the daemon is down), or auto (the --simulate-gpus machine's driver's)")
 	f.StringVar(&o.cfg.ShimDir, "nvidia-smi-shim-dir", "", "the node agent's --nvidia-smi-shim-dir")
 	f.Int64Var(&o.cfg.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "the node agent's --gpu-memory-reserve-mib")
 	f.StringVar(&o.simulateGPUs, "simulate-gpus", "dgxh100", "the mock machine whose GPUs the node has: "+strings.Join(inventory.Machines, ", "))
@@ -133,6 +136,20 @@ func (o explainOptions) nodeConfig() (injection.Config, error) {
 	}
 	if len(inv.GPUs) > 0 {
 		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB
+	}
+	switch o.mps {
+	case "auto":
+		major, err := mps.DriverMajor(inv.DriverVersion)
+		if err != nil {
+			return cfg, err
+		}
+		cfg.MPS = mps.ProtocolFor(major)
+	case string(nodeapi.MPSv3), string(nodeapi.MPSv2):
+		cfg.MPS = nodeapi.MPS(o.mps)
+	case "none":
+		cfg.MPS = nodeapi.MPSNone
+	default:
+		return cfg, fmt.Errorf("--mps %q: must be auto, v3, v2 or none", o.mps)
 	}
 	if o.gpuMemoryMiB != 0 {
 		if o.gpuMemoryMiB < 0 {

@@ -315,7 +315,9 @@ func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
 		}
 		if err := c.start("node-agent-"+name, "node-agent", "--node-name", name, "--kubeconfig", kc,
 			"--simulate-gpus", c.opts.Machine, "--publish-gpu-labels", "--state-dir", state,
-			"--health-addr", "", "--resync-period", "2s", "--hook-path", ""); err != nil {
+			"--health-addr", "", "--resync-period", "2s", "--hook-path", "",
+			// No containers run here, so no MPS daemon either.
+			"--mps-pipe-dir", ""); err != nil {
 			return err
 		}
 	}

@@ -16,6 +16,24 @@ func WriteJSON(path string, v any) error {
 	if err != nil {
 		return err
 	}
+	return Write(path, data)
+}
+
+// ReadJSON reads path into v; a missing file is os.ErrNotExist, a corrupt
+// one an error naming the file.
+func ReadJSON(path string, v any) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		return fmt.Errorf("%s is corrupt: %w", path, err)
+	}
+	return nil
+}
+
+// Write writes data to path through a temporary file and a rename.
+func Write(path string, data []byte) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return err
 	}

@@ -550,3 +550,53 @@ func TestChartDashboard(t *testing.T) {
 		t.Errorf("dashboard probes: liveness %+v, readiness %+v", c.LivenessProbe, c.ReadinessProbe)
 	}
 }
+
+// The node agent's pod gets exactly what its two containers need, in the
+// chart and in deploy/ alike: the host PID namespace (memacct registers MPS
+// clients by host PID), root without capabilities or privilege escalation,
+// read-only root file systems, and the host's /proc and cgroup file system
+// read only. Nothing privileged, no host network or IPC.
+func TestNodeAgentPrivileges(t *testing.T) {
+	chart := find(mustRender(t), "DaemonSet", "gpufrac-system", "gpufrac-node-agent")
+	var ref *unstructured.Unstructured
+	for _, o := range readManifests(t, "node-agent/node-agent.yaml") {
+		if o.GetKind() == "DaemonSet" {
+			ref = o
+		}
+	}
+	if chart == nil || ref == nil {
+		t.Fatalf("node agent DaemonSet: chart %v, deploy/ %v", chart != nil, ref != nil)
+	}
+	for name, ds := range map[string]*unstructured.Unstructured{"chart": chart, "deploy/": ref} {
+		spec, _, _ := unstructured.NestedMap(ds.Object, "spec", "template", "spec")
+		if spec["hostPID"] != true || spec["hostNetwork"] != nil || spec["hostIPC"] != nil {
+			t.Errorf("%s: hostPID %v, hostNetwork %v, hostIPC %v; want host PID only", name, spec["hostPID"], spec["hostNetwork"], spec["hostIPC"])
+		}
+		containers, _, _ := unstructured.NestedSlice(spec, "containers")
+		var names []string
+		for _, c := range containers {
+			c := c.(map[string]any)
+			names = append(names, c["name"].(string))
+			sc, _ := c["securityContext"].(map[string]any)
+			caps, _ := sc["capabilities"].(map[string]any)
+			if sc["privileged"] == true || sc["allowPrivilegeEscalation"] != false || sc["readOnlyRootFilesystem"] != true ||
+				fmt.Sprint(caps["drop"]) != "[ALL]" || caps["add"] != nil {
+				t.Errorf("%s container %s: securityContext %v", name, c["name"], sc)
+			}
+			args, _ := c["args"].([]any)
+			if c["name"] == "mps" && (len(args) == 0 || args[0] != "mps-daemon") {
+				t.Errorf("%s: the mps container runs %v, want gpufrac mps-daemon", name, args)
+			}
+			mounts, _ := c["volumeMounts"].([]any)
+			for _, m := range mounts {
+				m := m.(map[string]any)
+				if p := m["mountPath"].(string); strings.HasPrefix(p, "/host/") && m["readOnly"] != true {
+					t.Errorf("%s container %s mounts %s writable", name, c["name"], p)
+				}
+			}
+		}
+		if !slices.Equal(names, []string{"agent", "mps"}) {
+			t.Errorf("%s: containers %v, want agent and mps", name, names)
+		}
+	}
+}

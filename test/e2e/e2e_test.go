@@ -33,6 +33,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -380,14 +381,16 @@ func kaiPod(t *testing.T, c *localcluster.Cluster) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The local cluster's node agents: go-nvml's dgxh100 mock, auto
-	// backend, no hook binary, the default MPS pipe directory.
+	// The local cluster's node agents' settings (go-nvml's dgxh100 mock,
+	// auto backend, no hook binary, the default MPS pipe directory), with
+	// an MPS v3 daemon as on an r615 node: sm-sharing needs its namespaces,
+	// and the mock's r550 driver has only the legacy interface.
 	explain := cli.NewRootCommand()
 	var out bytes.Buffer
 	explain.SetIn(bytes.NewReader(manifest))
 	explain.SetOut(&out)
 	explain.SetErr(&out)
-	explain.SetArgs([]string{"explain", "--simulate-gpus", "dgxh100", "--memory-limits", "auto", "--hook-path", "", "-"})
+	explain.SetArgs([]string{"explain", "--simulate-gpus", "dgxh100", "--memory-limits", "auto", "--mps", "v3", "--hook-path", "", "-"})
 	if err := explain.Execute(); err != nil {
 		t.Fatalf("gpufrac explain: %v\n%s", err, out.String())
 	}
@@ -397,7 +400,8 @@ func kaiPod(t *testing.T, c *localcluster.Cluster) {
 		"share: sm-sharing on " + uuid + ", request 20480Mi, limit 20480Mi, compute portion 0.25",
 		"env set: NVIDIA_VISIBLE_DEVICES=" + api.CDIKindNVIDIAGPU + "=" + uuid,
 		"env set: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
-		"mps: namespace " + string(placed.UID) + "_setup",
+		"mount: /run/gpufrac/mps/pipe/gpufrac/" + nodeapi.NamespaceName(string(placed.UID), "setup") + " -> /run/nvidia/mps",
+		"mps: namespace " + nodeapi.NamespaceName(string(placed.UID), "setup") + ", active-thread ceiling 25%",
 		"derived 0.25 from the memory share",
 		"kai/kai-sm container main: RUN",
 		"env set: NVIDIA_VISIBLE_DEVICES=void",

@@ -25,6 +25,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/admission"
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 )
 
 const (
@@ -62,6 +63,9 @@ func (w *webhookEnv) startWebhook() error {
 var shared *webhookEnv
 
 func TestMain(m *testing.M) {
+	if os.Getenv(mpstest.Env) == "1" {
+		os.Exit(mpstest.Fake(os.Args[1:])) // a child playing nvidia-cuda-mps-control
+	}
 	ctrllog.SetLogger(klog.NewKlogr())
 	code, err := runWithEnv(m)
 	if err != nil {

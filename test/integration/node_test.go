@@ -7,8 +7,10 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -22,6 +24,8 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
@@ -271,7 +275,7 @@ func TestNodeAgentSimulated(t *testing.T) {
 	a := agent.New(agent.Options{
 		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: ns, HealthAddr: healthAddr,
 		StateDir: t.TempDir(), PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
-		Injection: injection.Config{MPSPipeDir: filepath.Join(t.TempDir(), "mps")},
+		// Simulated and without MPS: no containers run here.
 	}, shared.admin)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()
@@ -325,6 +329,84 @@ func TestNodeAgentSimulated(t *testing.T) {
 	if c := readyCondition(); c.Status != corev1.ConditionFalse || c.Reason != "AgentStopped" {
 		t.Errorf("condition after the agent stopped = %+v", c)
 	}
+}
+
+// The node is ready for fractions only while its MPS daemon answers:
+// before the daemon starts, and after it stops, the condition says why
+// (the supervisor's last word); a daemon replaced after a crash brings the
+// node back.
+func TestNodeAgentReadinessFollowsTheMPSDaemon(t *testing.T) {
+	mpstest.Use(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	nodeName := uniqueName("mps-agent-node")
+	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.MkdirTemp("/tmp", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	a := agent.New(agent.Options{
+		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: "default", StateDir: t.TempDir(),
+		ResyncPeriod: 200 * time.Millisecond, MPSControl: os.Args[0], Injection: injection.Config{MPSRoot: root},
+	}, shared.admin)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("agent: %v", err)
+		}
+	}()
+
+	condition := func(status corev1.ConditionStatus, reason, message string) {
+		t.Helper()
+		var last corev1.NodeCondition
+		if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+			n, err := shared.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			for _, c := range n.Status.Conditions {
+				if c.Type == publish.ConditionReady {
+					last = c
+				}
+			}
+			return last.Status == status && last.Reason == reason && strings.Contains(last.Message, message), nil
+		}); err != nil {
+			t.Fatalf("condition %+v, want %s/%s with %q", last, status, reason, message)
+		}
+	}
+	condition(corev1.ConditionFalse, publish.ReasonMPS, "no MPS control daemon has been started")
+
+	d := mps.NewDaemon(os.Args[0], root, 550) // the mock machine's driver
+	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.StopGrace, d.ServerBinary = 100*time.Millisecond, time.Second, 50*time.Millisecond, 2*time.Second, ""
+	dctx, stopDaemon := context.WithCancel(ctx)
+	daemonDone := make(chan struct{})
+	go func() { defer close(daemonDone); _ = d.Run(dctx) }()
+	defer func() { stopDaemon(); <-daemonDone }()
+	condition(corev1.ConditionTrue, publish.ReasonReady, "MPS v2")
+
+	st, err := mps.ReadStatus(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(st.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation == 2 && s.Running, nil
+	}); err != nil {
+		t.Fatal("the crashed daemon was not replaced")
+	}
+	condition(corev1.ConditionTrue, publish.ReasonReady, "MPS v2")
+
+	stopDaemon()
+	<-daemonDone
+	condition(corev1.ConditionFalse, publish.ReasonMPS, "its supervisor (the mps container) is shutting down")
 }
 
 // The agent's Events and evictions reach the API server.

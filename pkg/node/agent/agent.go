@@ -62,8 +62,13 @@ type Options struct {
 	StateDir string
 	// ProcRoot is where the host's /proc is, to find containers' cgroups.
 	ProcRoot string
-	// MPSControl is the MPS control program run per sm-sharing container.
-	MPSControl       string
+	// MPSControl is the MPS control program the agent runs to manage the
+	// namespaces of the node's MPS daemon (which `gpufrac mps-daemon`
+	// supervises).
+	MPSControl string
+	// CgroupRoot is the host's cgroup file system, to check that the
+	// driver's per-cgroup limits can work.
+	CgroupRoot       string
 	FailOpen         bool
 	PublishGPULabels bool
 	// MemoryLimits is --memory-limits: auto or one of nodeapi.Backends.
@@ -83,10 +88,13 @@ type Agent struct {
 	recorder record.EventRecorder
 	metrics  *metrics.Metrics
 	leases   *enforce.Leases
-	mps      *mps.Supervisor
+	mps      *mps.Manager
 
 	mu        sync.Mutex
 	published bool // the last publish reached the API server
+	// mpsGeneration is the MPS daemon generation last seen: a new one has
+	// replaced the daemon under the running containers.
+	mpsGeneration int
 }
 
 // New builds an agent for opts over client.
@@ -99,6 +107,9 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	}
 	if opts.MPSControl == "" {
 		opts.MPSControl = mps.DefaultBinary
+	}
+	if opts.CgroupRoot == "" {
+		opts.CgroupRoot = "/sys/fs/cgroup"
 	}
 	a := &Agent{opts: opts, client: client, metrics: metrics.New()}
 	// Until the first inventory says which backend the driver allows, the
@@ -133,17 +144,20 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	a.plugin.EnableLimitLifecycle(lib, a.opts.ProcRoot, leases)
 	a.leases = leases
-	// MPS namespaces a previous agent left are adopted when they answer
-	// (their tenants keep running) or restarted; those of containers that
-	// are gone are drained at the plugin's first synchronization.
-	if a.opts.Injection.MPSPipeDir != "" {
-		a.mps = mps.New(a.opts.MPSControl, a.opts.Injection.MPSPipeDir)
-		a.mps.StatePath = filepath.Join(a.opts.StateDir, "mps-namespaces.json")
-		if err := a.mps.Recover(ctx, func(string) bool { return true }); err != nil {
-			logger.Error(err, "Cannot recover the MPS namespaces of the previous agent")
+	// The namespaces a previous agent created stay claimed (its table is
+	// read back); those of containers that are gone are deleted at the
+	// plugin's first synchronization.
+	if a.opts.Injection.MPSRoot != "" {
+		if err := nodeapi.CheckRoot(a.opts.Injection.MPSRoot); err != nil {
+			return err
 		}
-		defer a.mps.Close()
-		a.plugin.EnableMPS(a.mps)
+		control := mps.Control{Binary: a.opts.MPSControl, Root: a.opts.Injection.MPSRoot, Timeout: 10 * time.Second}
+		m, err := mps.OpenManager(control, filepath.Join(a.opts.StateDir, "mps-namespaces.json"))
+		if err != nil {
+			return err
+		}
+		a.mps = m
+		a.plugin.EnableMPS(m)
 	}
 
 	var wg sync.WaitGroup
@@ -256,8 +270,21 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 		capability = inv.Capability()
 	}
 	backend, backendErr := injection.ChooseBackend(a.opts.MemoryLimits, capability)
+	mpsProtocol, mpsErr := a.checkMPS(ctx, inv, invErr)
+	var cgroupErr error
+	if backend.DriverLimits() && a.opts.SimulateGPUs == "" {
+		cgroupErr = enforce.CheckCgroup(a.opts.CgroupRoot)
+	}
 	cfg := a.opts.Injection
-	cfg.Backend = backend
+	cfg.Backend, cfg.MPS = backend, mpsProtocol
+	if mpsErr != nil || cgroupErr != nil {
+		// Fail closed: containers whose enforcement cannot work are
+		// refused (or, failing open, get no GPU), not started half-limited.
+		cfg.MPS = nodeapi.MPSNone
+		if cgroupErr != nil {
+			cfg.Backend = nodeapi.BackendOff
+		}
+	}
 	if invErr == nil && len(inv.GPUs) > 0 {
 		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
 	}
@@ -267,11 +294,13 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 		logger.Error(backendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")
 	}
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
-		Backend: backend, BackendErr: backendErr, FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
-	if a.mps != nil {
-		if recovered := a.mps.Check(ctx); len(recovered) > 0 {
-			logger.Info("Recovered wedged MPS control daemons", "namespaces", recovered)
-		}
+		Backend: backend, BackendErr: backendErr, MPS: mpsProtocol, MPSErr: mpsErr, CgroupErr: cgroupErr,
+		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
+	if mpsErr == nil && a.mps != nil && a.plugin.Registered() {
+		// Only once synchronized does the plugin know every running
+		// container, and so which namespaces are claimed.
+		live := a.plugin.LiveNamespaces()
+		a.plugin.ReconcileMPS(ctx, func(name string) bool { return live[name] })
 	}
 	desired := publish.Compute(state, node.Labels)
 	a.metrics.Node(inv, backend, desired.Condition.Status == corev1.ConditionTrue)
@@ -291,6 +320,56 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 			logger.Error(err, "Cannot annotate reservation pods")
 		}
 	}
+}
+
+// checkMPS says which interface the node's MPS daemon speaks, or why it
+// cannot serve fractional containers. A daemon replaced since the last
+// check is reported on every time-slicing tenant (the sm-sharing ones are
+// told when their namespaces are re-created).
+func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr error) (nodeapi.MPS, error) {
+	if invErr != nil {
+		return nodeapi.MPSNone, fmt.Errorf("the driver release is unknown: %w", invErr)
+	}
+	major, err := mps.DriverMajor(inv.DriverVersion)
+	if err != nil {
+		return nodeapi.MPSNone, err
+	}
+	want := mps.ProtocolFor(major)
+	if a.mps == nil {
+		if a.opts.SimulateGPUs != "" {
+			return want, nil // a simulated node without MPS: no containers run there
+		}
+		return nodeapi.MPSNone, errors.New("the node agent has no MPS directory (--mps-pipe-dir)")
+	}
+	a.mps.SetProtocol(want)
+	status, statusErr := mps.ReadStatus(a.opts.Injection.MPSRoot)
+	if err := a.mps.Control().Ping(ctx); err != nil {
+		why := status.LastExit
+		if errors.Is(statusErr, os.ErrNotExist) {
+			why = mps.ErrNoDaemon.Error()
+		} else if statusErr != nil {
+			why = statusErr.Error()
+		}
+		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon does not answer (%w); its supervisor's last word: %s", err, why)
+	}
+	if statusErr == nil && status.Protocol != want {
+		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: restart the node agent's mps container", status.Protocol, major, want)
+	}
+	if statusErr == nil {
+		a.mu.Lock()
+		replaced := a.mpsGeneration != 0 && status.Generation != a.mpsGeneration
+		a.mpsGeneration = status.Generation
+		a.mu.Unlock()
+		if replaced {
+			klog.FromContext(ctx).Info("The MPS control daemon was replaced under running containers", "generation", status.Generation, "lastExit", status.LastExit)
+			for _, t := range a.plugin.Tenants() {
+				if t.Namespace == "" {
+					a.MPSRestarted(t.Pod, t.Container, fmt.Sprintf("the node's MPS control daemon was replaced (generation %d; the previous one %s)", status.Generation, status.LastExit))
+				}
+			}
+		}
+	}
+	return want, nil
 }
 
 // markStopped tells schedulers to stop sending fractions here: with the
@@ -364,6 +443,14 @@ func (a *Agent) Unenforced(pod nriplugin.PodRef, container, reason string) {
 	a.metrics.Count(metrics.EventUnenforced)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
 		"container %s runs WITHOUT verified GPU memory limits (the node fails open): %s", container, reason)
+}
+
+// MPSRestarted records a Warning Event on the pod: its container's MPS
+// clients lost their GPU contexts and must restart their CUDA work.
+func (a *Agent) MPSRestarted(pod nriplugin.PodRef, container, detail string) {
+	a.metrics.Count(metrics.EventMPSRestarted)
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionMPSRestarted",
+		"container %s: its MPS clients lost their GPU contexts: %s", container, detail)
 }
 
 // ReleaseFailed records an Event on the pod.

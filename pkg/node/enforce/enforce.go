@@ -224,3 +224,29 @@ func Release(lib nvml.Interface, cgroup string, devices []string) error {
 	}
 	return errors.Join(append(errs, release(devs, cgroup))...)
 }
+
+// CheckCgroup tells whether the driver's per-cgroup memory limits can work
+// on this host, whose cgroup file system is mounted at root: they need
+// cgroup v2 (NVIDIA MPS, "MPS v3 Memory Partitioning": cgroup v2 at
+// /sys/fs/cgroup) and one of the driver's two backends, the kernel's dmem
+// controller (6.14 and later) or the driver's misc fallback, both of which
+// show as controllers of the root cgroup.
+func CheckCgroup(root string) error {
+	data, err := os.ReadFile(filepath.Join(root, "cgroup.controllers"))
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("%s is not a cgroup v2 hierarchy (cgroup v1 or a hybrid layout): driver memory limits need cgroup v2; boot with systemd.unified_cgroup_hierarchy=1", root)
+	}
+	if err != nil {
+		return fmt.Errorf("cannot read the cgroup controllers: %w", err)
+	}
+	controllers := strings.Fields(string(data))
+	for _, c := range []string{"dmem", "misc"} {
+		for _, have := range controllers {
+			if have == c {
+				return nil
+			}
+		}
+	}
+	return fmt.Errorf("the cgroup v2 root %s has neither the dmem controller (kernel 6.14 and later) nor misc (the driver's fallback), so the driver cannot account GPU memory per cgroup; it has: %s",
+		root, strings.Join(controllers, " "))
+}

@@ -218,3 +218,26 @@ func TestRunHookEndToEnd(t *testing.T) {
 		})
 	}
 }
+
+func TestCheckCgroup(t *testing.T) {
+	for _, tt := range []struct {
+		name, controllers, wantErr string
+		v1                         bool
+	}{
+		{name: "dmem", controllers: "cpuset cpu io memory dmem pids"},
+		{name: "misc fallback", controllers: "cpu memory misc"},
+		{name: "neither", controllers: "cpu memory pids", wantErr: "neither the dmem controller"},
+		{name: "cgroup v1", v1: true, wantErr: "not a cgroup v2 hierarchy"},
+	} {
+		root := t.TempDir()
+		if !tt.v1 {
+			if err := os.WriteFile(filepath.Join(root, "cgroup.controllers"), []byte(tt.controllers+"\n"), 0o444); err != nil {
+				t.Fatal(err)
+			}
+		}
+		err := CheckCgroup(root)
+		if (tt.wantErr == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("%s: %v, want %q", tt.name, err, tt.wantErr)
+		}
+	}
+}

@@ -7,13 +7,13 @@ package injection
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strconv"
 	"strings"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
@@ -61,9 +61,13 @@ type Config struct {
 	// HookPath is the gpufrac binary on the host the runtime runs as the
 	// createRuntime hook of the driver backend.
 	HookPath string
-	// MPSPipeDir is the host directory under which each sm-sharing
-	// container's MPS namespace has its pipe directory (see package mps).
-	MPSPipeDir string
+	// MPSRoot is the node's MPS root (--mps-pipe-dir): the pipe directory
+	// of the node's MPS control daemon is under it (nodeapi.PipeDir).
+	MPSRoot string
+	// MPS is the interface the node's MPS daemon speaks, MPSNone while it
+	// does not run: every fractional container is one of its clients, so
+	// without it none can start.
+	MPS nodeapi.MPS
 	// ShimDir is the host directory holding the nvidia-smi view library;
 	// "" mounts nothing.
 	ShimDir string
@@ -115,8 +119,9 @@ type Decision struct {
 	// portion derived where the scheduler wrote none); nil when it gets no
 	// GPU share.
 	Assignment *api.Assignment
-	// MPSNamespace is the MPS namespace to start, with the assignment's
-	// thread ceiling, before the container runs (sm-sharing); "" for none.
+	// MPSNamespace is the MPS v3 namespace of the shared server to create,
+	// with the assignment's thread ceiling, before the container runs
+	// (sm-sharing); "" for none.
 	MPSNamespace string
 	// Notes say what the node did that the scheduler did not write, for
 	// the pod's Event.
@@ -159,14 +164,17 @@ func Decide(pod Pod, container string, env []string, cfg Config) Decision {
 		return Decision{Verdict: Run, Adjustment: adj}
 	}
 	a := *mine
-	if a.Mode == api.SMSharing && cfg.MPSPipeDir == "" {
-		return Unenforceable(cfg, fmt.Errorf("container %q: sm-sharing needs MPS, and this node has no MPS pipe directory configured", container))
-	}
 	if err := checkBackend(container, cfg); err != nil {
 		return Unenforceable(cfg, err)
 	}
 	if err := checkToolkitNaming(a, cfg); err != nil {
 		return Unenforceable(cfg, err)
+	}
+	if err := checkMPS(container, cfg); err != nil {
+		return Unenforceable(cfg, err)
+	}
+	if a.Mode == api.SMSharing && cfg.MPS != nodeapi.MPSv3 {
+		return failOpenWithCaps(a, env, cfg, fmt.Errorf("container %q: sm-sharing needs MPS v3 namespaces (driver r615 and later) for its compute ceiling, and this node's MPS daemon speaks the legacy interface", container))
 	}
 	var notes []string
 	if a.Mode == api.SMSharing {
@@ -180,12 +188,12 @@ func Decide(pod Pod, container string, env []string, cfg Config) Decision {
 		}
 	}
 	adj := &nriapi.ContainerAdjustment{}
-	key := ""
+	namespace := ""
 	if a.Mode == api.SMSharing {
-		key = mps.Key(pod.UID, container)
+		namespace = nodeapi.NamespaceName(pod.UID, container)
 	}
-	inject(adj, a, mps.PipeDir(cfg.MPSPipeDir, key), env, cfg)
-	return Decision{Verdict: Run, Adjustment: adj, Assignment: &a, MPSNamespace: key, Notes: notes}
+	inject(adj, a, namespace, env, cfg)
+	return Decision{Verdict: Run, Adjustment: adj, Assignment: &a, MPSNamespace: namespace, Notes: notes}
 }
 
 // derivePortion gives an sm-sharing container the scheduler left without
@@ -202,6 +210,21 @@ func derivePortion(a api.Assignment, cfg Config) (api.Fraction, string, error) {
 	note := fmt.Sprintf("container %q: no compute portion was written (as released KAI Scheduler places sm-sharing pods); derived %s from the memory share, %dMi of %dMi schedulable (%dMi − %dMi reserve): MPS thread ceiling %d%%",
 		a.Container, portion, a.RequestMiB, usable, cfg.GPUMemoryMiB, cfg.GPUMemoryReserveMiB, max(int(portion.Of(100)), 1))
 	return portion, note, nil
+}
+
+// checkMPS: every fractional container is a client of the node's MPS
+// daemon. Under MPS v3 its memacct feature is what evicts a client over its
+// soft limit when memory runs short, so a request is only a guarantee for
+// clients (NVIDIA MPS, "MPS v3 Memory Partitioning", Soft and Hard
+// Limits); the pinned limit binds only clients too.
+func checkMPS(container string, cfg Config) error {
+	if cfg.MPSRoot == "" {
+		return fmt.Errorf("container %q: GPU fractions are enforced through the node's MPS daemon, and this node has no MPS directory configured (--mps-pipe-dir)", container)
+	}
+	if cfg.MPS == nodeapi.MPSNone {
+		return fmt.Errorf("container %q: the node's MPS control daemon is not running, so the container's memory request could not be guaranteed (memacct) nor its pinned limit applied", container)
+	}
+	return nil
 }
 
 func checkBackend(container string, cfg Config) error {
@@ -251,7 +274,7 @@ func failOpenWithCaps(a api.Assignment, env []string, cfg Config, err error) Dec
 	if !cfg.FailOpen {
 		return Decision{Verdict: Refuse, Reason: err}
 	}
-	if berr := errors.Join(checkBackend(a.Container, cfg), checkToolkitNaming(a, cfg)); berr != nil {
+	if berr := errors.Join(checkMPS(a.Container, cfg), checkBackend(a.Container, cfg), checkToolkitNaming(a, cfg)); berr != nil {
 		return Unenforceable(cfg, errors.Join(err, berr))
 	}
 	a.Mode, a.Portion = api.TimeSlicing, api.Fraction{}
@@ -268,7 +291,7 @@ func hideGPUs(adj *nriapi.ContainerAdjustment) {
 	}
 }
 
-func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, mpsPipeDir string, env []string, cfg Config) {
+func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, namespace string, env []string, cfg Config) {
 	request, limit := strconv.FormatInt(a.RequestMiB, 10), strconv.FormatInt(a.LimitMiB, 10)
 	// As the scheduler named them: a CDI name is what makes NVIDIA's
 	// runtime apply that device's CDI spec (and its memory-limit hook).
@@ -282,16 +305,30 @@ func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, mpsPipeDir string
 	}
 	setEnv(adj, nodeapi.EnvMPSPinnedLimit, strings.Join(pinned, ","))
 
-	if a.Mode == api.SMSharing {
-		setEnv(adj, nodeapi.EnvMPSPipeDirectory, nodeapi.ContainerPipeDir)
+	// Every fractional container is an MPS client, and sees only its own
+	// way in (NVIDIA MPS, "MPS v3 Namespaces", Namespace Routing):
+	//   - sm-sharing: the leaf directory of its namespace of the shared
+	//     server, whose ceiling was set before it started; its clients
+	//     share that server's context with the other sm-sharing tenants;
+	//   - time-slicing under v3: the main socket only, not the directory
+	//     that also holds the shared server's namespaces; with
+	//     default_socket off its clients keep contexts of their own;
+	//   - under the legacy v2 interface there are no namespaces: the
+	//     daemon's pipe directory, for the pinned limit.
+	setEnv(adj, nodeapi.EnvMPSPipeDirectory, nodeapi.ContainerPipeDir)
+	switch {
+	case namespace != "":
 		setEnv(adj, nodeapi.EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
-		// The container's own MPS namespace: a daemon of its own, with its
-		// ceiling, on a pipe directory no other tenant sees.
-		adj.AddMount(&nriapi.Mount{Source: mpsPipeDir, Destination: nodeapi.ContainerPipeDir, Type: "bind",
-			Options: []string{"rbind", "rw"}})
-	} else {
-		adj.RemoveEnv(nodeapi.EnvMPSPipeDirectory)
+		adj.AddMount(&nriapi.Mount{Source: nodeapi.NamespaceDir(cfg.MPSRoot, namespace), Destination: nodeapi.ContainerPipeDir,
+			Type: "bind", Options: []string{"rbind", "rw"}})
+	case cfg.MPS == nodeapi.MPSv3:
 		adj.RemoveEnv(nodeapi.EnvMPSThreads)
+		adj.AddMount(&nriapi.Mount{Source: filepath.Join(nodeapi.PipeDir(cfg.MPSRoot), "control"), Destination: filepath.Join(nodeapi.ContainerPipeDir, "control"),
+			Type: "bind", Options: []string{"bind", "rw"}})
+	default:
+		adj.RemoveEnv(nodeapi.EnvMPSThreads)
+		adj.AddMount(&nriapi.Mount{Source: nodeapi.PipeDir(cfg.MPSRoot), Destination: nodeapi.ContainerPipeDir,
+			Type: "bind", Options: []string{"rbind", "rw"}})
 	}
 
 	if cfg.ShimDir != "" {

@@ -1,16 +1,19 @@
 package injection
 
 import (
+	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
+
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
-var cfg = Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps", ShimDir: "/opt/gpufrac/lib",
+var cfg = Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: "/run/gpufrac/mps", MPS: nodeapi.MPSv3, ShimDir: "/opt/gpufrac/lib",
 	GPUMemoryMiB: 81920}
 
 // Adjust is Decide on a node that does not fail open, as the table tests
@@ -22,6 +25,12 @@ func Adjust(pod Pod, container string, env []string, cfg Config) (*nriapi.Contai
 	}
 	return d.Adjustment, nil
 }
+
+// The mounts the table expects, as "source -> destination".
+const (
+	mainSocket = "/run/gpufrac/mps/pipe/control -> /run/nvidia/mps/control"
+	shim       = "/opt/gpufrac/lib -> /usr/local/gpufrac/lib"
+)
 
 func TestAdjust(t *testing.T) {
 	hostile := []string{
@@ -47,10 +56,10 @@ func TestAdjust(t *testing.T) {
 			wantEnv: map[string]string{
 				"NVIDIA_VISIBLE_DEVICES": "GPU-a", "NVIDIA_GPU_MEMORY_REQUEST": "40448", "NVIDIA_GPU_MEMORY_LIMIT": "40448",
 				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=40448M", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib:/usr/lib/app:/opt/gpufrac-not",
-				"HOME": "/root",
+				"CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps", "HOME": "/root",
 			},
 			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB=40448", "GPUFRAC_MEMORY_LIMIT_MIB=40448"},
-			wantMount: []string{"/usr/local/gpufrac/lib"},
+			wantMount: []string{mainSocket, shim},
 		},
 		{
 			name: "multi-device burst limit",
@@ -60,9 +69,10 @@ func TestAdjust(t *testing.T) {
 			wantEnv: map[string]string{
 				"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b", "NVIDIA_GPU_MEMORY_REQUEST": "4096", "NVIDIA_GPU_MEMORY_LIMIT": "8192",
 				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M,1=8192M", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib",
+				"CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps",
 			},
 			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a,GPU-b", "GPUFRAC_MEMORY_REQUEST_MIB=4096", "GPUFRAC_MEMORY_LIMIT_MIB=8192"},
-			wantMount: []string{"/usr/local/gpufrac/lib"},
+			wantMount: []string{mainSocket, shim},
 		},
 		{
 			name: "sm-sharing on a dotted container name (KAI-written keys)",
@@ -77,7 +87,7 @@ func TestAdjust(t *testing.T) {
 				"HOME": "/root",
 			},
 			wantHook:  []string{"GPUFRAC_CONTAINER=llm.v2", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=10240", "GPUFRAC_MEMORY_LIMIT_MIB=10240"},
-			wantMount: []string{"/run/nvidia/mps", "/usr/local/gpufrac/lib"},
+			wantMount: []string{"/run/gpufrac/mps/pipe/gpufrac/" + nodeapi.NamespaceName("uid-1", "llm.v2") + " -> /run/nvidia/mps", shim},
 		},
 		{
 			name: "tiny portion still gets one percent",
@@ -90,7 +100,7 @@ func TestAdjust(t *testing.T) {
 				"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib",
 			},
 			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=1024", "GPUFRAC_MEMORY_LIMIT_MIB=1024"},
-			wantMount: []string{"/run/nvidia/mps", "/usr/local/gpufrac/lib"},
+			wantMount: []string{"/run/gpufrac/mps/pipe/gpufrac/" + nodeapi.NamespaceName("uid-1", "main") + " -> /run/nvidia/mps", shim},
 		},
 		{
 			name:      "sidecar of a fractional pod sees no GPU",
@@ -144,10 +154,7 @@ func TestAdjust(t *testing.T) {
 			}
 			var mounts []string
 			for _, m := range adj.GetMounts() {
-				mounts = append(mounts, m.Destination)
-				if m.Destination == nodeapi.ContainerPipeDir && m.Source != "/run/gpufrac/mps/uid-1_"+tt.container+"/pipe" {
-					t.Errorf("MPS pipe directory %s is not the container's own namespace", m.Source)
-				}
+				mounts = append(mounts, m.Source+" -> "+m.Destination)
 			}
 			if diff := cmp.Diff(tt.wantMount, mounts); diff != "" {
 				t.Errorf("mounts (-want +got):\n%s", diff)
@@ -163,12 +170,93 @@ func TestAdjustIgnoresOrdinaryPods(t *testing.T) {
 	}
 }
 
-func TestSMSharingNeedsMPS(t *testing.T) {
-	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-c", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+// Without the node's MPS daemon no fractional container starts: its
+// request would not be guaranteed (memacct evicts only clients) nor its
+// pinned limit applied. sm-sharing needs v3 namespaces.
+func TestFractionsNeedTheMPSDaemon(t *testing.T) {
+	smSharing := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-c", "nvidia.com/container.main.gpu-memory.request": "1Gi",
 		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.5"}
-	_, err := Adjust(Pod{UID: "uid-1", Annotations: ann}, "main", nil, Config{})
-	if err == nil || !strings.Contains(err.Error(), "no MPS pipe directory") {
-		t.Errorf("error = %v", err)
+	timeSlicing := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-c", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
+	noRoot, down, legacy := cfg, cfg, cfg
+	noRoot.MPSRoot = ""
+	down.MPS = nodeapi.MPSNone
+	legacy.MPS, legacy.Backend = nodeapi.MPSv2, nodeapi.BackendMPSPinned
+	for _, tt := range []struct {
+		name    string
+		ann     map[string]string
+		cfg     Config
+		wantErr string
+	}{
+		{"no MPS directory", timeSlicing, noRoot, "no MPS directory configured"},
+		{"daemon down, time-slicing", timeSlicing, down, "MPS control daemon is not running"},
+		{"daemon down, sm-sharing", smSharing, down, "MPS control daemon is not running"},
+		{"legacy daemon, sm-sharing", smSharing, legacy, "sm-sharing needs MPS v3 namespaces"},
+	} {
+		_, err := Adjust(Pod{UID: "uid-1", Annotations: tt.ann}, "main", nil, tt.cfg)
+		if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+			t.Errorf("%s: error %v, want %q", tt.name, err, tt.wantErr)
+		}
+	}
+	// The legacy interface still serves time-slicing for the pinned limit:
+	// the daemon's pipe directory, which holds no namespaces there.
+	adj, err := Adjust(Pod{UID: "uid-1", Annotations: timeSlicing}, "main", nil, legacy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := adj.GetMounts(); len(m) < 1 || m[0].Source != "/run/gpufrac/mps/pipe" || m[0].Destination != "/run/nvidia/mps" {
+		t.Errorf("legacy time-slicing mounts %v", m)
+	}
+}
+
+// No fractional container can reach another's namespace, the shared
+// server's uncapped default namespace, or the directory holding them.
+func TestNoContainerReachesAnotherNamespace(t *testing.T) {
+	c := cfg
+	c.ShimDir = ""
+	root := nodeapi.PipeDir(c.MPSRoot)
+	forbidden := []string{root, root + "/" + nodeapi.SharedServer, root + "/" + nodeapi.SharedServer + "/default", root + "/" + nodeapi.SharedServer + "/control"}
+	seen := map[string]string{}
+	for _, pod := range []string{"uid-1", "uid-2", "uid-3"} {
+		for _, ctr := range []string{"main", "main2", "Main", "a.b", "a_b"} {
+			for _, mode := range []string{"sm-sharing", "time-slicing"} {
+				ann := map[string]string{"nvidia.com/container." + ctr + ".gpus.devices": "GPU-c",
+					"nvidia.com/container." + ctr + ".gpu-memory.request": "1Gi", "nvidia.com/container." + ctr + ".gpu-compute.mode": mode,
+					"nvidia.com/container." + ctr + ".gpu-compute.portion": "0.1"}
+				if mode == "time-slicing" {
+					delete(ann, "nvidia.com/container."+ctr+".gpu-compute.portion")
+				}
+				d := Decide(Pod{UID: pod, Annotations: ann}, ctr, nil, c)
+				if d.Verdict != Run {
+					t.Fatalf("%s/%s %s: %v", pod, ctr, mode, d.Reason)
+				}
+				mounts := d.Adjustment.GetMounts()
+				if len(mounts) != 1 {
+					t.Fatalf("%s/%s %s: mounts %v, want one MPS path", pod, ctr, mode, mounts)
+				}
+				src := mounts[0].Source
+				for _, f := range forbidden {
+					if src == f {
+						t.Errorf("%s/%s %s mounts %s", pod, ctr, mode, src)
+					}
+				}
+				if mode == "time-slicing" {
+					if src != root+"/control" {
+						t.Errorf("%s/%s time-slicing mounts %s, want the main socket", pod, ctr, src)
+					}
+					continue
+				}
+				if want := nodeapi.NamespaceDir(c.MPSRoot, d.MPSNamespace); src != want || d.MPSNamespace != nodeapi.NamespaceName(pod, ctr) {
+					t.Errorf("%s/%s mounts %s (namespace %s), want %s", pod, ctr, src, d.MPSNamespace, want)
+				}
+				if other, dup := seen[src]; dup {
+					t.Errorf("%s/%s and %s share namespace directory %s", pod, ctr, other, src)
+				}
+				seen[src] = pod + "/" + ctr
+				if !regexp.MustCompile(`^[a-z0-9_]+$`).MatchString(d.MPSNamespace) || len(filepath.Join(src, "control")) > 83 {
+					t.Errorf("namespace %q (socket %s): must be [a-z0-9_]+ and its socket path at most 83 characters", d.MPSNamespace, filepath.Join(src, "control"))
+				}
+			}
+		}
 	}
 }
 

@@ -112,6 +112,7 @@ const (
 	EventEvicted       = "evicted"
 	EventReleaseFailed = "release_failed"
 	EventUnenforced    = "unenforced"
+	EventMPSRestarted  = "mps_restarted"
 )
 
 // Count records one enforcement event.

@@ -1,16 +1,21 @@
-package mps
+package mps_test
 
 import (
 	"context"
+	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
-	"k8s.io/apimachinery/pkg/util/wait"
-
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 func TestMain(m *testing.M) {
@@ -20,206 +25,368 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func newSupervisor(t *testing.T, root string) *Supervisor {
+// shortRoot is an MPS root short enough for a unix socket path (the
+// daemon's limit), which t.TempDir's names are not.
+func shortRoot(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("/tmp", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	return dir
+}
+
+func self(t *testing.T) string {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return exe
+}
+
+// startDaemon runs a supervised daemon (the stand-in) under root until the
+// test ends, and returns it with its control client once it answers.
+func startDaemon(t *testing.T, root string, release int) (*mps.Daemon, mps.Control, context.CancelFunc, chan struct{}) {
 	t.Helper()
 	mpstest.Use(t)
-	s := New(os.Args[0], root)
-	s.CommandTimeout, s.MinBackoff, s.MaxBackoff = 2*time.Second, 20*time.Millisecond, 100*time.Millisecond
-	return s
+	d := mps.NewDaemon(self(t), root, release)
+	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.MaxBackoff, d.StopGrace = 50*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond, 100*time.Millisecond, 2*time.Second
+	d.ServerBinary = ""
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := d.Run(ctx); err != nil {
+			t.Errorf("daemon supervisor: %v", err)
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	c := mps.Control{Binary: self(t), Root: root, Protocol: d.Protocol(), Timeout: time.Second}
+	waitFor(t, "the daemon answers", func() bool { return c.Ping(context.Background()) == nil })
+	return d, c, cancel, done
 }
 
-func starts(t *testing.T, root, key string) int {
+func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	data, _ := os.ReadFile(filepath.Join(root, key, "log", "starts"))
-	return strings.Count(string(data), "\n")
-}
-
-func poll(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	if err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-		return cond(), nil
-	}); err != nil {
-		t.Fatalf("%s: %v", what, err)
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 
-func TestNamespacePerContainerWithItsCeiling(t *testing.T) {
-	root := t.TempDir()
-	s := newSupervisor(t, root)
-	ctx := context.Background()
-	a, b := Key("uid-a", "main"), Key("uid-b", "llm.v2")
-	if err := s.Ensure(ctx, a, 25); err != nil {
+func lines(t *testing.T, path string) []string {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Fatal(err)
 	}
-	if err := s.Ensure(ctx, b, 50); err != nil {
+	return strings.Fields(strings.ReplaceAll(string(data), " ", "_"))
+}
+
+func TestConfigPerRelease(t *testing.T) {
+	r615, err := mps.Config(615, mps.ConfigOptions{})
+	if err != nil {
 		t.Fatal(err)
 	}
-	for key, want := range map[string]string{a: "25", b: "50"} {
-		if got, _ := os.ReadFile(filepath.Join(PipeDir(root, key), "threads")); string(got) != want {
-			t.Errorf("namespace %s ceiling = %q, want %q", key, got, want)
+	for _, want := range []string{"[features.memacct]\nenabled = true", "[features.context-share]\nenabled = true\ndefault_socket = \"off\"",
+		"[servers.gpufrac]", "[servers.gpufrac.namespaces.default]\nactive_thread_percentage = 1"} {
+		if !strings.Contains(string(r615), want) {
+			t.Errorf("r615 configuration lacks %q:\n%s", want, r615)
 		}
 	}
-	// Ensure is idempotent: no second daemon.
-	if err := s.Ensure(ctx, a, 25); err != nil || starts(t, root, a) != 1 {
-		t.Errorf("second Ensure: %v, %d starts", err, starts(t, root, a))
+	if strings.Contains(string(r615), "compute_policy") {
+		t.Errorf("r615 configuration has an r620 key:\n%s", r615)
 	}
-	if got := s.Keys(); len(got) != 2 {
-		t.Errorf("keys = %v", got)
+	if _, err := mps.Config(615, mps.ConfigOptions{Timeslice: "long"}); err == nil || !strings.Contains(err.Error(), "needs driver r620") {
+		t.Errorf("an r620 key asked for on r615: %v, want a refusal", err)
 	}
-
-	commands, _ := os.ReadFile(filepath.Join(root, a, "log", "commands"))
-	if !strings.Contains(string(commands), "get_server_list\nset_default_active_thread_percentage 25\n") {
-		t.Errorf("daemon of %s received:\n%s", a, commands)
+	r620, err := mps.Config(620, mps.ConfigOptions{Timeslice: "long"})
+	if err != nil || !strings.Contains(string(r620), "[compute_policy]\ntimeslice = \"long\"") {
+		t.Errorf("r620 with a timeslice: %v\n%s", err, r620)
 	}
-
-	// Stopping one container drains its daemon only.
-	if err := s.Stop(ctx, a, 2*time.Second); err != nil {
-		t.Fatal(err)
+	if _, err := mps.Config(580, mps.ConfigOptions{}); err == nil {
+		t.Error("r580 got an MPS v3 configuration")
 	}
-	if _, err := os.Stat(filepath.Join(root, a)); !os.IsNotExist(err) {
-		t.Errorf("namespace directory left behind: %v", err)
+	if _, err := mps.Config(620, mps.ConfigOptions{Timeslice: "x\"\n[servers.evil]"}); err == nil {
+		t.Error("a timeslice that breaks out of its string was accepted")
 	}
-	if _, err := s.Command(ctx, b, "get_server_list"); err != nil {
-		t.Errorf("the other namespace stopped answering: %v", err)
+	for _, tt := range []struct {
+		driver string
+		want   nodeapi.MPS
+	}{{"615.10.02", nodeapi.MPSv3}, {"620.1", nodeapi.MPSv3}, {"580.95.05", nodeapi.MPSv2}} {
+		major, err := mps.DriverMajor(tt.driver)
+		if err != nil || mps.ProtocolFor(major) != tt.want {
+			t.Errorf("driver %s: protocol %q, %v; want %q", tt.driver, mps.ProtocolFor(major), err, tt.want)
+		}
 	}
-	if err := s.Stop(ctx, b, 2*time.Second); err != nil {
-		t.Fatal(err)
+	if _, err := mps.DriverMajor("garbage"); err == nil {
+		t.Error("a garbage driver version was read")
 	}
 }
 
-// Stopping a container drains its MPS clients: each client of each server
-// is terminated (then the daemon is told to quit).
-func TestDrainOrder(t *testing.T) {
-	root := t.TempDir()
-	s := newSupervisor(t, root)
-	ctx := context.Background()
-	key := Key("uid-b", "main")
-	if err := s.Ensure(ctx, key, 50); err != nil {
+// The stand-in applies a configuration the way the real daemon does: a
+// key of another release is a configuration error and the daemon does not
+// come up. The generated configurations pass on their own release.
+func TestGeneratedConfigurationsStartTheirRelease(t *testing.T) {
+	for _, tt := range []struct {
+		release int
+		opts    mps.ConfigOptions
+	}{{615, mps.ConfigOptions{AuditLog: true}}, {620, mps.ConfigOptions{Timeslice: "long"}}} {
+		root := shortRoot(t)
+		t.Setenv(mpstest.ReleaseEnv, strconv.Itoa(tt.release))
+		_, _, cancel, _ := startDaemon(t, root, tt.release)
+		cancel()
+	}
+	// An r620 key in an r615 daemon's configuration.
+	mpstest.Use(t)
+	t.Setenv(mpstest.ReleaseEnv, "615")
+	root := shortRoot(t)
+	cfg, _ := mps.Config(620, mps.ConfigOptions{Timeslice: "long"})
+	path := filepath.Join(root, "bad.toml")
+	if err := os.WriteFile(path, cfg, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pipe := PipeDir(root, key)
-	for name, content := range map[string]string{"servers": "4242\n", "clients": "100\n101\n"} {
-		if err := os.WriteFile(filepath.Join(pipe, name), []byte(content), 0o644); err != nil {
+	cmd := exec.Command(self(t), "-p", "3", "-f", "-a", path)
+	cmd.Env = append(os.Environ(), "CUDA_MPS_PIPE_DIRECTORY="+root, "CUDA_MPS_LOG_DIRECTORY="+root)
+	out, err := cmd.CombinedOutput()
+	if err == nil || !strings.Contains(string(out), `unknown key "compute_policy"`) {
+		t.Errorf("r615 daemon with an r620 key: %v %s; want a configuration error", err, out)
+	}
+}
+
+func TestDaemonCommandLineAndStatus(t *testing.T) {
+	root := shortRoot(t)
+	_, _, cancel, done := startDaemon(t, root, 615)
+	st, err := mps.ReadStatus(root)
+	if err != nil || !st.Running || st.Generation != 1 || st.Protocol != nodeapi.MPSv3 || st.PID == 0 {
+		t.Fatalf("status %+v, %v", st, err)
+	}
+	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(st.PID) + "/cmdline")
+	args := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")[1:]
+	if want := []string{"-p", "3", "-m", "-f", "-a", mps.ConfigPath(root)}; !slices.Equal(args, want) {
+		t.Errorf("daemon started with %q, want %q", args, want)
+	}
+	cancel()
+	<-done
+	pid := st.PID
+	st, _ = mps.ReadStatus(root)
+	if st.Running || !strings.Contains(st.LastExit, "stopped") {
+		t.Errorf("after stop: %+v", st)
+	}
+	if syscall.Kill(pid, 0) == nil {
+		t.Error("the daemon still runs after the supervisor stopped")
+	}
+	if got := lines(t, filepath.Join(nodeapi.LogDir(root), "commands")); slices.Contains(got, "quit") {
+		t.Errorf("quit went over the socket, not stdin: %q", got)
+	}
+}
+
+// A daemon that dies is restarted with backoff; the new one has none of
+// the runtime namespaces, and the manager creates the claimed ones again,
+// with their ceilings, and deletes those nobody claims.
+func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
+	root := shortRoot(t)
+	_, c, _, _ := startDaemon(t, root, 615)
+	m, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	a := mps.Namespace{Name: nodeapi.NamespaceName("uid-a", "main"), Threads: 25, Pod: "ns/a", PodUID: "uid-a", Container: "main"}
+	b := mps.Namespace{Name: nodeapi.NamespaceName("uid-b", "main"), Threads: 50, Pod: "ns/b", PodUID: "uid-b", Container: "main"}
+	for _, ns := range []mps.Namespace{a, b} {
+		if err := m.Ensure(ctx, ns); err != nil {
 			t.Fatal(err)
 		}
 	}
-	drainCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	state, _ := mpstest.ReadState(nodeapi.LogDir(root))
+	if state.Namespaces["gpufrac/"+a.Name] != 25 || state.Namespaces["gpufrac/"+b.Name] != 50 {
+		t.Fatalf("ceilings %v, want 25 and 50", state.Namespaces)
+	}
+	if state.Namespaces["gpufrac/default"] != mps.DefaultNamespaceCeiling {
+		t.Errorf("the default namespace's ceiling is %d, want %d", state.Namespaces["gpufrac/default"], mps.DefaultNamespaceCeiling)
+	}
+	if _, err := os.Stat(filepath.Join(nodeapi.NamespaceDir(root, a.Name), "control")); err != nil {
+		t.Errorf("namespace directory: %v", err)
+	}
+
+	st, _ := mps.ReadStatus(root)
+	if err := syscall.Kill(st.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "a second daemon", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation == 2 && s.Running && c.Ping(ctx) == nil
+	})
+	st, _ = mps.ReadStatus(root)
+	if !strings.Contains(st.LastExit, "exited") {
+		t.Errorf("last exit %q, want the crash", st.LastExit)
+	}
+	if names, _ := c.Namespaces(ctx); len(names) != 0 {
+		t.Fatalf("a restarted daemon still has %v", names)
+	}
+	// b's container is gone; a still runs.
+	r, err := m.Reconcile(ctx, func(name string) bool { return name == a.Name })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Recreated) != 1 || r.Recreated[0] != a || len(r.Deleted) != 0 {
+		t.Errorf("reconciled %+v, want only %s re-created", r, a.Name)
+	}
+	state, _ = mpstest.ReadState(nodeapi.LogDir(root))
+	if state.Namespaces["gpufrac/"+a.Name] != 25 || len(state.Namespaces) != 2 {
+		t.Errorf("after reconcile the daemon has %v, want default and %s at 25%%", state.Namespaces, a.Name)
+	}
+	if got := m.List(); len(got) != 1 || got[0] != a {
+		t.Errorf("table %+v, want only %s", got, a.Name)
+	}
+
+	// A namespace nobody claims (left by an earlier agent) is deleted.
+	if err := c.CreateNamespace(ctx, "gf_stray_0123", 10); err != nil {
+		t.Fatal(err)
+	}
+	r, err = m.Reconcile(ctx, func(string) bool { return true })
+	if err != nil || !slices.Equal(r.Deleted, []string{"gf_stray_0123"}) || len(r.Recreated) != 0 {
+		t.Errorf("reconcile with a stray namespace: %+v, %v", r, err)
+	}
+
+	// The next agent reads the table.
+	again, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
+	if err != nil || !slices.Equal(again.List(), []mps.Namespace{a}) {
+		t.Errorf("reopened table %+v, %v", again.List(), err)
+	}
+}
+
+// A daemon that stops answering is killed and replaced.
+func TestWedgedDaemonIsReplaced(t *testing.T) {
+	root := shortRoot(t)
+	_, c, _, _ := startDaemon(t, root, 615)
+	st, _ := mps.ReadStatus(root)
+	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "wedged"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the wedged daemon is killed", func() bool { return syscall.Kill(st.PID, 0) != nil })
+	if err := os.Remove(filepath.Join(nodeapi.LogDir(root), "wedged")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "a new daemon answers", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation >= 2 && s.Running && c.Ping(context.Background()) == nil
+	})
+	st, _ = mps.ReadStatus(root)
+	if !strings.Contains(st.LastExit, "wedged") {
+		t.Errorf("last exit %q, want wedged", st.LastExit)
+	}
+}
+
+// Ceilings are set before a client attaches and cannot change under one;
+// a namespace with a client cannot be deleted until the client goes.
+func TestNamespacesWithAttachedClients(t *testing.T) {
+	root := shortRoot(t)
+	_, c, _, _ := startDaemon(t, root, 615)
+	m, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	a := mps.Namespace{Name: nodeapi.NamespaceName("uid-a", "main"), Threads: 25}
+	b := mps.Namespace{Name: nodeapi.NamespaceName("uid-b", "main"), Threads: 30}
+	for _, ns := range []mps.Namespace{a, b} {
+		if err := m.Ensure(ctx, ns); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clients := filepath.Join(nodeapi.LogDir(root), "clients")
+	if err := os.WriteFile(clients, []byte("101 gpufrac "+a.Name+"\n102 gpufrac "+a.Name+"\n201 gpufrac "+b.Name+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// The same container created again (a restart) keeps its namespace.
+	if err := m.Ensure(ctx, a); err != nil {
+		t.Errorf("re-ensuring an unchanged namespace with clients: %v", err)
+	}
+	changed := a
+	changed.Threads = 50
+	if err := m.Ensure(ctx, changed); err == nil || !strings.Contains(err.Error(), "attached") {
+		t.Errorf("changing a ceiling under a client: %v, want the daemon's refusal", err)
+	}
+	got, err := c.Clients(ctx)
+	if err != nil || len(got) != 3 || got[0] != (mps.Client{PID: 101, Server: "gpufrac", Namespace: a.Name}) {
+		t.Fatalf("clients %+v, %v", got, err)
+	}
+	// Draining a's container terminates a's clients only.
+	left, err := m.Drain(ctx, func(cl mps.Client) bool { return cl.Namespace == a.Name })
+	if err != nil || len(left) != 0 {
+		t.Fatalf("drain: %v, %v", left, err)
+	}
+	if got, _ := c.Clients(ctx); len(got) != 1 || got[0].PID != 201 {
+		t.Errorf("after draining a: %+v", got)
+	}
+	// b is deleted once its client goes, within the deadline.
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		_ = os.WriteFile(clients, nil, 0o644)
+	}()
+	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	s.terminateClients(drainCtx, key)
-	commands, _ := os.ReadFile(filepath.Join(root, key, "log", "commands"))
-	want := "get_server_list\nget_client_list 4242\nterminate 4242 100\nterminate 4242 101\n"
-	if !strings.HasSuffix(string(commands), want) {
-		t.Errorf("commands:\n%s\nwant them to end with:\n%s", commands, want)
-	}
-	if err := s.Stop(ctx, key, 3*time.Second); err != nil {
+	if err := m.Remove(rctx, b.Name); err != nil {
 		t.Fatal(err)
 	}
-}
-
-func TestDaemonThatDiesIsRestartedWithItsCeiling(t *testing.T) {
-	root := t.TempDir()
-	s := newSupervisor(t, root)
-	ctx := context.Background()
-	key := Key("uid-a", "main")
-	if err := s.Ensure(ctx, key, 30); err != nil {
+	if names, _ := c.Namespaces(ctx); !slices.Equal(names, []string{a.Name}) {
+		t.Errorf("namespaces %v, want only %s", names, a.Name)
+	}
+	// A client that never drains: Drain gives up within its context.
+	if err := os.WriteFile(clients, []byte("101 gpufrac "+a.Name+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = s.Stop(ctx, key, time.Second) }()
-	_ = os.Remove(filepath.Join(PipeDir(root, key), "threads"))
-	kill(s.PID(key))
-	poll(t, "restart", func() bool { return starts(t, root, key) == 2 })
-	poll(t, "ceiling set again", func() bool {
-		got, _ := os.ReadFile(filepath.Join(PipeDir(root, key), "threads"))
-		return string(got) == "30"
-	})
-}
-
-func TestWedgedDaemonIsRecoveredWithoutTouchingOthers(t *testing.T) {
-	root := t.TempDir()
-	s := newSupervisor(t, root)
-	ctx := context.Background()
-	wedged, healthy := Key("uid-a", "main"), Key("uid-b", "main")
-	for _, k := range []string{wedged, healthy} {
-		if err := s.Ensure(ctx, k, 40); err != nil {
-			t.Fatal(err)
-		}
-		defer func(k string) { _ = s.Stop(ctx, k, time.Second) }(k)
-	}
-	if err := os.WriteFile(filepath.Join(PipeDir(root, wedged), "wedged"), nil, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "hang-terminate"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	recovered := s.Check(ctx)
-	if len(recovered) != 1 || recovered[0] != wedged {
-		t.Fatalf("recovered %v, want only %s", recovered, wedged)
-	}
-	_ = os.Remove(filepath.Join(PipeDir(root, wedged), "wedged"))
-	poll(t, "wedged daemon restarted", func() bool { return starts(t, root, wedged) == 2 })
-	if starts(t, root, healthy) != 1 {
-		t.Errorf("healthy namespace restarted %d times", starts(t, root, healthy)-1)
-	}
-}
-
-func TestStopNeverWaitsPastItsDeadline(t *testing.T) {
-	root := t.TempDir()
-	s := newSupervisor(t, root)
-	ctx := context.Background()
-	key := Key("uid-a", "main")
-	if err := s.Ensure(ctx, key, 10); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(PipeDir(root, key), "wedged"), nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	dctx, dcancel := context.WithTimeout(ctx, 3*time.Second)
+	defer dcancel()
 	start := time.Now()
-	_ = s.Stop(ctx, key, 300*time.Millisecond)
-	if took := time.Since(start); took > 3*time.Second {
-		t.Errorf("Stop took %s with a 300ms deadline", took)
+	left, err = m.Drain(dctx, func(mps.Client) bool { return true })
+	if err == nil || !slices.Equal(left, []int{101}) {
+		t.Errorf("a hanging terminate: %v, %v; want client 101 reported", left, err)
 	}
-	if len(s.Keys()) != 0 {
-		t.Errorf("keys after stop: %v", s.Keys())
+	if time.Since(start) > 3*time.Second {
+		t.Errorf("drain took %s, past its deadline", time.Since(start))
 	}
 }
 
-func TestRecoverAfterAgentRestart(t *testing.T) {
-	root := t.TempDir()
-	first := newSupervisor(t, root)
-	ctx := context.Background()
-	live, gone := Key("uid-a", "main"), Key("uid-b", "main")
-	for _, k := range []string{live, gone} {
-		if err := first.Ensure(ctx, k, 20); err != nil {
-			t.Fatal(err)
-		}
+// The legacy interface has no namespaces: sm-sharing is refused, not
+// silently uncapped.
+func TestLegacyDaemonHasNoNamespaces(t *testing.T) {
+	root := shortRoot(t)
+	d, c, _, _ := startDaemon(t, root, 580)
+	if d.Protocol() != nodeapi.MPSv2 {
+		t.Fatalf("r580 protocol %q", d.Protocol())
 	}
-	livePID, gonePID := first.PID(live), first.PID(gone)
-	// The agent stops (its daemons keep serving their tenants) and a new
-	// agent starts over the same state.
-	first.Close()
-	second := newSupervisor(t, root)
-	if err := second.Recover(ctx, func(k string) bool { return k == live }); err != nil {
-		t.Fatal(err)
+	st, _ := mps.ReadStatus(root)
+	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(st.PID) + "/cmdline")
+	if args := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")[1:]; !slices.Equal(args, []string{"-f"}) {
+		t.Errorf("legacy daemon started with %q, want -f only", args)
 	}
-	defer func() { _ = second.Stop(ctx, live, time.Second) }()
-	if got := second.Keys(); len(got) != 1 || got[0] != live {
-		t.Fatalf("recovered namespaces %v, want [%s]", got, live)
+	if _, err := os.Stat(mps.ConfigPath(root)); err == nil {
+		t.Error("a v3 configuration was written for a legacy daemon")
 	}
-	if second.PID(live) != livePID {
-		t.Errorf("the running daemon (pid %d) was replaced by %d: its tenants lost MPS", livePID, second.PID(live))
+	m, _ := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
+	err := m.Ensure(context.Background(), mps.Namespace{Name: "gf_x_0", Threads: 25})
+	if err == nil || !strings.Contains(err.Error(), "needs MPS v3") {
+		t.Errorf("a namespace on a legacy daemon: %v", err)
 	}
-	poll(t, "daemon of the vanished container killed", func() bool { return !isMPS(gonePID, os.Args[0]) })
-	if _, err := os.Stat(filepath.Join(root, gone)); !os.IsNotExist(err) {
-		t.Errorf("namespace of a vanished container kept: %v", err)
-	}
+}
 
-	// The adopted daemon wedges: the new agent replaces it with one it owns.
-	if err := os.WriteFile(filepath.Join(PipeDir(root, live), "wedged"), nil, 0o644); err != nil {
+func TestCorruptNamespaceTableIsNotDiscarded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "namespaces.json")
+	if err := os.WriteFile(path, []byte("{not json"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if got := second.Check(ctx); len(got) != 1 {
-		t.Fatalf("Check recovered %v", got)
+	if _, err := mps.OpenManager(mps.Control{}, path); err == nil || !strings.Contains(err.Error(), "corrupt") {
+		t.Errorf("corrupt table: %v", err)
 	}
-	_ = os.Remove(filepath.Join(PipeDir(root, live), "wedged"))
-	poll(t, "replacement answers", func() bool {
-		_, err := second.Command(ctx, live, "get_server_list")
-		return err == nil && second.PID(live) != livePID
-	})
 }

@@ -87,13 +87,13 @@ const (
 type MPS string
 
 const (
-	// MPSNone: no MPS daemon runs (or it is down): no container can be an
+	// MPSNone means no MPS daemon runs (or it is down): no container can be an
 	// MPS client.
 	MPSNone MPS = ""
-	// MPSv3: nvidia-cuda-mps-control -p 3 (driver r615 and later): named
+	// MPSv3 is nvidia-cuda-mps-control -p 3 (driver r615 and later): named
 	// servers, namespaces with their own thread ceilings, memacct.
 	MPSv3 MPS = "v3"
-	// MPSv2: the legacy interface (drivers before r615): one server per
+	// MPSv2 is the legacy interface (drivers before r615): one server per
 	// user, no namespaces, no memacct; the pinned limit binds its clients.
 	MPSv2 MPS = "v2"
 )

@@ -16,7 +16,6 @@ import (
 	"github.com/containerd/nri/pkg/stub"
 	"k8s.io/klog/v2"
 
-	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
@@ -58,6 +57,9 @@ type Reporter interface {
 	// Unenforced: a container runs without verified limits and, the node
 	// failing open, keeps running.
 	Unenforced(pod PodRef, container, reason string)
+	// MPSRestarted: the node's MPS daemon was replaced under a running
+	// container, whose MPS clients lost their contexts.
+	MPSRestarted(pod PodRef, container, detail string)
 }
 
 // Evictor evicts a pod (through the Eviction API, so disruption budgets
@@ -82,9 +84,9 @@ type Options struct {
 	NVML     nvml.Interface
 	ProcRoot string
 	Leases   *enforce.Leases
-	// MPS runs the sm-sharing containers' MPS namespaces; nil refuses
-	// sm-sharing containers.
-	MPS *mps.Supervisor
+	// MPS keeps the sm-sharing containers' namespaces of the node's MPS
+	// daemon; nil refuses sm-sharing containers.
+	MPS *mps.Manager
 	// ObserveHook, when set, receives how long each NRI hook took.
 	ObserveHook func(hook string, d time.Duration)
 }
@@ -120,9 +122,9 @@ func (p *Plugin) EnableLimitLifecycle(lib nvml.Interface, procRoot string, lease
 	p.opts.NVML, p.opts.ProcRoot, p.opts.Leases = lib, procRoot, leases
 }
 
-// EnableMPS runs sm-sharing containers' MPS namespaces with s. Call it
+// EnableMPS keeps sm-sharing containers' MPS namespaces with m. Call it
 // before Run or Serve.
-func (p *Plugin) EnableMPS(s *mps.Supervisor) { p.opts.MPS = s }
+func (p *Plugin) EnableMPS(m *mps.Manager) { p.opts.MPS = m }
 
 // SetInjection replaces the node configuration used from the next
 // container on, e.g. once the agent knows which memory-limit backend the
@@ -183,19 +185,22 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 }
 
 // CreateContainer injects the container's GPU share, or refuses it, as
-// injection.Decide says (the function `gpufrac explain` prints).
+// injection.Decide says (the function `gpufrac explain` prints): plan,
+// then create the container's MPS namespace, then record it. Whatever
+// fails on the way refuses the container (or, failing open, starts it
+// without a GPU) through the one path at the end.
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
 	defer p.observe("CreateContainer", time.Now())
 	cfg := *p.injection.Load()
 	d := injection.Decide(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
 	if d.MPSNamespace != "" {
-		if err := p.ensureMPS(ctx, d.MPSNamespace, ctr.GetName(), *d.Assignment); err != nil {
-			// Started without its MPS namespace, its compute ceiling
-			// would be missing: refused, or on a fail-open node no GPU.
+		if err := p.ensureNamespace(ctx, pod, d); err != nil {
+			// Started without its namespace, its compute ceiling would be
+			// missing: refused, or on a fail-open node no GPU.
 			d = injection.Unenforceable(cfg, err)
 		}
 	}
-	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+	ref, logger := refOf(pod), klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	switch d.Verdict {
 	case injection.Run:
 		if d.Assignment != nil {
@@ -203,25 +208,25 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			if cfg.Backend == nodeapi.BackendDriver {
 				state = StateInjected // verified after start
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *d.Assignment, string(cfg.Backend), state))
+			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), state))
 			if state == StateEnforced && p.opts.Reporter != nil {
-				p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), withNotes(fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend), d.Notes))
+				p.opts.Reporter.Enforced(ref, ctr.GetName(), withNotes(fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend), d.Notes))
 			}
 		}
 		return d.Adjustment, nil, nil
 	case injection.FailedOpen:
 		logger.Info("Starting the container although its fraction cannot be enforced as written: the node fails open", "reason", d.Reason.Error(), "notes", d.Notes)
 		if p.opts.Reporter != nil {
-			p.opts.Reporter.FailedOpen(refOf(pod), ctr.GetName(), fmt.Errorf("%w; %s", d.Reason, strings.Join(d.Notes, "; ")))
+			p.opts.Reporter.FailedOpen(ref, ctr.GetName(), fmt.Errorf("%w; %s", d.Reason, strings.Join(d.Notes, "; ")))
 		}
 		if d.Assignment != nil {
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *d.Assignment, string(cfg.Backend), StateFailOpen))
+			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), StateFailOpen))
 		}
 		return d.Adjustment, nil, nil
 	}
 	logger.Info("Refusing the container: its GPU fraction cannot be enforced", "reason", d.Reason.Error())
 	if p.opts.Reporter != nil {
-		p.opts.Reporter.Refused(refOf(pod), ctr.GetName(), d.Reason)
+		p.opts.Reporter.Refused(ref, ctr.GetName(), d.Reason)
 	}
 	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), d.Reason)
 }
@@ -244,11 +249,11 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	if cfg.Backend != nodeapi.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
 		return nil
 	}
-	d := p.decide(pod, ctr)
-	if d.Assignment == nil {
-		return nil
+	tenant, ok := p.tenants.get(ctr.GetId())
+	if !ok || tenant.State != StateInjected {
+		return nil // not fractional, refused, or failed open
 	}
-	a := *d.Assignment
+	a := tenant.assignment
 	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	limits := enforce.Limits{Container: a.Container, Devices: a.Devices, RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)}
 	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
@@ -264,7 +269,7 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 		p.tenants.setState(ctr.GetId(), StateEnforced)
 		if p.opts.Reporter != nil {
 			p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), withNotes(fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
-				cgroup, limits.RequestMiB, limits.LimitMiB, strings.Join(limits.Devices, ",")), d.Notes))
+				cgroup, limits.RequestMiB, limits.LimitMiB, strings.Join(limits.Devices, ",")), tenant.notes))
 		}
 		return nil
 	}
@@ -290,24 +295,64 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	return nil
 }
 
-// StopContainer releases the stopping container's soft limit before its
-// cgroup goes away. It never fails the stop.
+// StopContainer drains the stopping container's MPS clients (so none is
+// killed mid-kernel by the runtime, which can wedge a shared server) and
+// releases its soft limit before its cgroup goes away. It never fails the
+// stop, and is bounded well inside the runtime's own stop deadline.
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	defer p.observe("StopContainer", time.Now())
+	tenant, known := p.tenants.get(ctr.GetId())
 	p.tenants.remove(ctr.GetId())
-	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
-	if p.opts.MPS != nil {
-		// Drain its MPS clients, bounded well inside the runtime's own
-		// stop deadline.
-		if err := p.opts.MPS.Stop(ctx, mps.Key(pod.GetUid(), ctr.GetName()), mpsDrainDeadline); err != nil {
-			klog.FromContext(ctx).Error(err, "Cannot drain the container's MPS namespace", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-		}
+	if known && p.opts.MPS != nil {
+		p.drain(ctx, pod, ctr, tenant.Namespace)
 	}
+	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
 	return nil, nil
 }
 
+// RemoveContainer deletes the removed container's MPS namespace.
+func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	defer p.observe("RemoveContainer", time.Now())
+	if p.opts.MPS == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, mpsDrainDeadline)
+	defer cancel()
+	name := nodeapi.NamespaceName(pod.GetUid(), ctr.GetName())
+	if err := p.opts.MPS.Remove(ctx, name); err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot delete the removed container's MPS namespace; the next reconciliation retries", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+	}
+	return nil
+}
+
+// drain terminates the container's MPS clients: those routed to its
+// namespace, and those whose cgroup is the container's (time-slicing
+// clients of the main socket).
+func (p *Plugin) drain(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, namespace string) {
+	ctx, cancel := context.WithTimeout(ctx, mpsDrainDeadline)
+	defer cancel()
+	cgroup := ""
+	if ctr.GetPid() > 0 {
+		cgroup, _ = enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
+	}
+	left, err := p.opts.MPS.Drain(ctx, func(c mps.Client) bool {
+		if namespace != "" && c.Namespace == namespace {
+			return true
+		}
+		if cgroup == "" {
+			return false
+		}
+		cg, err := enforce.CgroupOf(p.opts.ProcRoot, c.PID)
+		return err == nil && cg == cgroup
+	})
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot drain the container's MPS clients before it stops", "pod", pod.GetNamespace()+"/"+pod.GetName(),
+			"container", ctr.GetName(), "left", left)
+	}
+}
+
 // mpsDrainDeadline bounds how long a container's stop waits for its MPS
-// clients to go.
+// clients to go, and its removal for its namespace to be deleted.
 const mpsDrainDeadline = 5 * time.Second
 
 func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
@@ -342,16 +387,10 @@ func (p *Plugin) releaseVanished(ctx context.Context, pods map[string]*nriapi.Po
 		live := map[string]bool{}
 		for _, c := range ctrs {
 			if pod := pods[c.GetPodSandboxId()]; pod != nil && c.GetState() != nriapi.ContainerState_CONTAINER_STOPPED {
-				live[mps.Key(pod.GetUid(), c.GetName())] = true
+				live[nodeapi.NamespaceName(pod.GetUid(), c.GetName())] = true
 			}
 		}
-		for _, key := range p.opts.MPS.Keys() {
-			if !live[key] {
-				if err := p.opts.MPS.Stop(ctx, key, mpsDrainDeadline); err != nil {
-					klog.FromContext(ctx).Error(err, "Cannot drain a vanished container's MPS namespace", "namespace", key)
-				}
-			}
-		}
+		p.ReconcileMPS(ctx, func(name string) bool { return live[name] })
 	}
 	if p.opts.Leases == nil {
 		return
@@ -373,16 +412,51 @@ func podOf(pod *nriapi.PodSandbox) injection.Pod {
 	return injection.Pod{UID: pod.GetUid(), Annotations: pod.GetAnnotations()}
 }
 
-// ensureMPS starts an sm-sharing container's MPS namespace, with its
-// thread ceiling, before the container's first client can connect.
-func (p *Plugin) ensureMPS(ctx context.Context, key, container string, a api.Assignment) error {
+// ensureNamespace creates an sm-sharing container's MPS namespace, with
+// its thread ceiling, before the container's first client can attach.
+func (p *Plugin) ensureNamespace(ctx context.Context, pod *nriapi.PodSandbox, d injection.Decision) error {
+	container := d.Assignment.Container
 	if p.opts.MPS == nil {
-		return fmt.Errorf("container %q: sm-sharing needs MPS, and this node runs no MPS supervisor", container)
+		return fmt.Errorf("container %q: sm-sharing needs MPS namespaces, and this node agent keeps none", container)
 	}
-	if err := p.opts.MPS.Ensure(ctx, key, a.ActiveThreadPercentage()); err != nil {
+	ns := mps.Namespace{Name: d.MPSNamespace, Threads: d.Assignment.ActiveThreadPercentage(),
+		Pod: pod.GetNamespace() + "/" + pod.GetName(), PodUID: pod.GetUid(), Container: container}
+	if err := p.opts.MPS.Ensure(ctx, ns); err != nil {
 		return fmt.Errorf("container %q: %w", container, err)
 	}
 	return nil
+}
+
+// ReconcileMPS makes the MPS daemon's namespaces those of the running
+// containers (live), re-creating claimed ones a restarted daemon dropped;
+// their pods are told (their containers' clients lost their contexts).
+func (p *Plugin) ReconcileMPS(ctx context.Context, live func(name string) bool) {
+	if p.opts.MPS == nil {
+		return
+	}
+	r, err := p.opts.MPS.Reconcile(ctx, live)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot reconcile the MPS namespaces; retrying at the next resync")
+	}
+	for _, ns := range r.Recreated {
+		podNS, name, _ := strings.Cut(ns.Pod, "/")
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.MPSRestarted(PodRef{Namespace: podNS, Name: name, UID: ns.PodUID}, ns.Container,
+				fmt.Sprintf("MPS namespace %s re-created with its %d%% ceiling", ns.Name, ns.Threads))
+		}
+	}
+}
+
+// LiveNamespaces are the MPS namespaces of the containers the plugin
+// knows run.
+func (p *Plugin) LiveNamespaces() map[string]bool {
+	live := map[string]bool{}
+	for _, t := range p.tenants.list() {
+		if t.Namespace != "" {
+			live[t.Namespace] = true
+		}
+	}
+	return live
 }
 
 // decide is injection.Decide for a container the runtime reports.
@@ -410,13 +484,14 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 			continue
 		}
 		live[ctr.GetId()] = true
-		reason := p.missingEnforcement(pod, ctr)
-		if a := p.decide(pod, ctr).Assignment; a != nil {
+		d := p.decide(pod, ctr)
+		reason := missingEnforcement(d, ctr)
+		if d.Assignment != nil {
 			state := StateEnforced
 			if reason != "" {
 				state = StateUnenforced
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), *a, backend, state))
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), d, backend, state))
 		}
 		if reason == "" {
 			continue
@@ -443,10 +518,9 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 }
 
 // missingEnforcement compares a running container's environment with what
-// CreateContainer would have injected; "" means it is enforced (or needs
+// CreateContainer would have injected (d); "" means it is enforced (or needs
 // nothing, or failed open as the node allows).
-func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
-	d := p.decide(pod, ctr)
+func missingEnforcement(d injection.Decision, ctr *nriapi.Container) string {
 	if d.Verdict == injection.Refuse {
 		return "running although its GPU fraction cannot be enforced: " + d.Reason.Error()
 	}
@@ -456,7 +530,7 @@ func (p *Plugin) missingEnforcement(pod *nriapi.PodSandbox, ctr *nriapi.Containe
 	// The container's environment must already be what the injection
 	// would make it, for the variables that carry the limits.
 	want := injection.ApplyEnv(ctr.GetEnv(), d.Adjustment)
-	for _, key := range []string{nodeapi.EnvVisibleDevices, nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSThreads} {
+	for _, key := range []string{nodeapi.EnvVisibleDevices, nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSThreads, nodeapi.EnvMPSPipeDirectory} {
 		if got := envValue(ctr.GetEnv(), key); got != want[key] {
 			return fmt.Sprintf("%s is %q, want %q", key, got, want[key])
 		}

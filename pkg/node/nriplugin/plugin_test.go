@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -66,8 +67,8 @@ func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs [
 
 // recorder is the Reporter and Evictor of the tests.
 type recorder struct {
-	mu                                                              sync.Mutex
-	refused, failedOpen, evict, releaseFailed, enforced, unenforced []string
+	mu                                                                            sync.Mutex
+	refused, failedOpen, evict, releaseFailed, enforced, unenforced, mpsRestarted []string
 }
 
 func (r *recorder) Refused(pod PodRef, c string, err error) {
@@ -77,6 +78,9 @@ func (r *recorder) FailedOpen(pod PodRef, c string, err error) {
 	r.add(&r.failedOpen, pod.Name+"/"+c)
 }
 func (r *recorder) Evicted(PodRef, string, string) {}
+func (r *recorder) MPSRestarted(pod PodRef, c, detail string) {
+	r.add(&r.mpsRestarted, pod.Name+"/"+c+": "+detail)
+}
 func (r *recorder) Unenforced(pod PodRef, c, reason string) {
 	r.add(&r.unenforced, pod.Name+"/"+c+": "+reason)
 }
@@ -137,7 +141,51 @@ func connect(t *testing.T, p *Plugin, rt *runtime) {
 	}
 }
 
-var cfg = injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSPipeDir: "/run/gpufrac/mps"}
+var cfg = injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: "/run/gpufrac/mps", MPS: nodeapi.MPSv3}
+
+// startMPS runs the node's MPS daemon (the stand-in, as r615) under a
+// short root until the test ends, and returns the root and a namespace
+// manager over it.
+func startMPS(t *testing.T) (string, *mps.Manager) {
+	t.Helper()
+	mpstest.Use(t)
+	root, err := os.MkdirTemp("/tmp", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	d := mps.NewDaemon(os.Args[0], root, 615)
+	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.StopGrace, d.ServerBinary = 50*time.Millisecond, time.Second, 20*time.Millisecond, 2*time.Second, ""
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	control := mps.Control{Binary: os.Args[0], Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}
+	if err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		return control.Ping(ctx) == nil, nil
+	}); err != nil {
+		t.Fatalf("MPS daemon did not answer: %v", err)
+	}
+	m, err := mps.OpenManager(control, filepath.Join(root, "namespaces.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root, m
+}
+
+// namespaceCeiling is the active-thread ceiling the daemon has for a
+// namespace of the shared server, -1 if it has no such namespace.
+func namespaceCeiling(t *testing.T, root, name string) int {
+	t.Helper()
+	st, err := mpstest.ReadState(nodeapi.LogDir(root))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := st.Namespaces[nodeapi.SharedServer+"/"+name]; ok {
+		return v
+	}
+	return -1
+}
 
 func sandbox(id, name string, annotations map[string]string) *nriapi.PodSandbox {
 	return &nriapi.PodSandbox{Id: id, Name: name, Namespace: "ml", Uid: "uid-" + id, Annotations: annotations}
@@ -169,7 +217,7 @@ func TestCreateContainerOverNRI(t *testing.T) {
 	}
 	want := map[string]string{
 		"NVIDIA_VISIBLE_DEVICES": "GPU-a", "NVIDIA_GPU_MEMORY_REQUEST": "40448", "NVIDIA_GPU_MEMORY_LIMIT": "60672",
-		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=60672M", "PATH": "/bin",
+		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=60672M", "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps", "PATH": "/bin",
 	}
 	if diff := cmp.Diff(want, injection.ApplyEnv(ctr.Env, resp.GetAdjust())); diff != "" {
 		t.Errorf("container environment (-want +got):\n%s", diff)
@@ -229,10 +277,12 @@ func TestFailOpenStartsWithoutGPU(t *testing.T) {
 // On (re)connection the runtime replays what runs; containers that were
 // created without the injection are evicted, enforced ones are left alone.
 func TestSynchronizeAuditsRunningContainers(t *testing.T) {
-	enforcedEnv := []string{"NVIDIA_VISIBLE_DEVICES=GPU-a", "NVIDIA_GPU_MEMORY_REQUEST=40448", "NVIDIA_GPU_MEMORY_LIMIT=60672"}
+	enforcedEnv := []string{"NVIDIA_VISIBLE_DEVICES=GPU-a", "NVIDIA_GPU_MEMORY_REQUEST=40448", "NVIDIA_GPU_MEMORY_LIMIT=60672", "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia/mps"}
+	notClient := enforcedEnv[:3] // created before every fractional container became an MPS client
 	pods := []*nriapi.PodSandbox{
 		sandbox("p1", "enforced", scheduled),
 		sandbox("p2", "unenforced", scheduled),
+		sandbox("p5", "no-mps", scheduled),
 		sandbox("p3", "plain", nil),
 		sandbox("p4", "forged", map[string]string{"gpu-fraction": "0.5"}),
 	}
@@ -241,6 +291,7 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 		container("c2", "p2", "main", "NVIDIA_VISIBLE_DEVICES=GPU-a"),
 		container("c3", "p3", "web", "NVIDIA_VISIBLE_DEVICES=all"),
 		container("c4", "p4", "main"),
+		container("c5", "p5", "main", notClient...),
 	}
 	rt := startRuntime(t, pods, ctrs)
 	rec := &recorder{}
@@ -248,6 +299,7 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 	want := []string{
 		`unenforced: NVIDIA_GPU_MEMORY_REQUEST is "", want "40448"`,
 		`forged: running although its GPU fraction cannot be enforced: gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`,
+		`no-mps: CUDA_MPS_PIPE_DIRECTORY is "", want "/run/nvidia/mps"`,
 	}
 	if diff := cmp.Diff(want, rec.get(&rec.evict)); diff != "" {
 		t.Errorf("evictions (-want +got):\n%s", diff)
@@ -499,17 +551,29 @@ func TestCorruptLeasesAreNotDiscarded(t *testing.T) {
 	}
 }
 
-// sm-sharing containers get an MPS namespace of their own, with their
-// thread ceiling, before they start, and it is drained when they stop.
-func TestSMSharingGetsItsOwnMPSNamespace(t *testing.T) {
-	mpstest.Use(t)
-	root := t.TempDir()
-	sup := mps.New(os.Args[0], root)
+// sm-sharing containers get a namespace of the node's MPS daemon, with
+// their thread ceiling, before they start; their clients are drained at
+// stop and the namespace is deleted at removal. A time-slicing container's
+// clients (of the main socket) are found by cgroup and drained too. When
+// the daemon is replaced, the running containers' namespaces come back
+// and their pods are told.
+func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
+	root, m := startMPS(t)
+	proc := t.TempDir()
+	for pid, cg := range map[string]string{"7": "/kubepods/ts", "77": "/kubepods/ts", "88": "/kubepods/other"} {
+		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte("0::"+cg+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
 	rt := startRuntime(t, nil, nil)
 	c := cfg
-	c.MPSPipeDir = root
-	p := New(Options{Injection: c})
-	p.EnableMPS(sup)
+	c.MPSRoot, c.Backend = root, nodeapi.BackendMPSPinned
+	rec := &recorder{}
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc})
+	p.EnableMPS(m)
 	connect(t, p, rt)
 	ctx := context.Background()
 
@@ -525,24 +589,81 @@ func TestSMSharingGetsItsOwnMPSNamespace(t *testing.T) {
 	if err != nil {
 		t.Fatalf("CreateContainer: %v", err)
 	}
-	key := mps.Key(pod.GetUid(), "main")
+	name := nodeapi.NamespaceName(pod.GetUid(), "main")
 	var source string
-	for _, m := range resp.GetAdjust().GetMounts() {
-		if m.Destination == nodeapi.ContainerPipeDir {
-			source = m.Source
+	for _, mt := range resp.GetAdjust().GetMounts() {
+		if mt.Destination == nodeapi.ContainerPipeDir {
+			source = mt.Source
 		}
 	}
-	if source != mps.PipeDir(root, key) {
-		t.Errorf("MPS pipe directory mounted from %q, want the namespace's %q", source, mps.PipeDir(root, key))
+	if source != nodeapi.NamespaceDir(root, name) {
+		t.Errorf("MPS pipe directory mounted from %q, want the namespace's %q", source, nodeapi.NamespaceDir(root, name))
 	}
-	if got, _ := os.ReadFile(filepath.Join(mps.PipeDir(root, key), "threads")); string(got) != "25" {
-		t.Errorf("namespace ceiling = %q, want 25", got)
+	if _, err := os.Stat(filepath.Join(source, "control")); err != nil {
+		t.Errorf("the namespace's socket is not there when the container starts: %v", err)
+	}
+	if got := namespaceCeiling(t, root, name); got != 25 {
+		t.Errorf("namespace ceiling = %d, want 25", got)
+	}
+
+	tsPod := sandbox("pt", "ts-tenant", scheduled)
+	tsCtr := container("ct", "pt", "main")
+	tsCtr.Pid = 7
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: tsPod}); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: tsPod, Container: tsCtr}); err != nil {
+		t.Fatal(err)
+	}
+	if mounts := resp.GetAdjust().GetMounts(); len(mounts) != 1 || mounts[0].Source != filepath.Join(nodeapi.PipeDir(root), "control") {
+		t.Errorf("time-slicing mounts %v, want the main socket only", mounts)
+	}
+
+	// The daemon is replaced: its namespaces are gone until reconciled.
+	st, _ := mps.ReadStatus(root)
+	if err := syscall.Kill(st.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation == 2 && s.Running && m.Control().Ping(ctx) == nil, nil
+	}); err != nil {
+		t.Fatal("no second daemon")
+	}
+	if got := namespaceCeiling(t, root, name); got != -1 {
+		t.Fatalf("a new daemon kept namespace %s", name)
+	}
+	live := p.LiveNamespaces()
+	p.ReconcileMPS(ctx, func(n string) bool { return live[n] })
+	if got := namespaceCeiling(t, root, name); got != 25 {
+		t.Errorf("after the restart the namespace's ceiling is %d, want 25", got)
+	}
+	if got := rec.get(&rec.mpsRestarted); len(got) != 1 || !strings.HasPrefix(got[0], "mps-tenant/main: MPS namespace "+name) {
+		t.Errorf("restart reports %v, want one for mps-tenant/main", got)
+	}
+
+	clients := filepath.Join(nodeapi.LogDir(root), "clients")
+	if err := os.WriteFile(clients, []byte("101 gpufrac "+name+"\n77 gpufrac default\n88 gpufrac default\n"), 0o644); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: pod, Container: ctr}); err != nil {
 		t.Fatal(err)
 	}
-	if keys := sup.Keys(); len(keys) != 0 {
-		t.Errorf("namespaces after stop: %v", keys)
+	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: tsPod, Container: tsCtr}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := os.ReadFile(clients); strings.TrimSpace(string(got)) != "88 gpufrac default" {
+		t.Errorf("clients after both stops: %q, want only the other cgroup's 88", got)
+	}
+	ctr.State = nriapi.ContainerState_CONTAINER_STOPPED
+	if err := p.RemoveContainer(ctx, pod, ctr); err != nil {
+		t.Fatal(err)
+	}
+	if got := namespaceCeiling(t, root, name); got != -1 {
+		t.Errorf("namespace %s still exists after the container's removal", name)
+	}
+	if got := m.List(); len(got) != 0 {
+		t.Errorf("namespaces recorded after removal: %v", got)
 	}
 }
 
@@ -558,7 +679,7 @@ func TestSMSharingWithoutMPSIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: container("cs", "ps", "main")})
-	if err == nil || !strings.Contains(err.Error(), "runs no MPS supervisor") {
+	if err == nil || !strings.Contains(err.Error(), "this node agent keeps none") {
 		t.Errorf("sm-sharing without MPS: %v", err)
 	}
 }
@@ -611,15 +732,13 @@ func TestUnverifiedLimitsFailingOpenAreReportedNotEvicted(t *testing.T) {
 // share, with a portion derived from its memory share in its own MPS
 // namespace and the Event saying so; the app container gets no GPU.
 func TestKAIShapedPodRunsOverNRI(t *testing.T) {
-	mpstest.Use(t)
-	root := t.TempDir()
-	sup := mps.New(os.Args[0], root)
+	root, m := startMPS(t)
 	rt := startRuntime(t, nil, nil)
 	c := cfg
-	c.Backend, c.MPSPipeDir, c.GPUMemoryMiB = nodeapi.BackendMPSPinned, root, 81920
+	c.Backend, c.MPSRoot, c.GPUMemoryMiB = nodeapi.BackendMPSPinned, root, 81920
 	rec := &recorder{}
 	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
-	p.EnableMPS(sup)
+	p.EnableMPS(m)
 	connect(t, p, rt)
 	ctx := context.Background()
 
@@ -649,9 +768,8 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 			t.Errorf("%s = %q, want %q", k, env[k], want)
 		}
 	}
-	key := mps.Key(pod.GetUid(), "setup")
-	if got, _ := os.ReadFile(filepath.Join(mps.PipeDir(root, key), "threads")); string(got) != "25" {
-		t.Errorf("namespace ceiling = %q, want 25", got)
+	if got := namespaceCeiling(t, root, nodeapi.NamespaceName(pod.GetUid(), "setup")); got != 25 {
+		t.Errorf("namespace ceiling = %d, want 25", got)
 	}
 	if got := rec.get(&rec.enforced); !slices.ContainsFunc(got, func(e string) bool {
 		return strings.HasPrefix(e, "kai/setup: ") && strings.Contains(e, "derived 0.25 from the memory share")

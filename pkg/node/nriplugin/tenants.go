@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
 )
 
 // Enforcement states of a fractional container.
@@ -32,6 +33,13 @@ type Tenant struct {
 	Mode       api.ComputeMode
 	Backend    string
 	State      string
+	// Namespace is its MPS namespace (sm-sharing), "" for none.
+	Namespace string
+
+	// As decided at creation, so later hooks do not parse the pod's
+	// annotations again.
+	assignment api.Assignment
+	notes      []string
 }
 
 // tenants tracks the fractional containers by container ID.
@@ -47,6 +55,13 @@ func (t *tenants) set(id string, tenant Tenant) {
 		t.m = map[string]Tenant{}
 	}
 	t.m[id] = tenant
+}
+
+func (t *tenants) get(id string) (Tenant, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	tenant, ok := t.m[id]
+	return tenant, ok
 }
 
 func (t *tenants) setState(id, state string) {
@@ -88,7 +103,8 @@ func (t *tenants) list() []Tenant {
 	return out
 }
 
-func tenantOf(pod PodRef, a api.Assignment, backend, state string) Tenant {
+func tenantOf(pod PodRef, d injection.Decision, backend, state string) Tenant {
+	a := *d.Assignment
 	return Tenant{Pod: pod, Container: a.Container, Devices: a.Devices, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB,
-		Mode: a.Mode, Backend: backend, State: state}
+		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, assignment: a, notes: d.Notes}
 }

@@ -47,6 +47,8 @@ const (
 	ReasonBackend       = "MemoryLimitsUnavailable"
 	ReasonMixedGPUs     = "MixedGPUModels"
 	ReasonMIG           = "MIGEnabled"
+	ReasonMPS           = "MPSDaemonUnavailable"
+	ReasonCgroup        = "CgroupUnsupported"
 )
 
 // State is what the agent knows about its node.
@@ -59,6 +61,15 @@ type State struct {
 	// the one the operator asked for cannot be used.
 	Backend    nodeapi.Backend
 	BackendErr error
+	// MPS is the interface of the node's MPS daemon; MPSErr says why it
+	// cannot serve (down, wedged, the wrong interface), which makes the
+	// node not ready: every fractional container must be its client.
+	MPS    nodeapi.MPS
+	MPSErr error
+	// CgroupErr says why the driver's per-cgroup limits cannot work here
+	// (cgroup v1, no dmem or misc controller), for the backends that set
+	// them.
+	CgroupErr error
 	// FailOpen: the operator lets unenforceable containers run without a GPU.
 	FailOpen bool
 	// PublishGPULabels: write nvidia.com/gpu.* where GFD has not.
@@ -116,7 +127,7 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 	case !s.NRIRegistered:
 		return corev1.ConditionFalse, ReasonNRI, "the gpufrac NRI plugin is not registered with the container runtime, so limits cannot be injected"
 	}
-	versions := fmt.Sprintf("driver %s, CUDA %s", s.Inventory.DriverVersion, s.Inventory.CUDAVersion())
+	versions := fmt.Sprintf("driver %s, CUDA %s, MPS %s", s.Inventory.DriverVersion, s.Inventory.CUDAVersion(), mpsName(s.MPS))
 	switch {
 	case (s.Backend == nodeapi.BackendOff || s.Backend == "") && s.FailOpen:
 		return corev1.ConditionTrue, ReasonFailOpen, "no memory enforcement in effect; fail-open is configured, so fractional containers run without a GPU"
@@ -124,6 +135,12 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 		return corev1.ConditionFalse, ReasonBackend, s.BackendErr.Error()
 	case s.Backend == nodeapi.BackendOff || s.Backend == "":
 		return corev1.ConditionFalse, ReasonNoEnforcement, "no GPU memory enforcement is in effect on this node (" + versions + ")"
+	// Not even failing open: these would start containers whose limits
+	// look set and are not.
+	case s.MPSErr != nil:
+		return corev1.ConditionFalse, ReasonMPS, "every fractional container is a client of the node's MPS daemon (memacct guarantees its request, the server applies its pinned limit), and the daemon is unavailable: " + s.MPSErr.Error()
+	case s.CgroupErr != nil:
+		return corev1.ConditionFalse, ReasonCgroup, s.CgroupErr.Error()
 	case s.Backend == nodeapi.BackendMPSPinned:
 		return corev1.ConditionTrue, ReasonReady, "memory limits: MPS pinned-memory limits only (" + versions +
 			"; driver enforcement needs r615 and CUDA 13.4); a process can bypass them"
@@ -131,6 +148,13 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 		return corev1.ConditionTrue, ReasonReady, "memory limits: driver-enforced per container by NVIDIA Container Toolkit's CDI hook (" + versions + ")"
 	}
 	return corev1.ConditionTrue, ReasonReady, "memory limits: driver-enforced per container by the gpufrac hook (" + versions + ")"
+}
+
+func mpsName(m nodeapi.MPS) string {
+	if m == nodeapi.MPSNone {
+		return "none"
+	}
+	return string(m)
 }
 
 func mixedModels(gpus []inventory.GPU) bool {

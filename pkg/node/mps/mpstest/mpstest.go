@@ -1,32 +1,56 @@
 // Package mpstest stands in for the MPS control program, which cannot run
 // without a GPU. A test binary re-executes itself as the stand-in: call
-// Fake from TestMain when Env is set, and Use in a test to point the
-// supervisor's children at it. It speaks the control protocol's commands
-// the supervisor uses over the pipe directory: "-f" is the foreground
-// daemon, no argument is the client relaying one stdin line.
+// Fake from TestMain when Env is set, and Use in a test to point child
+// processes at it.
 //
-// Files in the pipe directory steer it: "wedged" makes the daemon stop
-// answering; "servers" and "clients" hold the PIDs get_server_list and
-// get_client_list answer; "threads" records the last default
-// active-thread percentage.
-// The log directory's "starts" has a line per daemon start and "commands"
-// a line per command received.
+// It models what NVIDIA documents of the program (MPS "MPS v3 Interface",
+// "MPS v3 Namespaces", "MPS v3 Configuration File") and what KAI's node
+// operator measured on r615:
+//
+//   - "-f" runs the control daemon in the foreground, reading stdin (it
+//     quits on "quit" or EOF); "-p 3" selects v3, "-a FILE" applies a TOML
+//     configuration whose keys must all be the driver release's
+//     (GPUFRAC_FAKE_MPS_RELEASE, default 615): any other key is a
+//     configuration error and the daemon exits 1;
+//   - the daemon's socket is $CUDA_MPS_PIPE_DIRECTORY/control, and every
+//     namespace of a server has $PIPE/<server>/<namespace>/control;
+//   - without "-f" it is the client: with "-p 3" the command is its
+//     arguments (namespace create|set|delete|list|get, client
+//     list|terminate, get_server_list, quit), without it one stdin line;
+//   - namespaces created at run time live in the daemon only: a restart
+//     drops them; set and delete fail while a client is attached.
+//
+// Files in the log directory ($CUDA_MPS_LOG_DIRECTORY) steer and record
+// it: "clients" lists attached clients, one "PID SERVER NAMESPACE" per
+// line; "wedged" makes the daemon stop answering; "hang-terminate" makes
+// client terminate never return; "starts" gets a line per daemon start,
+// "commands" one per command, and "state.json" the namespaces after each.
 package mpstest
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
+
+	"github.com/BurntSushi/toml"
 )
 
 // Env is the variable that, set to 1, makes the test binary act as the
 // MPS control program.
 const Env = "GPUFRAC_FAKE_MPS"
+
+// ReleaseEnv is the driver release the stand-in plays (default 615).
+const ReleaseEnv = "GPUFRAC_FAKE_MPS_RELEASE"
 
 // Use makes child processes started by the test act as the stand-in.
 func Use(t *testing.T) {
@@ -36,72 +60,366 @@ func Use(t *testing.T) {
 	t.Setenv("GORACE", "atexit_sleep_ms=0")
 }
 
+// State is what the daemon records in state.json.
+type State struct {
+	// Namespaces maps "server/namespace" to its active-thread percentage
+	// (0: none set).
+	Namespaces map[string]int `json:"namespaces"`
+	Protocol   int            `json:"protocol"`
+}
+
+// ReadState reads the daemon's last recorded state under logDir.
+func ReadState(logDir string) (State, error) {
+	var s State
+	data, err := os.ReadFile(filepath.Join(logDir, "state.json"))
+	if err != nil {
+		return s, err
+	}
+	return s, json.Unmarshal(data, &s)
+}
+
 // Fake runs the stand-in with the program's arguments and returns its
 // exit code.
 func Fake(args []string) int {
-	pipe := os.Getenv("CUDA_MPS_PIPE_DIRECTORY")
-	sock := filepath.Join(pipe, "control")
-	if len(args) == 1 && args[0] == "-f" {
-		return daemon(pipe, sock)
+	pipe, logDir := os.Getenv("CUDA_MPS_PIPE_DIRECTORY"), os.Getenv("CUDA_MPS_LOG_DIRECTORY")
+	protocol := 2
+	if len(args) >= 2 && args[0] == "-p" {
+		if args[1] != "3" {
+			fmt.Fprintln(os.Stderr, "unsupported protocol", args[1])
+			return 1
+		}
+		protocol, args = 3, args[2:]
 	}
-	in, _ := bufio.NewReader(os.Stdin).ReadString('\n')
-	conn, err := net.Dial("unix", sock)
+	if slices.Contains(args, "-f") {
+		return daemon(pipe, logDir, protocol, args)
+	}
+	line := strings.Join(args, "\t")
+	if protocol == 2 {
+		in, _ := bufio.NewReader(os.Stdin).ReadString('\n')
+		line = strings.Join(strings.Fields(in), "\t")
+	}
+	conn, err := net.Dial("unix", filepath.Join(pipe, "control"))
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "cannot connect to the MPS control daemon:", err)
+		fmt.Fprintln(os.Stderr, "Cannot find MPS control daemon process:", err)
 		return 1
 	}
 	defer func() { _ = conn.Close() }()
-	fmt.Fprint(conn, in)
-	_, _ = io.Copy(os.Stdout, conn)
+	fmt.Fprintln(conn, line)
+	answer, _ := io.ReadAll(conn)
+	if rest, failed := strings.CutPrefix(string(answer), "ERROR "); failed {
+		fmt.Fprint(os.Stderr, rest)
+		return 1
+	}
+	fmt.Fprint(os.Stdout, string(answer))
 	return 0
 }
 
-func daemon(pipe, sock string) int {
+type fakeDaemon struct {
+	mu         sync.Mutex
+	pipe, log  string
+	protocol   int
+	namespaces map[string]int // "server/ns" -> threads
+	servers    []string
+}
+
+func daemon(pipe, logDir string, protocol int, args []string) int {
+	d := &fakeDaemon{pipe: pipe, log: logDir, protocol: protocol, namespaces: map[string]int{}}
+	if i := slices.Index(args, "-a"); i >= 0 && i+1 < len(args) {
+		if err := d.configure(args[i+1]); err != nil {
+			fmt.Fprintln(os.Stderr, "MPS configuration error:", err)
+			return 1
+		}
+	}
+	// A new daemon knows no runtime namespace: their directories go.
+	for _, server := range d.listServerDirs() {
+		_ = os.RemoveAll(filepath.Join(pipe, server))
+	}
+	for key := range d.namespaces {
+		_ = d.makeDir(key)
+	}
+	sock := filepath.Join(pipe, "control")
 	_ = os.Remove(sock)
 	l, err := net.Listen("unix", sock)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	appendLine(filepath.Join(os.Getenv("CUDA_MPS_LOG_DIRECTORY"), "starts"), fmt.Sprint(os.Getpid()))
-	for {
-		conn, err := l.Accept()
-		if err != nil {
-			return 1
+	appendLine(filepath.Join(logDir, "starts"), fmt.Sprint(os.Getpid()))
+	d.record()
+	quit := make(chan struct{})
+	go func() {
+		// The foreground daemon reads stdin: "quit" or EOF ends it.
+		sc := bufio.NewScanner(os.Stdin)
+		for sc.Scan() {
+			if strings.TrimSpace(sc.Text()) == "quit" {
+				break
+			}
 		}
-		line, _ := bufio.NewReader(conn).ReadString('\n')
-		line = strings.TrimSpace(line)
-		appendLine(filepath.Join(os.Getenv("CUDA_MPS_LOG_DIRECTORY"), "commands"), line)
-		if _, err := os.Stat(filepath.Join(pipe, "wedged")); err == nil {
-			continue // never answers
+		close(quit)
+	}()
+	go func() {
+		for {
+			conn, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go d.serve(conn, quit)
 		}
-		switch {
-		case line == "get_server_list":
-			fmt.Fprintln(conn, pids(filepath.Join(pipe, "servers")))
-		case strings.HasPrefix(line, "get_client_list "):
-			fmt.Fprintln(conn, pids(filepath.Join(pipe, "clients")))
-		case strings.HasPrefix(line, "terminate "):
-			fmt.Fprintln(conn, "")
-		case strings.HasPrefix(line, "set_default_active_thread_percentage "):
-			pct := strings.TrimPrefix(line, "set_default_active_thread_percentage ")
-			_ = os.WriteFile(filepath.Join(pipe, "threads"), []byte(pct), 0o644)
-			fmt.Fprintln(conn, pct)
-		case line == "quit":
-			fmt.Fprintln(conn, "")
-			_ = conn.Close()
-			return 0
+	}()
+	<-quit
+	_ = l.Close()
+	return 0
+}
+
+func (d *fakeDaemon) listServerDirs() []string {
+	entries, _ := os.ReadDir(d.pipe)
+	var dirs []string
+	for _, e := range entries {
+		if e.IsDir() {
+			dirs = append(dirs, e.Name())
+		}
+	}
+	return dirs
+}
+
+func (d *fakeDaemon) makeDir(key string) error {
+	dir := filepath.Join(d.pipe, key)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "control"), nil, 0o644)
+}
+
+// The configuration keys of each release (NVIDIA MPS, "MPS v3
+// Configuration File" for 615 and 620), as patterns over dotted key paths.
+var (
+	keys615 = []string{
+		`schema_version`,
+		`servers`, `servers\.[a-z0-9_]+`,
+		`servers\.[a-z0-9_]+\.(allowed_devices|pinned_memory_limit|active_thread_percentage|client_priority|uid|locality_domains)`,
+		`servers\.[a-z0-9_]+\.namespaces`, `servers\.[a-z0-9_]+\.namespaces\.[a-z0-9_]+`,
+		`servers\.[a-z0-9_]+\.namespaces\.[a-z0-9_]+\.(pinned_memory_limit|active_thread_percentage|client_priority)`,
+		`servers\.[a-z0-9_]+\.devices`, `servers\.[a-z0-9_]+\.devices\.uuid`,
+		`servers\.[a-z0-9_]+\.devices\.sm_partitions`, `servers\.[a-z0-9_]+\.devices\.sm_partitions\.(name|chunks|include_remainder)`,
+		`features`, `features\.memacct`, `features\.memacct\.(enabled|audit_log)`,
+		`features\.context-share`, `features\.context-share\.(enabled|default_socket)`,
+	}
+	keys620 = append(slices.Clone(keys615),
+		`compute_policy`, `compute_policy\.(timeslice|timeslice_yield_level)`,
+		`servers\.[a-z0-9_]+\.timeslice_pct`,
+		`servers\.[a-z0-9_]+\.namespaces\.[a-z0-9_]+\.(cgroup|cgroup_depth)`,
+		`servers\.[a-z0-9_]+\.namespaces\.[a-z0-9_]+\.devices`, `servers\.[a-z0-9_]+\.namespaces\.[a-z0-9_]+\.devices\.(uuid|sm_partition)`,
+		`servers\.[a-z0-9_]+\.devices\.sm_partitions\.(shareable|max_chunks)`,
+		`features\.memacct\.force_polling`,
+	)
+)
+
+func (d *fakeDaemon) configure(path string) error {
+	release, _ := strconv.Atoi(os.Getenv(ReleaseEnv))
+	if release == 0 {
+		release = 615
+	}
+	allowed := keys615
+	if release >= 620 {
+		allowed = keys620
+	}
+	re := regexp.MustCompile(`^(` + strings.Join(allowed, "|") + `)$`)
+	var doc map[string]any
+	meta, err := toml.DecodeFile(path, &doc)
+	if err != nil {
+		return err
+	}
+	for _, k := range meta.Keys() {
+		if !re.MatchString(k.String()) {
+			return fmt.Errorf("%s: unknown key %q for driver r%d", path, k.String(), release)
+		}
+	}
+	servers, _ := doc["servers"].(map[string]any)
+	for name, v := range servers {
+		d.servers = append(d.servers, name)
+		d.namespaces[name+"/default"] = 0
+		body, _ := v.(map[string]any)
+		nss, _ := body["namespaces"].(map[string]any)
+		for ns, nv := range nss {
+			threads := 0
+			if m, ok := nv.(map[string]any); ok {
+				if t, ok := m["active_thread_percentage"].(int64); ok {
+					threads = int(t)
+				}
+			}
+			d.namespaces[name+"/"+ns] = threads
+		}
+	}
+	return nil
+}
+
+func (d *fakeDaemon) serve(conn net.Conn, quit chan struct{}) {
+	defer func() { _ = conn.Close() }()
+	line, _ := bufio.NewReader(conn).ReadString('\n')
+	args := strings.Split(strings.TrimSpace(line), "\t")
+	appendLine(filepath.Join(d.log, "commands"), strings.Join(args, " "))
+	if exists(filepath.Join(d.log, "wedged")) {
+		select {} // never answers
+	}
+	out, err := d.command(args)
+	if err != nil {
+		fmt.Fprint(conn, "ERROR "+err.Error()+"\n")
+		return
+	}
+	fmt.Fprint(conn, out)
+	if len(args) == 1 && args[0] == "quit" {
+		select {
+		case <-quit:
 		default:
-			fmt.Fprintln(conn, "unknown command")
+			close(quit)
 		}
-		_ = conn.Close()
 	}
 }
 
-// pids answers a list command from a file: one PID per line.
-func pids(path string) string {
-	data, _ := os.ReadFile(path)
-	return strings.Join(strings.Fields(string(data)), "\n")
+func flag(args []string, name string) string {
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+			return v
+		}
+	}
+	return ""
 }
+
+func (d *fakeDaemon) command(args []string) (string, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	defer d.record()
+	switch {
+	case len(args) == 1 && args[0] == "get_server_list":
+		return "4242\n", nil
+	case len(args) == 1 && args[0] == "quit":
+		return "", nil
+	case len(args) >= 2 && args[0] == "namespace" && d.protocol == 3:
+		return d.namespace(args[1], args[2:])
+	case len(args) >= 2 && args[0] == "client" && args[1] == "list" && d.protocol == 3:
+		var b strings.Builder
+		for _, c := range d.clients() {
+			fmt.Fprintf(&b, "%s,%s,GPU-00000000-0000-0000-0000-000000000000,%s/%s (0),python\n", c[0], c[1], c[1], c[2])
+		}
+		return b.String(), nil
+	case len(args) == 3 && args[0] == "client" && args[1] == "terminate" && d.protocol == 3:
+		if exists(filepath.Join(d.log, "hang-terminate")) {
+			d.mu.Unlock()
+			select {}
+		}
+		var keep []string
+		found := false
+		for _, c := range d.clients() {
+			if c[0] == args[2] {
+				found = true
+				continue
+			}
+			keep = append(keep, strings.Join(c, " "))
+		}
+		if !found {
+			return "", fmt.Errorf("no client with PID %s", args[2])
+		}
+		return "", os.WriteFile(filepath.Join(d.log, "clients"), []byte(strings.Join(keep, "\n")+"\n"), 0o644)
+	}
+	return "", fmt.Errorf("unknown command %q", strings.Join(args, " "))
+}
+
+func (d *fakeDaemon) namespace(verb string, args []string) (string, error) {
+	server := flag(args, "server")
+	if verb == "list" {
+		var names []string
+		for key := range d.namespaces {
+			if s, ns, _ := strings.Cut(key, "/"); s == server {
+				names = append(names, ns)
+			}
+		}
+		slices.Sort(names)
+		return strings.Join(names, "\n") + "\n", nil
+	}
+	if len(args) == 0 || !regexp.MustCompile(`^[a-z0-9_]+$`).MatchString(args[0]) {
+		return "", fmt.Errorf("namespace %s: a name of [a-z0-9_]+ is required", verb)
+	}
+	name := args[0]
+	if verb == "get" && len(args) >= 3 {
+		server = args[1]
+	}
+	if !slices.Contains(d.servers, server) {
+		return "", fmt.Errorf("no server %q", server)
+	}
+	key := server + "/" + name
+	threads, ok := d.namespaces[key]
+	attached := d.attached(server, name)
+	switch verb {
+	case "create":
+		if ok {
+			return "", fmt.Errorf("namespace %s already exists", key)
+		}
+		d.namespaces[key] = 0
+		return "", d.makeDir(key)
+	case "set":
+		if !ok {
+			return "", fmt.Errorf("no namespace %s", key)
+		}
+		if attached {
+			return "", fmt.Errorf("namespace %s has attached clients", key)
+		}
+		pct, err := strconv.Atoi(flag(args, "active-thread-percentage"))
+		if err != nil || pct < 1 || pct > 100 {
+			return "", fmt.Errorf("bad --active-thread-percentage")
+		}
+		d.namespaces[key] = pct
+		return "", nil
+	case "delete":
+		if !ok {
+			return "", fmt.Errorf("no namespace %s", key)
+		}
+		if attached {
+			return "", fmt.Errorf("namespace %s has attached clients", key)
+		}
+		delete(d.namespaces, key)
+		return "", os.RemoveAll(filepath.Join(d.pipe, key))
+	case "get":
+		if !ok {
+			return "", fmt.Errorf("no namespace %s", key)
+		}
+		if len(args) >= 3 && args[2] == "pipe_directory" {
+			return filepath.Join(d.pipe, key) + "\n", nil
+		}
+		return strconv.Itoa(threads) + "\n", nil
+	}
+	return "", fmt.Errorf("unknown namespace verb %q", verb)
+}
+
+// clients reads the attached clients: PID, server, namespace.
+func (d *fakeDaemon) clients() [][]string {
+	data, _ := os.ReadFile(filepath.Join(d.log, "clients"))
+	var out [][]string
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) == 3 {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func (d *fakeDaemon) attached(server, ns string) bool {
+	for _, c := range d.clients() {
+		if c[1] == server && c[2] == ns {
+			return true
+		}
+	}
+	return false
+}
+
+func (d *fakeDaemon) record() {
+	data, _ := json.Marshal(State{Namespaces: d.namespaces, Protocol: d.protocol})
+	tmp := filepath.Join(d.log, "state.json.tmp")
+	if os.WriteFile(tmp, data, 0o644) == nil {
+		_ = os.Rename(tmp, filepath.Join(d.log, "state.json"))
+	}
+}
+
+func exists(path string) bool { _, err := os.Stat(path); return err == nil }
 
 func appendLine(path, line string) {
 	f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)

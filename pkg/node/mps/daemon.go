@@ -1,0 +1,274 @@
+package mps
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/internal/statefile"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+)
+
+// Status is what the daemon's supervisor tells the node agent, in
+// Root/daemon.json: which daemon runs, how many times one was started
+// (a new generation has none of the old one's runtime namespaces, and its
+// clients lost their contexts), and why the last one ended.
+type Status struct {
+	PID        int         `json:"pid"`
+	Generation int         `json:"generation"`
+	Protocol   nodeapi.MPS `json:"protocol"`
+	Release    int         `json:"release"`
+	Started    time.Time   `json:"started"`
+	// Running is false between a daemon's end and the next start.
+	Running bool `json:"running"`
+	// LastExit says why the previous daemon of this supervisor ended.
+	LastExit string `json:"lastExit,omitempty"`
+}
+
+// StatusPath is where the supervisor writes its Status under root.
+func StatusPath(root string) string { return filepath.Join(root, "daemon.json") }
+
+// ConfigPath is where the daemon's generated configuration is written.
+func ConfigPath(root string) string { return filepath.Join(root, "mps-control.toml") }
+
+// ReadStatus reads the supervisor's status.
+func ReadStatus(root string) (Status, error) {
+	var s Status
+	err := statefile.ReadJSON(StatusPath(root), &s)
+	return s, err
+}
+
+// Daemon supervises the node's one MPS control daemon: it generates the
+// configuration for the driver, runs the daemon in the foreground (so a
+// crash is seen at once), probes it, replaces it when it exits or stops
+// answering (with backoff), and on stop asks it to quit.
+type Daemon struct {
+	// Binary is the MPS control program; ServerBinary the server it
+	// starts, killed with a wedged daemon so no stray server keeps the GPU.
+	Binary, ServerBinary string
+	// Root is the node's MPS root (--mps-pipe-dir).
+	Root string
+	// Release is the driver's major release: it picks the interface and
+	// the configuration keys.
+	Release int
+	Options ConfigOptions
+	// ProcRoot is the host's /proc, to find stray servers.
+	ProcRoot string
+	// ProbeInterval is how often the daemon is asked for its servers;
+	// CommandTimeout how long an answer may take. Two missed answers in a
+	// row make it wedged.
+	ProbeInterval, CommandTimeout time.Duration
+	// MinBackoff and MaxBackoff bound the delay before a restart.
+	MinBackoff, MaxBackoff time.Duration
+	// StopGrace is how long a quitting daemon may take before it is killed.
+	StopGrace time.Duration
+}
+
+// NewDaemon returns a supervisor with the defaults filled in.
+func NewDaemon(binary, root string, release int) *Daemon {
+	return &Daemon{Binary: binary, ServerBinary: "nvidia-cuda-mps-server", Root: root, Release: release, ProcRoot: "/proc",
+		ProbeInterval: 5 * time.Second, CommandTimeout: 10 * time.Second,
+		MinBackoff: time.Second, MaxBackoff: 30 * time.Second, StopGrace: 30 * time.Second}
+}
+
+// Protocol is the interface the daemon speaks.
+func (d *Daemon) Protocol() nodeapi.MPS { return ProtocolFor(d.Release) }
+
+func (d *Daemon) control() Control {
+	return Control{Binary: d.Binary, Root: d.Root, Protocol: d.Protocol(), Timeout: d.CommandTimeout}
+}
+
+// args is the daemon's command line: v3 in the foreground, multi-user
+// (containers run as any uid), with the generated configuration; v2 in the
+// foreground.
+func (d *Daemon) args() ([]string, error) {
+	if d.Protocol() != nodeapi.MPSv3 {
+		return []string{"-f"}, nil
+	}
+	cfg, err := Config(d.Release, d.Options)
+	if err != nil {
+		return nil, err
+	}
+	if err := statefile.Write(ConfigPath(d.Root), cfg); err != nil {
+		return nil, fmt.Errorf("MPS configuration: %w", err)
+	}
+	return []string{"-p", "3", "-m", "-f", "-a", ConfigPath(d.Root)}, nil
+}
+
+// Run supervises the daemon until ctx ends, then stops it. It returns an
+// error only when the daemon cannot be configured at all.
+func (d *Daemon) Run(ctx context.Context) error {
+	logger := klog.FromContext(ctx).WithValues("mpsRoot", d.Root, "release", d.Release, "protocol", d.Protocol())
+	if err := nodeapi.CheckRoot(d.Root); err != nil {
+		return err
+	}
+	for _, dir := range []string{nodeapi.PipeDir(d.Root), nodeapi.LogDir(d.Root)} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return fmt.Errorf("MPS root: %w", err)
+		}
+	}
+	args, err := d.args()
+	if err != nil {
+		return err
+	}
+	prev, _ := ReadStatus(d.Root)
+	status := Status{Generation: prev.Generation, Protocol: d.Protocol(), Release: d.Release}
+	backoff := d.MinBackoff
+	for ctx.Err() == nil {
+		started := time.Now()
+		status.Generation++
+		reason, err := d.once(ctx, logger, args, &status)
+		if err != nil {
+			reason = err.Error()
+		}
+		status.Running, status.PID, status.LastExit = false, 0, reason
+		d.writeStatus(logger, status)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if time.Since(started) > 2*d.MaxBackoff {
+			backoff = d.MinBackoff // it ran a good while: a fresh failure
+		}
+		logger.Info("MPS control daemon ended; restarting it", "reason", reason, "after", backoff)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, d.MaxBackoff)
+	}
+	return nil
+}
+
+// once runs one daemon until it exits, stops answering, or ctx ends, and
+// says which.
+func (d *Daemon) once(ctx context.Context, logger klog.Logger, args []string, status *Status) (string, error) {
+	cmd := exec.Command(d.Binary, args...)
+	cmd.Env = d.control().env()
+	// Its own process group: a wedged daemon is killed with the servers
+	// it started.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// In the foreground the daemon reads commands from stdin until EOF:
+	// stdin stays open for as long as the daemon should run.
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return "", err
+	}
+	logFile, err := os.OpenFile(filepath.Join(nodeapi.LogDir(d.Root), "daemon.out"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err == nil {
+		defer func() { _ = logFile.Close() }()
+		cmd.Stdout, cmd.Stderr = logFile, logFile
+	}
+	if err := cmd.Start(); err != nil {
+		return "", fmt.Errorf("start %s: %w", d.Binary, err)
+	}
+	status.PID, status.Started, status.Running = cmd.Process.Pid, time.Now().UTC(), true
+	d.writeStatus(logger, *status)
+	logger.Info("Started the MPS control daemon", "pid", cmd.Process.Pid, "generation", status.Generation, "args", args)
+
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	probe := time.NewTicker(d.ProbeInterval)
+	defer probe.Stop()
+	missed := 0
+	for {
+		select {
+		case err := <-exited:
+			return fmt.Sprintf("exited: %v (its output is in %s)", errOrZero(err), filepath.Join(nodeapi.LogDir(d.Root), "daemon.out")), nil
+		case <-ctx.Done():
+			return fmt.Sprintf("stopped: its supervisor (the mps container) is shutting down (%s)", errOrZero(d.quit(stdin, cmd, exited))), nil
+		case <-probe.C:
+			if err := d.control().Ping(ctx); err != nil {
+				if ctx.Err() != nil {
+					continue
+				}
+				missed++
+				logger.Info("MPS control daemon did not answer", "missed", missed, "err", err)
+				if missed >= 2 {
+					_ = d.kill(cmd, exited) // killed on purpose: its exit status says nothing
+					return fmt.Sprintf("wedged: no answer to two probes (%v); killed it and its servers", err), nil
+				}
+				continue
+			}
+			missed = 0
+		}
+	}
+}
+
+func errOrZero(err error) string {
+	if err == nil {
+		return "exit status 0"
+	}
+	return err.Error()
+}
+
+// quit asks the daemon to quit (which ends its servers and clients), and
+// kills it after StopGrace. It returns how the daemon ended.
+func (d *Daemon) quit(stdin io.WriteCloser, cmd *exec.Cmd, exited chan error) error {
+	_, _ = io.WriteString(stdin, "quit\n")
+	_ = stdin.Close()
+	select {
+	case err := <-exited:
+		return err
+	case <-time.After(d.StopGrace):
+		return d.kill(cmd, exited)
+	}
+}
+
+// kill ends the daemon's process group and any MPS server left over, and
+// returns how the daemon ended.
+func (d *Daemon) kill(cmd *exec.Cmd, exited chan error) error {
+	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	var err error
+	select {
+	case err = <-exited:
+	case <-time.After(5 * time.Second):
+		err = fmt.Errorf("pid %d did not end within 5s of SIGKILL", cmd.Process.Pid)
+	}
+	for _, pid := range processesNamed(d.ProcRoot, d.ServerBinary) {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
+	return err
+}
+
+// processesNamed lists the PIDs under procRoot whose command is name.
+func processesNamed(procRoot, name string) []int {
+	if name == "" {
+		return nil
+	}
+	entries, err := os.ReadDir(procRoot)
+	if err != nil {
+		return nil
+	}
+	var pids []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		comm, err := os.ReadFile(filepath.Join(procRoot, e.Name(), "comm"))
+		if err == nil && strings.TrimSpace(string(comm)) == filepath.Base(name) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+func (d *Daemon) writeStatus(logger klog.Logger, s Status) {
+	if err := statefile.WriteJSON(StatusPath(d.Root), s); err != nil {
+		logger.Error(err, "Cannot record the MPS daemon's status; the node agent will see it as down")
+	}
+}
+
+// ErrNoDaemon is the reason when no supervisor has ever run.
+var ErrNoDaemon = errors.New("no MPS control daemon has been started on this node (is the node agent's mps container running?)")

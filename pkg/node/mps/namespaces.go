@@ -1,0 +1,257 @@
+// Package mps runs MPS the way CUDA 13.4 (driver r615) does it (NVIDIA
+// MPS, "MPS v3 Interface", "MPS v3 Namespaces", "MPS v3 Memory
+// Partitioning"): one control daemon per node for all its GPUs, with
+// memacct on, and one shared server whose namespaces are the sm-sharing
+// containers, each with its own active-thread ceiling.
+//
+// Daemon supervises that daemon (the node agent's mps container runs it, so
+// an agent restart does not end the tenants' contexts); Manager is the
+// node agent's side: it creates each sm-sharing container's namespace
+// before the container starts, drains and deletes it at the end, and after
+// a daemon restart, which drops every runtime namespace, re-creates those
+// of running containers. Control is how both talk to the daemon.
+package mps
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/gpufrac/gpufrac/internal/statefile"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+)
+
+// Namespace is one sm-sharing container's MPS namespace.
+type Namespace struct {
+	Name    string `json:"name"`
+	Threads int    `json:"threads"`
+	// Pod (namespace/name), PodUID and Container say whose it is, for
+	// Events.
+	Pod       string `json:"pod"`
+	PodUID    string `json:"podUID"`
+	Container string `json:"container"`
+}
+
+// Manager keeps the shared server's namespaces equal to the sm-sharing
+// containers the node runs. Its table is persisted, so the next agent
+// knows which namespaces are claimed.
+type Manager struct {
+	StatePath string
+
+	mu      sync.Mutex
+	control Control
+	table   map[string]Namespace
+}
+
+// Control is how the manager reaches the daemon.
+func (m *Manager) Control() Control {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.control
+}
+
+// SetProtocol records the interface the daemon speaks, once the agent
+// knows the driver.
+func (m *Manager) SetProtocol(p nodeapi.MPS) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.control.Protocol = p
+}
+
+// OpenManager loads the table a previous agent saved at statePath.
+func OpenManager(control Control, statePath string) (*Manager, error) {
+	m := &Manager{control: control, StatePath: statePath, table: map[string]Namespace{}}
+	var saved []Namespace
+	err := statefile.ReadJSON(statePath, &saved)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		// Not discarded: the namespaces it names would be left unclaimed.
+		return nil, fmt.Errorf("MPS namespaces: %w; move it aside to start afresh", err)
+	}
+	for _, ns := range saved {
+		m.table[ns.Name] = ns
+	}
+	return m, nil
+}
+
+func (m *Manager) save() error {
+	m.mu.Lock()
+	list := slices.SortedFunc(maps.Values(m.table), func(a, b Namespace) int { return cmp.Compare(a.Name, b.Name) })
+	m.mu.Unlock()
+	return statefile.WriteJSON(m.StatePath, list)
+}
+
+// List is the table, sorted by name.
+func (m *Manager) List() []Namespace {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.SortedFunc(maps.Values(m.table), func(a, b Namespace) int { return cmp.Compare(a.Name, b.Name) })
+}
+
+func (m *Manager) v3() error {
+	if p := m.Control().Protocol; p != nodeapi.MPSv3 {
+		return fmt.Errorf("sm-sharing needs MPS v3 namespaces (driver r%d); this node's daemon speaks %q", ReleaseV3, p)
+	}
+	return nil
+}
+
+// Ensure makes ns exist in the daemon with its ceiling, and returns when
+// it does: before the container's first client can attach. A namespace of
+// the same name left by an earlier container of the same pod (a restart)
+// is reused when its ceiling is the same, replaced otherwise.
+func (m *Manager) Ensure(ctx context.Context, ns Namespace) error {
+	if err := m.v3(); err != nil {
+		return err
+	}
+	if ns.Threads < 1 || ns.Threads > 100 {
+		return fmt.Errorf("MPS namespace %s: active-thread percentage %d: must be 1 to 100", ns.Name, ns.Threads)
+	}
+	existing, err := m.Control().Namespaces(ctx)
+	if err != nil {
+		return fmt.Errorf("MPS namespace %s: %w", ns.Name, err)
+	}
+	m.mu.Lock()
+	prev, known := m.table[ns.Name]
+	m.mu.Unlock()
+	if slices.Contains(existing, ns.Name) {
+		if known && prev.Threads == ns.Threads {
+			return m.put(ns)
+		}
+		if err := m.Control().DeleteNamespace(ctx, ns.Name); err != nil {
+			return fmt.Errorf("MPS namespace %s exists with another ceiling and cannot be replaced: %w", ns.Name, err)
+		}
+	}
+	if err := m.Control().CreateNamespace(ctx, ns.Name, ns.Threads); err != nil {
+		return fmt.Errorf("MPS namespace %s: %w", ns.Name, err)
+	}
+	return m.put(ns)
+}
+
+func (m *Manager) put(ns Namespace) error {
+	m.mu.Lock()
+	m.table[ns.Name] = ns
+	m.mu.Unlock()
+	return m.save()
+}
+
+// Drain terminates the MPS clients match selects, within ctx: at a
+// container's stop, before its processes are killed, so a client killed
+// mid-kernel cannot wedge the shared server. It returns the clients it
+// could not terminate in time.
+func (m *Manager) Drain(ctx context.Context, match func(Client) bool) ([]int, error) {
+	clients, err := m.Control().Clients(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var left []int
+	var errs []error
+	for _, c := range clients {
+		if !match(c) {
+			continue
+		}
+		if err := m.Control().Terminate(ctx, c.PID); err != nil {
+			left = append(left, c.PID)
+			errs = append(errs, err)
+		}
+	}
+	return left, errors.Join(errs...)
+}
+
+// Remove deletes a namespace, retrying while a client is still attached
+// (deletion fails then) until ctx ends, and forgets it.
+func (m *Manager) Remove(ctx context.Context, name string) error {
+	m.mu.Lock()
+	_, known := m.table[name]
+	m.mu.Unlock()
+	if !known || m.v3() != nil {
+		return nil
+	}
+	var err error
+	for {
+		var existing []string
+		if existing, err = m.Control().Namespaces(ctx); err == nil {
+			if !slices.Contains(existing, name) {
+				break
+			}
+			if err = m.Control().DeleteNamespace(ctx, name); err == nil {
+				break
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("MPS namespace %s not deleted: %w", name, err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	m.mu.Lock()
+	delete(m.table, name)
+	m.mu.Unlock()
+	return m.save()
+}
+
+// Reconciled says what Reconcile changed.
+type Reconciled struct {
+	// Recreated are claimed namespaces the daemon no longer had (it was
+	// restarted): their containers' clients lost their contexts.
+	Recreated []Namespace
+	// Deleted are namespaces no running container claims.
+	Deleted []string
+}
+
+// Reconcile makes the daemon's namespaces those of the running containers
+// (live says which names are): a claimed namespace the daemon lacks is
+// created again with its ceiling, one nobody claims is deleted, and the
+// table forgets the containers that are gone.
+func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (Reconciled, error) {
+	var r Reconciled
+	if m.v3() != nil {
+		return r, nil
+	}
+	existing, err := m.Control().Namespaces(ctx)
+	if err != nil {
+		return r, err
+	}
+	var errs []error
+	for _, ns := range m.List() {
+		switch {
+		case !live(ns.Name):
+			if slices.Contains(existing, ns.Name) {
+				if err := m.Control().DeleteNamespace(ctx, ns.Name); err != nil {
+					errs = append(errs, err)
+					continue // still claimed by a client; retried next time
+				}
+				r.Deleted = append(r.Deleted, ns.Name)
+			}
+			m.mu.Lock()
+			delete(m.table, ns.Name)
+			m.mu.Unlock()
+		case !slices.Contains(existing, ns.Name):
+			if err := m.Control().CreateNamespace(ctx, ns.Name, ns.Threads); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			r.Recreated = append(r.Recreated, ns)
+		}
+	}
+	m.mu.Lock()
+	var unclaimed []string
+	for _, name := range existing {
+		if _, ok := m.table[name]; !ok && !slices.Contains(r.Deleted, name) {
+			unclaimed = append(unclaimed, name)
+		}
+	}
+	m.mu.Unlock()
+	for _, name := range unclaimed {
+		if err := m.Control().DeleteNamespace(ctx, name); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		r.Deleted = append(r.Deleted, name)
+	}
+	return r, errors.Join(append(errs, m.save())...)
+}
