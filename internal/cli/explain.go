@@ -63,7 +63,7 @@ no Pod.`,
 	f.BoolVar(&o.failOpen, "fail-open", false, "the node agent's --fail-open")
 	f.StringVar(&o.cfg.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "the node agent's --hook-path")
 	f.StringVar(&o.cfg.MPSRoot, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir")
-	f.StringVar(&o.mps, "mps", "auto", "the interface of the node's MPS daemon: v3 (driver r615 and later), v2 (older drivers), none (the daemon is down), or auto (the --simulate-gpus machine's driver's)")
+	f.StringVar(&o.mps, "mps", "auto", "the interface of the node's MPS daemon: v3 (driver r615 and later), v2 (older drivers), none (the daemon is down), or auto (v3 with the driver or toolkit backend, which need r615; else the --simulate-gpus machine's driver's)")
 	f.StringVar(&o.cfg.ShimDir, "nvidia-smi-shim-dir", "", "the node agent's --nvidia-smi-shim-dir")
 	f.Int64Var(&o.cfg.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "the node agent's --gpu-memory-reserve-mib")
 	f.StringVar(&o.simulateGPUs, "simulate-gpus", "dgxh100", "the mock machine whose GPUs the node has: "+strings.Join(inventory.Machines, ", "))
@@ -139,9 +139,14 @@ func (o explainOptions) nodeConfig() (injection.Config, error) {
 	}
 	switch o.mps {
 	case "auto":
+		// The driver and toolkit backends need r615, which has MPS v3; a
+		// node shown with one of them has v3 whatever the mock's driver.
 		major, err := mps.DriverMajor(inv.DriverVersion)
 		if err != nil {
 			return cfg, err
+		}
+		if cfg.Backend.DriverLimits() {
+			major = max(major, mps.ReleaseV3)
 		}
 		cfg.MPS = mps.ProtocolFor(major)
 	case string(nodeapi.MPSv3), string(nodeapi.MPSv2):

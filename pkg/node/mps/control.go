@@ -122,6 +122,12 @@ func (c Control) Clients(ctx context.Context) ([]Client, error) {
 	if err != nil {
 		return nil, err
 	}
+	return ParseClients(out), nil
+}
+
+// ParseClients reads `client list --format=csv,noheader`; lines it cannot
+// read (a header, a partial line) are skipped, never guessed at.
+func ParseClients(out string) []Client {
 	var clients []Client
 	for _, line := range strings.Split(out, "\n") {
 		fields := strings.Split(strings.TrimSpace(line), ",")
@@ -134,9 +140,12 @@ func (c Control) Clients(ctx context.Context) ([]Client, error) {
 		}
 		ns, _, _ := strings.Cut(strings.TrimSpace(fields[3]), " ")
 		_, ns, _ = strings.Cut(ns, "/")
+		if pid <= 0 {
+			continue
+		}
 		clients = append(clients, Client{PID: pid, Server: strings.TrimSpace(fields[1]), Namespace: ns})
 	}
-	return clients, nil
+	return clients
 }
 
 // Terminate ends one client; the command returns once the client's work

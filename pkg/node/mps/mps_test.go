@@ -214,6 +214,9 @@ func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(nodeapi.NamespaceDir(root, a.Name), "control")); err != nil {
 		t.Errorf("namespace directory: %v", err)
 	}
+	if _, err := c.Run(ctx, "server", "create", "scratch"); err != nil {
+		t.Fatal(err)
+	}
 
 	st, _ := mps.ReadStatus(root)
 	if err := syscall.Kill(st.PID, syscall.SIGKILL); err != nil {
@@ -230,19 +233,25 @@ func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
 	if names, _ := c.Namespaces(ctx); len(names) != 0 {
 		t.Fatalf("a restarted daemon still has %v", names)
 	}
-	// b's container is gone; a still runs.
+	// The configured server comes back with the daemon; one created at
+	// run time does not.
+	if servers, err := c.Run(ctx, "server", "list"); err != nil || servers != "gpufrac" {
+		t.Errorf("servers after the restart: %q, %v; want only the configured gpufrac", servers, err)
+	}
+	// b's container is gone; a still runs. (Grace 0: b is not new.)
+	m.Grace = 0
 	r, err := m.Reconcile(ctx, func(name string) bool { return name == a.Name })
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(r.Recreated) != 1 || r.Recreated[0] != a || len(r.Deleted) != 0 {
+	if len(r.Recreated) != 1 || r.Recreated[0].Name != a.Name || r.Recreated[0].Pod != a.Pod || len(r.Deleted) != 0 {
 		t.Errorf("reconciled %+v, want only %s re-created", r, a.Name)
 	}
 	state, _ = mpstest.ReadState(nodeapi.LogDir(root))
 	if state.Namespaces["gpufrac/"+a.Name] != 25 || len(state.Namespaces) != 2 {
 		t.Errorf("after reconcile the daemon has %v, want default and %s at 25%%", state.Namespaces, a.Name)
 	}
-	if got := m.List(); len(got) != 1 || got[0] != a {
+	if got := m.List(); len(got) != 1 || got[0].Name != a.Name || got[0].Threads != 25 {
 		t.Errorf("table %+v, want only %s", got, a.Name)
 	}
 
@@ -257,8 +266,39 @@ func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
 
 	// The next agent reads the table.
 	again, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
-	if err != nil || !slices.Equal(again.List(), []mps.Namespace{a}) {
-		t.Errorf("reopened table %+v, %v", again.List(), err)
+	if err != nil || !slices.Equal(again.List(), m.List()) || len(again.List()) != 1 {
+		t.Errorf("reopened table %+v, %v; want %+v", again.List(), err, m.List())
+	}
+}
+
+// A namespace is created before its container runs: a reconciliation
+// that does not see the container yet leaves a new namespace alone, and
+// deletes it once it is past the grace.
+func TestReconcileSparesNewNamespaces(t *testing.T) {
+	root := shortRoot(t)
+	_, c, _, _ := startDaemon(t, root, 615)
+	m, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	ns := mps.Namespace{Name: nodeapi.NamespaceName("uid-new", "main"), Threads: 40}
+	if err := m.Ensure(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	none := func(string) bool { return false }
+	if r, err := m.Reconcile(ctx, none); err != nil || len(r.Deleted) != 0 {
+		t.Fatalf("a new namespace was reconciled away: %+v, %v", r, err)
+	}
+	if names, _ := c.Namespaces(ctx); !slices.Equal(names, []string{ns.Name}) {
+		t.Fatalf("namespaces %v", names)
+	}
+	m.Grace = 0
+	if r, err := m.Reconcile(ctx, none); err != nil || !slices.Equal(r.Deleted, []string{ns.Name}) {
+		t.Fatalf("past the grace: %+v, %v; want %s deleted", r, err, ns.Name)
+	}
+	if names, _ := c.Namespaces(ctx); len(names) != 0 || len(m.List()) != 0 {
+		t.Errorf("after deletion: daemon %v, table %v", names, m.List())
 	}
 }
 

@@ -36,6 +36,9 @@ type Namespace struct {
 	Pod       string `json:"pod"`
 	PodUID    string `json:"podUID"`
 	Container string `json:"container"`
+	// Created is when the agent created it: a reconciliation whose view
+	// of the running containers predates it must not delete it.
+	Created time.Time `json:"created"`
 }
 
 // Manager keeps the shared server's namespaces equal to the sm-sharing
@@ -43,6 +46,9 @@ type Namespace struct {
 // knows which namespaces are claimed.
 type Manager struct {
 	StatePath string
+	// Grace is how long a new namespace is kept although no running
+	// container claims it yet: it is created before its container exists.
+	Grace time.Duration
 
 	mu      sync.Mutex
 	control Control
@@ -66,7 +72,7 @@ func (m *Manager) SetProtocol(p nodeapi.MPS) {
 
 // OpenManager loads the table a previous agent saved at statePath.
 func OpenManager(control Control, statePath string) (*Manager, error) {
-	m := &Manager{control: control, StatePath: statePath, table: map[string]Namespace{}}
+	m := &Manager{control: control, StatePath: statePath, Grace: time.Minute, table: map[string]Namespace{}}
 	var saved []Namespace
 	err := statefile.ReadJSON(statePath, &saved)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -118,6 +124,7 @@ func (m *Manager) Ensure(ctx context.Context, ns Namespace) error {
 	m.mu.Lock()
 	prev, known := m.table[ns.Name]
 	m.mu.Unlock()
+	ns.Created = time.Now().UTC()
 	if slices.Contains(existing, ns.Name) {
 		if known && prev.Threads == ns.Threads {
 			return m.put(ns)
@@ -206,7 +213,8 @@ type Reconciled struct {
 // Reconcile makes the daemon's namespaces those of the running containers
 // (live says which names are): a claimed namespace the daemon lacks is
 // created again with its ceiling, one nobody claims is deleted, and the
-// table forgets the containers that are gone.
+// table forgets the containers that are gone. A namespace created within
+// Grace is left alone: its container may not run yet.
 func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (Reconciled, error) {
 	var r Reconciled
 	if m.v3() != nil {
@@ -219,6 +227,8 @@ func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (R
 	var errs []error
 	for _, ns := range m.List() {
 		switch {
+		case !live(ns.Name) && time.Since(ns.Created) < m.Grace:
+			continue
 		case !live(ns.Name):
 			if slices.Contains(existing, ns.Name) {
 				if err := m.Control().DeleteNamespace(ctx, ns.Name); err != nil {

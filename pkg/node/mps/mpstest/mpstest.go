@@ -15,10 +15,12 @@
 //   - the daemon's socket is $CUDA_MPS_PIPE_DIRECTORY/control, and every
 //     namespace of a server has $PIPE/<server>/<namespace>/control;
 //   - without "-f" it is the client: with "-p 3" the command is its
-//     arguments (namespace create|set|delete|list|get, client
-//     list|terminate, get_server_list, quit), without it one stdin line;
-//   - namespaces created at run time live in the daemon only: a restart
-//     drops them; set and delete fail while a client is attached.
+//     arguments (server create|list, namespace create|set|delete|list|get,
+//     client list|terminate, get_server_list, quit), without it one stdin
+//     line;
+//   - servers and namespaces created at run time live in the daemon only:
+//     a restart drops them (those of the configuration come back); set and
+//     delete fail while a client is attached.
 //
 // Files in the log directory ($CUDA_MPS_LOG_DIRECTORY) steer and record
 // it: "clients" lists attached clients, one "PID SERVER NAMESPACE" per
@@ -296,6 +298,16 @@ func (d *fakeDaemon) command(args []string) (string, error) {
 		return "", nil
 	case len(args) >= 2 && args[0] == "namespace" && d.protocol == 3:
 		return d.namespace(args[1], args[2:])
+	case len(args) == 2 && args[0] == "server" && args[1] == "list" && d.protocol == 3:
+		servers := slices.Sorted(slices.Values(d.servers))
+		return strings.Join(servers, "\n") + "\n", nil
+	case len(args) == 3 && args[0] == "server" && args[1] == "create" && d.protocol == 3:
+		if slices.Contains(d.servers, args[2]) {
+			return "", fmt.Errorf("server %s already exists", args[2])
+		}
+		d.servers = append(d.servers, args[2])
+		d.namespaces[args[2]+"/default"] = 0
+		return "", d.makeDir(args[2] + "/default")
 	case len(args) >= 2 && args[0] == "client" && args[1] == "list" && d.protocol == 3:
 		var b strings.Builder
 		for _, c := range d.clients() {
