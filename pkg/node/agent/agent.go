@@ -29,6 +29,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
+	"github.com/gpufrac/gpufrac/internal/statefile"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -355,21 +356,41 @@ func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr er
 	if statusErr == nil && status.Protocol != want {
 		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: restart the node agent's mps container", status.Protocol, major, want)
 	}
-	if statusErr == nil {
-		a.mu.Lock()
-		replaced := a.mpsGeneration != 0 && status.Generation != a.mpsGeneration
-		a.mpsGeneration = status.Generation
-		a.mu.Unlock()
-		if replaced {
-			klog.FromContext(ctx).Info("The MPS control daemon was replaced under running containers", "generation", status.Generation, "lastExit", status.LastExit)
-			for _, t := range a.plugin.Tenants() {
-				if t.Namespace == "" {
-					a.MPSRestarted(t.Pod, t.Container, fmt.Sprintf("the node's MPS control daemon was replaced (generation %d; the previous one %s)", status.Generation, status.LastExit))
-				}
-			}
-		}
+	if statusErr == nil && a.plugin.Registered() {
+		a.noteMPSGeneration(ctx, status)
 	}
 	return want, nil
+}
+
+// noteMPSGeneration compares the daemon's generation with the one the
+// running containers were started on (kept in the state directory, so an
+// agent restarted meanwhile notices too); on a change every fractional
+// pod is evicted (see nriplugin.MPSReplaced). It runs only once the
+// plugin is synchronized, when it knows the running containers.
+func (a *Agent) noteMPSGeneration(ctx context.Context, status mps.Status) {
+	path := filepath.Join(a.opts.StateDir, "mps-generation.json")
+	a.mu.Lock()
+	last := a.mpsGeneration
+	a.mu.Unlock()
+	if last == 0 {
+		if err := statefile.ReadJSON(path, &last); err != nil && !errors.Is(err, os.ErrNotExist) {
+			klog.FromContext(ctx).Error(err, "Cannot read the MPS generation the containers started on")
+		}
+	}
+	if last == status.Generation {
+		return
+	}
+	if last != 0 {
+		klog.FromContext(ctx).Info("The MPS control daemon was replaced under running containers; evicting the fractional pods",
+			"generation", status.Generation, "lastExit", status.LastExit)
+		a.plugin.MPSReplaced(ctx, fmt.Sprintf("generation %d replaced %d; the previous daemon %s", status.Generation, last, status.LastExit))
+	}
+	if err := statefile.WriteJSON(path, status.Generation); err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot record the MPS generation")
+	}
+	a.mu.Lock()
+	a.mpsGeneration = status.Generation
+	a.mu.Unlock()
 }
 
 // markStopped tells schedulers to stop sending fractions here: with the

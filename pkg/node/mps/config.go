@@ -2,6 +2,7 @@ package mps
 
 import (
 	"fmt"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -84,13 +85,15 @@ func Config(major int, opts ConfigOptions) ([]byte, error) {
 		if major < ReleaseV3Policy {
 			return nil, fmt.Errorf("--mps-timeslice %q: [compute_policy] timeslice needs driver r%d, and this node runs r%d, whose daemon rejects the key", opts.Timeslice, ReleaseV3Policy, major)
 		}
-		if strings.ContainsAny(opts.Timeslice, "\"\\\n") {
-			return nil, fmt.Errorf("--mps-timeslice %q: must not contain quotes, backslashes or newlines", opts.Timeslice)
+		if !timeslice.MatchString(opts.Timeslice) {
+			return nil, fmt.Errorf("--mps-timeslice %q: must be a word of [a-z0-9_] (NVIDIA's example: long)", opts.Timeslice)
 		}
 		fmt.Fprintf(&b, "\n[compute_policy]\ntimeslice = %q\n", opts.Timeslice)
 	}
 	return []byte(b.String()), nil
 }
+
+var timeslice = regexp.MustCompile(`^[a-z0-9_]{1,32}$`)
 
 // DefaultNamespaceCeiling is the active-thread percentage of the shared
 // server's default namespace, which no container is given.

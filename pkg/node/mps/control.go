@@ -43,6 +43,7 @@ func (c Control) Run(ctx context.Context, args ...string) (string, error) {
 	if timeout <= 0 {
 		timeout = 10 * time.Second
 	}
+	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	var cmd *exec.Cmd
@@ -57,6 +58,9 @@ func (c Control) Run(ctx context.Context, args ...string) (string, error) {
 	cmd.Stdout, cmd.Stderr = &out, &errOut
 	line := strings.Join(args, " ")
 	if err := cmd.Run(); err != nil {
+		if parent.Err() != nil {
+			return "", fmt.Errorf("MPS control %q: interrupted: %w", line, parent.Err())
+		}
 		if ctx.Err() != nil {
 			return "", fmt.Errorf("MPS control %q: no answer within %s", line, timeout)
 		}
@@ -96,6 +100,12 @@ func (c Control) CreateNamespace(ctx context.Context, name string, threads int) 
 		return err
 	}
 	_, err := c.Run(ctx, "namespace", "set", name, "--server="+nodeapi.SharedServer, "--active-thread-percentage="+strconv.Itoa(threads))
+	if err != nil {
+		// Never leave an uncapped namespace behind.
+		if derr := c.DeleteNamespace(context.WithoutCancel(ctx), name); derr != nil {
+			return fmt.Errorf("%w; and the uncapped namespace could not be deleted: %w", err, derr)
+		}
+	}
 	return err
 }
 

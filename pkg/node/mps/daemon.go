@@ -88,6 +88,19 @@ func (d *Daemon) control() Control {
 	return Control{Binary: d.Binary, Root: d.Root, Protocol: d.Protocol(), Timeout: d.CommandTimeout}
 }
 
+// prepare makes the daemon's directories and returns its command line.
+func (d *Daemon) prepare() ([]string, error) {
+	if err := nodeapi.CheckRoot(d.Root); err != nil {
+		return nil, err
+	}
+	for _, dir := range []string{nodeapi.PipeDir(d.Root), nodeapi.LogDir(d.Root)} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, fmt.Errorf("MPS root: %w", err)
+		}
+	}
+	return d.args()
+}
+
 // args is the daemon's command line: v3 in the foreground, multi-user
 // (containers run as any uid), with the generated configuration; v2 in the
 // foreground.
@@ -109,20 +122,16 @@ func (d *Daemon) args() ([]string, error) {
 // error only when the daemon cannot be configured at all.
 func (d *Daemon) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("mpsRoot", d.Root, "release", d.Release, "protocol", d.Protocol())
-	if err := nodeapi.CheckRoot(d.Root); err != nil {
-		return err
-	}
-	for _, dir := range []string{nodeapi.PipeDir(d.Root), nodeapi.LogDir(d.Root)} {
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			return fmt.Errorf("MPS root: %w", err)
-		}
-	}
-	args, err := d.args()
-	if err != nil {
-		return err
-	}
 	prev, _ := ReadStatus(d.Root)
 	status := Status{Generation: prev.Generation, Protocol: d.Protocol(), Release: d.Release}
+	args, err := d.prepare()
+	if err != nil {
+		// Said where the node agent reads it, so the node's condition
+		// names the cause instead of "no daemon has been started".
+		status.LastExit = "cannot start: " + err.Error()
+		d.writeStatus(logger, status)
+		return err
+	}
 	backoff := d.MinBackoff
 	for ctx.Err() == nil {
 		started := time.Now()
@@ -241,7 +250,8 @@ func (d *Daemon) kill(cmd *exec.Cmd, exited chan error) error {
 	return err
 }
 
-// processesNamed lists the PIDs under procRoot whose command is name.
+// processesNamed lists the PIDs under procRoot whose program (argv[0]'s
+// base name; comm is cut at 15 characters) is name's.
 func processesNamed(procRoot, name string) []int {
 	if name == "" {
 		return nil
@@ -256,8 +266,9 @@ func processesNamed(procRoot, name string) []int {
 		if err != nil {
 			continue
 		}
-		comm, err := os.ReadFile(filepath.Join(procRoot, e.Name(), "comm"))
-		if err == nil && strings.TrimSpace(string(comm)) == filepath.Base(name) {
+		cmdline, err := os.ReadFile(filepath.Join(procRoot, e.Name(), "cmdline"))
+		argv0, _, _ := strings.Cut(string(cmdline), "\x00")
+		if err == nil && argv0 != "" && filepath.Base(argv0) == filepath.Base(name) {
 			pids = append(pids, pid)
 		}
 	}

@@ -48,8 +48,8 @@ func FuzzNamespaceName(f *testing.F) {
 		if sock := nodeapi.NamespaceDir("/run/gpufrac/mps", name) + "/control"; len(sock) > 83 {
 			t.Fatalf("socket path %s is %d characters", sock, len(sock))
 		}
-		if other := nodeapi.NamespaceName(uid+"x", container); other == name {
-			t.Fatalf("two pods share namespace %s", name)
+		if again := nodeapi.NamespaceName(uid, container); again != name {
+			t.Fatalf("NamespaceName(%q, %q) gave %q, then %q", uid, container, name, again)
 		}
 	})
 }

@@ -259,9 +259,21 @@ func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
 	if err := c.CreateNamespace(ctx, "gf_stray_0123", 10); err != nil {
 		t.Fatal(err)
 	}
-	r, err = m.Reconcile(ctx, func(string) bool { return true })
+	r, err = m.Reconcile(ctx, func(name string) bool { return name == a.Name })
 	if err != nil || !slices.Equal(r.Deleted, []string{"gf_stray_0123"}) || len(r.Recreated) != 0 {
 		t.Errorf("reconcile with a stray namespace: %+v, %v", r, err)
+	}
+
+	// One the table lost but a running container uses is left alone.
+	if err := c.CreateNamespace(ctx, "gf_untracked_0123", 10); err != nil {
+		t.Fatal(err)
+	}
+	r, err = m.Reconcile(ctx, func(name string) bool { return name == a.Name || name == "gf_untracked_0123" })
+	if err != nil || len(r.Deleted) != 0 {
+		t.Errorf("reconcile deleted a running container's namespace: %+v, %v", r, err)
+	}
+	if err := c.DeleteNamespace(ctx, "gf_untracked_0123"); err != nil {
+		t.Fatal(err)
 	}
 
 	// The next agent reads the table.
@@ -302,15 +314,39 @@ func TestReconcileSparesNewNamespaces(t *testing.T) {
 	}
 }
 
-// A daemon that stops answering is killed and replaced.
+// A daemon that stops answering is killed and replaced, and so is any
+// MPS server left running (here a process whose argv[0] is the server's).
 func TestWedgedDaemonIsReplaced(t *testing.T) {
+	server := exec.Command("bash", "-c", "exec -a nvidia-cuda-mps-server sleep 120")
+	if err := server.Start(); err != nil {
+		t.Fatal(err)
+	}
+	serverExit := make(chan error, 1)
+	go func() { serverExit <- server.Wait() }()
+	t.Cleanup(func() { _ = server.Process.Kill() })
+	mpstest.Use(t)
 	root := shortRoot(t)
-	_, c, _, _ := startDaemon(t, root, 615)
+	d := mps.NewDaemon(self(t), root, 615)
+	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.MaxBackoff, d.StopGrace = 50*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond, 100*time.Millisecond, 2*time.Second
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	c := mps.Control{Binary: self(t), Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}
+	waitFor(t, "the daemon answers", func() bool { return c.Ping(context.Background()) == nil })
 	st, _ := mps.ReadStatus(root)
 	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "wedged"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the wedged daemon is killed", func() bool { return syscall.Kill(st.PID, 0) != nil })
+	select {
+	case err := <-serverExit:
+		if err == nil {
+			t.Error("the stray server exited by itself, not killed")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stray MPS server still runs after the wedged daemon was replaced")
+	}
 	if err := os.Remove(filepath.Join(nodeapi.LogDir(root), "wedged")); err != nil {
 		t.Fatal(err)
 	}
@@ -321,6 +357,19 @@ func TestWedgedDaemonIsReplaced(t *testing.T) {
 	st, _ = mps.ReadStatus(root)
 	if !strings.Contains(st.LastExit, "wedged") {
 		t.Errorf("last exit %q, want wedged", st.LastExit)
+	}
+}
+
+// A configuration the driver cannot take never starts a daemon, and the
+// status says why (the node's condition quotes it).
+func TestConfigurationErrorIsRecorded(t *testing.T) {
+	root := shortRoot(t)
+	d := mps.NewDaemon(self(t), root, 615)
+	d.Options.Timeslice = "long"
+	err := d.Run(context.Background())
+	st, serr := mps.ReadStatus(root)
+	if err == nil || serr != nil || st.Running || !strings.Contains(st.LastExit, "needs driver r620") {
+		t.Errorf("Run: %v; status %+v, %v; want the r620 key refused and recorded", err, st, serr)
 	}
 }
 
@@ -373,7 +422,18 @@ func TestNamespacesWithAttachedClients(t *testing.T) {
 	}()
 	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	if err := m.Remove(rctx, b.Name); err != nil {
+	// The removal of an earlier container of b's name (a restart) leaves
+	// the namespace to the current one.
+	if err := m.Ensure(ctx, mps.Namespace{Name: b.Name, Threads: b.Threads, ContainerID: "ctr-2"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Remove(rctx, b.Name, "ctr-1"); err != nil {
+		t.Fatal(err)
+	}
+	if names, _ := c.Namespaces(ctx); !slices.Contains(names, b.Name) {
+		t.Fatalf("removing the old container deleted the new one's namespace: %v", names)
+	}
+	if err := m.Remove(rctx, b.Name, "ctr-2"); err != nil {
 		t.Fatal(err)
 	}
 	if names, _ := c.Namespaces(ctx); !slices.Equal(names, []string{a.Name}) {

@@ -36,6 +36,10 @@ type Namespace struct {
 	Pod       string `json:"pod"`
 	PodUID    string `json:"podUID"`
 	Container string `json:"container"`
+	// ContainerID is the runtime's container the namespace was last
+	// created for: a restarted container reuses the name, and the removal
+	// of the old one must not delete the new one's namespace.
+	ContainerID string `json:"containerID"`
 	// Created is when the agent created it: a reconciliation whose view
 	// of the running containers predates it must not delete it.
 	Created time.Time `json:"created"`
@@ -50,7 +54,11 @@ type Manager struct {
 	// container claims it yet: it is created before its container exists.
 	Grace time.Duration
 
-	mu      sync.Mutex
+	// op serializes the operations that change namespaces (Ensure,
+	// Remove, Reconcile), daemon commands and table writes included, so
+	// none acts on another's half-done work.
+	op      sync.Mutex
+	mu      sync.Mutex // guards control and table
 	control Control
 	table   map[string]Namespace
 }
@@ -114,6 +122,8 @@ func (m *Manager) Ensure(ctx context.Context, ns Namespace) error {
 	if err := m.v3(); err != nil {
 		return err
 	}
+	m.op.Lock()
+	defer m.op.Unlock()
 	if ns.Threads < 1 || ns.Threads > 100 {
 		return fmt.Errorf("MPS namespace %s: active-thread percentage %d: must be 1 to 100", ns.Name, ns.Threads)
 	}
@@ -169,13 +179,17 @@ func (m *Manager) Drain(ctx context.Context, match func(Client) bool) ([]int, er
 	return left, errors.Join(errs...)
 }
 
-// Remove deletes a namespace, retrying while a client is still attached
-// (deletion fails then) until ctx ends, and forgets it.
-func (m *Manager) Remove(ctx context.Context, name string) error {
+// Remove deletes the namespace of container containerID, retrying while a
+// client is still attached (deletion fails then) until ctx ends, and
+// forgets it. A namespace since re-created for another container of the
+// same name (a restart) is left to that one.
+func (m *Manager) Remove(ctx context.Context, name, containerID string) error {
+	m.op.Lock()
+	defer m.op.Unlock()
 	m.mu.Lock()
-	_, known := m.table[name]
+	ns, known := m.table[name]
 	m.mu.Unlock()
-	if !known || m.v3() != nil {
+	if !known || m.v3() != nil || (containerID != "" && ns.ContainerID != "" && ns.ContainerID != containerID) {
 		return nil
 	}
 	var err error
@@ -220,6 +234,8 @@ func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (R
 	if m.v3() != nil {
 		return r, nil
 	}
+	m.op.Lock()
+	defer m.op.Unlock()
 	existing, err := m.Control().Namespaces(ctx)
 	if err != nil {
 		return r, err
@@ -251,7 +267,9 @@ func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (R
 	m.mu.Lock()
 	var unclaimed []string
 	for _, name := range existing {
-		if _, ok := m.table[name]; !ok && !slices.Contains(r.Deleted, name) {
+		// One a running container uses is left alone even if the table
+		// lost it: deleting it would leave that container uncapped.
+		if _, ok := m.table[name]; !ok && !slices.Contains(r.Deleted, name) && !live(name) {
 			unclaimed = append(unclaimed, name)
 		}
 	}

@@ -144,7 +144,12 @@ func (p *Plugin) Registered() bool { return p.registered.Load() }
 // ends or the runtime goes away.
 func (p *Plugin) Run(ctx context.Context, socketPath string) error {
 	s, err := stub.New(p, stub.WithPluginName(Name), stub.WithPluginIdx(Index), stub.WithSocketPath(socketPath),
-		stub.WithOnClose(func() { p.registered.Store(false) }))
+		stub.WithOnClose(func() { p.registered.Store(false) }),
+		// Fail closed: by default a request the plugin does not answer in
+		// time proceeds without it (a fractional container would start
+		// with no limits) and the plugin is dropped. With this the request
+		// fails and the plugin stays registered.
+		stub.WithFailurePolicy(&nriapi.FailurePolicy{FailRequest: true, KeepConnected: true}))
 	if err != nil {
 		return fmt.Errorf("NRI plugin: %w", err)
 	}
@@ -194,7 +199,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 	cfg := *p.injection.Load()
 	d := injection.Decide(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
 	if d.MPSNamespace != "" {
-		if err := p.ensureNamespace(ctx, pod, d); err != nil {
+		if err := p.ensureNamespace(ctx, pod, ctr, d); err != nil {
 			// Started without its namespace, its compute ceiling would be
 			// missing: refused, or on a fail-open node no GPU.
 			d = injection.Unenforceable(cfg, err)
@@ -295,10 +300,13 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	return nil
 }
 
-// StopContainer drains the stopping container's MPS clients (so none is
-// killed mid-kernel by the runtime, which can wedge a shared server) and
-// releases its soft limit before its cgroup goes away. It never fails the
-// stop, and is bounded well inside the runtime's own stop deadline.
+// StopContainer terminates what is left of the stopped container's MPS
+// clients and releases its soft limit before its cgroup goes away. The
+// runtime calls it once the container's processes were signalled, so this
+// cannot prevent a client killed mid-kernel from wedging the shared
+// server: the daemon's probe catches a wedge, and the daemon is replaced
+// (see MPSReplaced). It never fails the stop, and is bounded inside NRI's
+// request timeout.
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	defer p.observe("StopContainer", time.Now())
 	tenant, known := p.tenants.get(ctr.GetId())
@@ -316,10 +324,10 @@ func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 	if p.opts.MPS == nil {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, mpsDrainDeadline)
+	ctx, cancel := context.WithTimeout(ctx, mpsHookBudget)
 	defer cancel()
 	name := nodeapi.NamespaceName(pod.GetUid(), ctr.GetName())
-	if err := p.opts.MPS.Remove(ctx, name); err != nil {
+	if err := p.opts.MPS.Remove(ctx, name, ctr.GetId()); err != nil {
 		klog.FromContext(ctx).Error(err, "Cannot delete the removed container's MPS namespace; the next reconciliation retries", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	}
 	return nil
@@ -329,7 +337,7 @@ func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 // namespace, and those whose cgroup is the container's (time-slicing
 // clients of the main socket).
 func (p *Plugin) drain(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, namespace string) {
-	ctx, cancel := context.WithTimeout(ctx, mpsDrainDeadline)
+	ctx, cancel := context.WithTimeout(ctx, mpsHookBudget)
 	defer cancel()
 	cgroup := ""
 	if ctr.GetPid() > 0 {
@@ -351,9 +359,11 @@ func (p *Plugin) drain(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.
 	}
 }
 
-// mpsDrainDeadline bounds how long a container's stop waits for its MPS
-// clients to go, and its removal for its namespace to be deleted.
-const mpsDrainDeadline = 5 * time.Second
+// mpsHookBudget bounds the MPS work of one NRI request: creating a
+// namespace, draining clients, deleting a namespace. NRI's default request
+// timeout is 2 s, after which (with the plugin's failure policy) the
+// request fails; this leaves the rest of the hook time to finish.
+const mpsHookBudget = 1500 * time.Millisecond
 
 func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
 	if p.opts.NVML == nil || p.opts.Leases == nil {
@@ -414,13 +424,15 @@ func podOf(pod *nriapi.PodSandbox) injection.Pod {
 
 // ensureNamespace creates an sm-sharing container's MPS namespace, with
 // its thread ceiling, before the container's first client can attach.
-func (p *Plugin) ensureNamespace(ctx context.Context, pod *nriapi.PodSandbox, d injection.Decision) error {
+func (p *Plugin) ensureNamespace(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, d injection.Decision) error {
 	container := d.Assignment.Container
 	if p.opts.MPS == nil {
 		return fmt.Errorf("container %q: sm-sharing needs MPS namespaces, and this node agent keeps none", container)
 	}
+	ctx, cancel := context.WithTimeout(ctx, mpsHookBudget)
+	defer cancel()
 	ns := mps.Namespace{Name: d.MPSNamespace, Threads: d.Assignment.ActiveThreadPercentage(),
-		Pod: pod.GetNamespace() + "/" + pod.GetName(), PodUID: pod.GetUid(), Container: container}
+		Pod: pod.GetNamespace() + "/" + pod.GetName(), PodUID: pod.GetUid(), Container: container, ContainerID: ctr.GetId()}
 	if err := p.opts.MPS.Ensure(ctx, ns); err != nil {
 		return fmt.Errorf("container %q: %w", container, err)
 	}
@@ -428,8 +440,9 @@ func (p *Plugin) ensureNamespace(ctx context.Context, pod *nriapi.PodSandbox, d 
 }
 
 // ReconcileMPS makes the MPS daemon's namespaces those of the running
-// containers (live), re-creating claimed ones a restarted daemon dropped;
-// their pods are told (their containers' clients lost their contexts).
+// containers (live): claimed ones a restarted daemon dropped are created
+// again with their ceilings (for the containers' restarts until their pods
+// are evicted, see MPSReplaced), unclaimed ones are deleted.
 func (p *Plugin) ReconcileMPS(ctx context.Context, live func(name string) bool) {
 	if p.opts.MPS == nil {
 		return
@@ -438,11 +451,37 @@ func (p *Plugin) ReconcileMPS(ctx context.Context, live func(name string) bool) 
 	if err != nil {
 		klog.FromContext(ctx).Error(err, "Cannot reconcile the MPS namespaces; retrying at the next resync")
 	}
-	for _, ns := range r.Recreated {
-		podNS, name, _ := strings.Cut(ns.Pod, "/")
+	if len(r.Recreated) > 0 || len(r.Deleted) > 0 {
+		klog.FromContext(ctx).Info("Reconciled the MPS namespaces", "recreated", len(r.Recreated), "deleted", r.Deleted)
+	}
+}
+
+// MPSReplaced is told that the node's MPS daemon was replaced under the
+// running containers. Their MPS clients lost their contexts, and their
+// mounts still name the old daemon's sockets and namespace directories,
+// so a CUDA process they start next would not reach MPS at all: no
+// memacct, no ceiling, no pinned limit. Every fractional pod is evicted,
+// to come back on the new daemon (fail closed), and told why.
+func (p *Plugin) MPSReplaced(ctx context.Context, detail string) {
+	logger := klog.FromContext(ctx)
+	evicted := map[string]bool{}
+	for _, t := range p.tenants.list() {
 		if p.opts.Reporter != nil {
-			p.opts.Reporter.MPSRestarted(PodRef{Namespace: podNS, Name: name, UID: ns.PodUID}, ns.Container,
-				fmt.Sprintf("MPS namespace %s re-created with its %d%% ceiling", ns.Name, ns.Threads))
+			p.opts.Reporter.MPSRestarted(t.Pod, t.Container, detail)
+		}
+		if evicted[t.Pod.UID] {
+			continue
+		}
+		evicted[t.Pod.UID] = true
+		reason := "the node's MPS daemon was replaced under it (" + detail + "); its containers' MPS mounts name the old daemon"
+		if p.opts.Evictor != nil {
+			if err := p.opts.Evictor.Evict(ctx, t.Pod, reason); err != nil {
+				logger.Error(err, "Eviction failed; the pod keeps running without MPS", "pod", t.Pod.Namespace+"/"+t.Pod.Name)
+				continue
+			}
+		}
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Evicted(t.Pod, t.Container, reason)
 		}
 	}
 }

@@ -638,8 +638,22 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	if got := namespaceCeiling(t, root, name); got != 25 {
 		t.Errorf("after the restart the namespace's ceiling is %d, want 25", got)
 	}
-	if got := rec.get(&rec.mpsRestarted); len(got) != 1 || !strings.HasPrefix(got[0], "mps-tenant/main: MPS namespace "+name) {
-		t.Errorf("restart reports %v, want one for mps-tenant/main", got)
+	// Their mounts name the old daemon's sockets: both pods are evicted,
+	// and told why.
+	p.MPSReplaced(ctx, "generation 2 replaced 1")
+	// (connect's probe pod is a fractional tenant too.)
+	for _, pod := range []string{"mps-tenant", "ts-tenant", "probe"} {
+		if got := rec.get(&rec.mpsRestarted); !slices.ContainsFunc(got, func(e string) bool { return strings.HasPrefix(e, pod+"/main: generation 2") }) {
+			t.Errorf("restart reports %v, want one for %s", got, pod)
+		}
+		if got := rec.get(&rec.evict); !slices.ContainsFunc(got, func(e string) bool {
+			return strings.HasPrefix(e, pod+": the node's MPS daemon was replaced")
+		}) {
+			t.Errorf("evictions %v, want %s", got, pod)
+		}
+	}
+	if got := rec.get(&rec.evict); len(got) != 3 {
+		t.Errorf("evictions %v, want one per pod", got)
 	}
 
 	clients := filepath.Join(nodeapi.LogDir(root), "clients")
@@ -664,6 +678,43 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	}
 	if got := m.List(); len(got) != 0 {
 		t.Errorf("namespaces recorded after removal: %v", got)
+	}
+}
+
+// A daemon that does not answer refuses the sm-sharing container within
+// the hook's budget, rather than starting it without its ceiling.
+func TestSMSharingWithAnUnreachableDaemonIsRefused(t *testing.T) {
+	mpstest.Use(t)
+	root, err := os.MkdirTemp("/tmp", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	m, err := mps.OpenManager(mps.Control{Binary: os.Args[0], Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}, filepath.Join(root, "ns.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := startRuntime(t, nil, nil)
+	c := cfg
+	c.MPSRoot = root
+	rec := &recorder{}
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
+	p.EnableMPS(m)
+	connect(t, p, rt)
+	ctx := context.Background()
+	pod := sandbox("pu", "unreachable", map[string]string{
+		"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
+	})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: container("cu", "pu", "main")})
+	if err == nil || !strings.Contains(err.Error(), "MPS namespace "+nodeapi.NamespaceName(pod.GetUid(), "main")) {
+		t.Errorf("sm-sharing with no daemon: %v, want a refusal naming the namespace", err)
+	}
+	if got := rec.get(&rec.refused); len(got) != 1 {
+		t.Errorf("refusal Events %v", got)
 	}
 }
 
