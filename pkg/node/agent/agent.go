@@ -29,7 +29,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
-	"github.com/gpufrac/gpufrac/internal/statefile"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -93,9 +92,9 @@ type Agent struct {
 
 	mu        sync.Mutex
 	published bool // the last publish reached the API server
-	// mpsGeneration is the MPS daemon generation last seen: a new one has
-	// replaced the daemon under the running containers.
-	mpsGeneration int
+	// mpsStarted is when the node's MPS daemon started, as last seen:
+	// containers created before it are evicted (see RetryEvictions).
+	mpsStarted time.Time
 }
 
 // New builds an agent for opts over client.
@@ -183,6 +182,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			a.markStopped(logger)
 			wg.Wait()
+			a.plugin.WaitForEvictions()
 			return nil
 		case <-ticker.C:
 		}
@@ -297,11 +297,23 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
 		Backend: backend, BackendErr: backendErr, MPS: mpsProtocol, MPSErr: mpsErr, CgroupErr: cgroupErr,
 		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
-	if mpsErr == nil && a.mps != nil && a.plugin.Registered() {
+	if a.plugin.Registered() {
 		// Only once synchronized does the plugin know every running
-		// container, and so which namespaces are claimed.
-		live := a.plugin.LiveNamespaces()
-		a.plugin.ReconcileMPS(ctx, func(name string) bool { return live[name] })
+		// container, and so which namespaces are claimed and which pods
+		// predate the daemon.
+		if mpsErr == nil && a.mps != nil {
+			live := a.plugin.LiveNamespaces()
+			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			a.plugin.ReconcileMPS(rctx, func(name string) bool { return live[name] })
+			cancel()
+		}
+		var started time.Time
+		if mpsErr == nil {
+			a.mu.Lock()
+			started = a.mpsStarted
+			a.mu.Unlock()
+		}
+		a.plugin.RetryEvictions(ctx, started)
 	}
 	desired := publish.Compute(state, node.Labels)
 	a.metrics.Node(inv, backend, desired.Condition.Status == corev1.ConditionTrue)
@@ -324,9 +336,7 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 }
 
 // checkMPS says which interface the node's MPS daemon speaks, or why it
-// cannot serve fractional containers. A daemon replaced since the last
-// check is reported on every time-slicing tenant (the sm-sharing ones are
-// told when their namespaces are re-created).
+// cannot serve fractional containers, and notes when it started.
 func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr error) (nodeapi.MPS, error) {
 	if invErr != nil {
 		return nodeapi.MPSNone, fmt.Errorf("the driver release is unknown: %w", invErr)
@@ -356,41 +366,12 @@ func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr er
 	if statusErr == nil && status.Protocol != want {
 		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: restart the node agent's mps container", status.Protocol, major, want)
 	}
-	if statusErr == nil && a.plugin.Registered() {
-		a.noteMPSGeneration(ctx, status)
+	if statusErr == nil {
+		a.mu.Lock()
+		a.mpsStarted = status.Started
+		a.mu.Unlock()
 	}
 	return want, nil
-}
-
-// noteMPSGeneration compares the daemon's generation with the one the
-// running containers were started on (kept in the state directory, so an
-// agent restarted meanwhile notices too); on a change every fractional
-// pod is evicted (see nriplugin.MPSReplaced). It runs only once the
-// plugin is synchronized, when it knows the running containers.
-func (a *Agent) noteMPSGeneration(ctx context.Context, status mps.Status) {
-	path := filepath.Join(a.opts.StateDir, "mps-generation.json")
-	a.mu.Lock()
-	last := a.mpsGeneration
-	a.mu.Unlock()
-	if last == 0 {
-		if err := statefile.ReadJSON(path, &last); err != nil && !errors.Is(err, os.ErrNotExist) {
-			klog.FromContext(ctx).Error(err, "Cannot read the MPS generation the containers started on")
-		}
-	}
-	if last == status.Generation {
-		return
-	}
-	if last != 0 {
-		klog.FromContext(ctx).Info("The MPS control daemon was replaced under running containers; evicting the fractional pods",
-			"generation", status.Generation, "lastExit", status.LastExit)
-		a.plugin.MPSReplaced(ctx, fmt.Sprintf("generation %d replaced %d; the previous daemon %s", status.Generation, last, status.LastExit))
-	}
-	if err := statefile.WriteJSON(path, status.Generation); err != nil {
-		klog.FromContext(ctx).Error(err, "Cannot record the MPS generation")
-	}
-	a.mu.Lock()
-	a.mpsGeneration = status.Generation
-	a.mu.Unlock()
 }
 
 // markStopped tells schedulers to stop sending fractions here: with the

@@ -102,7 +102,11 @@ func (c Control) CreateNamespace(ctx context.Context, name string, threads int) 
 	_, err := c.Run(ctx, "namespace", "set", name, "--server="+nodeapi.SharedServer, "--active-thread-percentage="+strconv.Itoa(threads))
 	if err != nil {
 		// Never leave an uncapped namespace behind.
-		if derr := c.DeleteNamespace(context.WithoutCancel(ctx), name); derr != nil {
+		// Even when ctx has ended; briefly: what is left, the next
+		// reconciliation deletes.
+		cleanup, cancel := context.WithTimeout(context.WithoutCancel(ctx), 300*time.Millisecond)
+		defer cancel()
+		if derr := c.DeleteNamespace(cleanup, name); derr != nil {
 			return fmt.Errorf("%w; and the uncapped namespace could not be deleted: %w", err, derr)
 		}
 	}

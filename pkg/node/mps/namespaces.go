@@ -40,6 +40,9 @@ type Namespace struct {
 	// created for: a restarted container reuses the name, and the removal
 	// of the old one must not delete the new one's namespace.
 	ContainerID string `json:"containerID"`
+	// Uncapped: re-creating it failed half-way, so the daemon may hold it
+	// without its ceiling; it is never reused as it is.
+	Uncapped bool `json:"uncapped,omitempty"`
 	// Created is when the agent created it: a reconciliation whose view
 	// of the running containers predates it must not delete it.
 	Created time.Time `json:"created"`
@@ -56,8 +59,9 @@ type Manager struct {
 
 	// op serializes the operations that change namespaces (Ensure,
 	// Remove, Reconcile), daemon commands and table writes included, so
-	// none acts on another's half-done work.
-	op      sync.Mutex
+	// none acts on another's half-done work. A channel, so that waiting for
+	// it ends with the caller's context.
+	op      chan struct{}
 	mu      sync.Mutex // guards control and table
 	control Control
 	table   map[string]Namespace
@@ -80,7 +84,7 @@ func (m *Manager) SetProtocol(p nodeapi.MPS) {
 
 // OpenManager loads the table a previous agent saved at statePath.
 func OpenManager(control Control, statePath string) (*Manager, error) {
-	m := &Manager{control: control, StatePath: statePath, Grace: time.Minute, table: map[string]Namespace{}}
+	m := &Manager{control: control, StatePath: statePath, Grace: time.Minute, table: map[string]Namespace{}, op: make(chan struct{}, 1)}
 	var saved []Namespace
 	err := statefile.ReadJSON(statePath, &saved)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -107,6 +111,18 @@ func (m *Manager) List() []Namespace {
 	return slices.SortedFunc(maps.Values(m.table), func(a, b Namespace) int { return cmp.Compare(a.Name, b.Name) })
 }
 
+// lock takes op, or gives up when ctx ends.
+func (m *Manager) lock(ctx context.Context) error {
+	select {
+	case m.op <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("MPS namespaces are busy (another change is waiting on the daemon): %w", ctx.Err())
+	}
+}
+
+func (m *Manager) unlock() { <-m.op }
+
 func (m *Manager) v3() error {
 	if p := m.Control().Protocol; p != nodeapi.MPSv3 {
 		return fmt.Errorf("sm-sharing needs MPS v3 namespaces (driver r%d); this node's daemon speaks %q", ReleaseV3, p)
@@ -122,11 +138,13 @@ func (m *Manager) Ensure(ctx context.Context, ns Namespace) error {
 	if err := m.v3(); err != nil {
 		return err
 	}
-	m.op.Lock()
-	defer m.op.Unlock()
 	if ns.Threads < 1 || ns.Threads > 100 {
 		return fmt.Errorf("MPS namespace %s: active-thread percentage %d: must be 1 to 100", ns.Name, ns.Threads)
 	}
+	if err := m.lock(ctx); err != nil {
+		return fmt.Errorf("MPS namespace %s: %w", ns.Name, err)
+	}
+	defer m.unlock()
 	existing, err := m.Control().Namespaces(ctx)
 	if err != nil {
 		return fmt.Errorf("MPS namespace %s: %w", ns.Name, err)
@@ -136,7 +154,7 @@ func (m *Manager) Ensure(ctx context.Context, ns Namespace) error {
 	m.mu.Unlock()
 	ns.Created = time.Now().UTC()
 	if slices.Contains(existing, ns.Name) {
-		if known && prev.Threads == ns.Threads {
+		if known && prev.Threads == ns.Threads && !prev.Uncapped {
 			return m.put(ns)
 		}
 		if err := m.Control().DeleteNamespace(ctx, ns.Name); err != nil {
@@ -184,8 +202,10 @@ func (m *Manager) Drain(ctx context.Context, match func(Client) bool) ([]int, er
 // forgets it. A namespace since re-created for another container of the
 // same name (a restart) is left to that one.
 func (m *Manager) Remove(ctx context.Context, name, containerID string) error {
-	m.op.Lock()
-	defer m.op.Unlock()
+	if err := m.lock(ctx); err != nil {
+		return fmt.Errorf("MPS namespace %s not deleted: %w", name, err)
+	}
+	defer m.unlock()
 	m.mu.Lock()
 	ns, known := m.table[name]
 	m.mu.Unlock()
@@ -234,8 +254,10 @@ func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (R
 	if m.v3() != nil {
 		return r, nil
 	}
-	m.op.Lock()
-	defer m.op.Unlock()
+	if err := m.lock(ctx); err != nil {
+		return r, err
+	}
+	defer m.unlock()
 	existing, err := m.Control().Namespaces(ctx)
 	if err != nil {
 		return r, err
@@ -256,8 +278,19 @@ func (m *Manager) Reconcile(ctx context.Context, live func(name string) bool) (R
 			m.mu.Lock()
 			delete(m.table, ns.Name)
 			m.mu.Unlock()
-		case !slices.Contains(existing, ns.Name):
-			if err := m.Control().CreateNamespace(ctx, ns.Name, ns.Threads); err != nil {
+		case !slices.Contains(existing, ns.Name) || ns.Uncapped:
+			if ns.Uncapped {
+				if err := m.Control().DeleteNamespace(ctx, ns.Name); err != nil && slices.Contains(existing, ns.Name) {
+					errs = append(errs, err)
+					continue
+				}
+			}
+			err := m.Control().CreateNamespace(ctx, ns.Name, ns.Threads)
+			m.mu.Lock()
+			ns.Uncapped = err != nil
+			m.table[ns.Name] = ns
+			m.mu.Unlock()
+			if err != nil {
 				errs = append(errs, err)
 				continue
 			}

@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -97,6 +98,12 @@ type Plugin struct {
 	injection  atomic.Pointer[injection.Config]
 	registered atomic.Bool
 	tenants    tenants
+
+	// Evictions run off the NRI request (whose deadline is 2 s), one per
+	// pod at a time; a failed one is retried by RetryEvictions.
+	evictions sync.WaitGroup
+	evictMu   sync.Mutex
+	evicting  map[string]bool // pod UID
 }
 
 // Tenants lists the fractional containers the plugin knows of, with their
@@ -213,7 +220,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			if cfg.Backend == nodeapi.BackendDriver {
 				state = StateInjected // verified after start
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), state))
+			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), state, time.Now()))
 			if state == StateEnforced && p.opts.Reporter != nil {
 				p.opts.Reporter.Enforced(ref, ctr.GetName(), withNotes(fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend), d.Notes))
 			}
@@ -225,7 +232,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			p.opts.Reporter.FailedOpen(ref, ctr.GetName(), fmt.Errorf("%w; %s", d.Reason, strings.Join(d.Notes, "; ")))
 		}
 		if d.Assignment != nil {
-			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), StateFailOpen))
+			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), StateFailOpen, time.Now()))
 		}
 		return d.Adjustment, nil, nil
 	}
@@ -288,15 +295,7 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 		return nil
 	}
 	logger.Info("Evicting a pod whose GPU memory limits are not in force", "reason", reason)
-	if p.opts.Evictor != nil {
-		if eerr := p.opts.Evictor.Evict(ctx, refOf(pod), reason); eerr != nil {
-			logger.Error(eerr, "Eviction failed; the container keeps running without verified limits")
-			return nil
-		}
-	}
-	if p.opts.Reporter != nil {
-		p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
-	}
+	p.evict(ctx, refOf(pod), ctr.GetName(), reason)
 	return nil
 }
 
@@ -311,10 +310,11 @@ func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 	defer p.observe("StopContainer", time.Now())
 	tenant, known := p.tenants.get(ctr.GetId())
 	p.tenants.remove(ctr.GetId())
+	// The soft limit first: it must not stay charged up the cgroup tree.
+	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
 	if known && p.opts.MPS != nil {
 		p.drain(ctx, pod, ctr, tenant.Namespace)
 	}
-	p.release(ctx, refOf(pod), ctr.GetId(), ctr.GetName())
 	return nil, nil
 }
 
@@ -337,7 +337,7 @@ func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 // namespace, and those whose cgroup is the container's (time-slicing
 // clients of the main socket).
 func (p *Plugin) drain(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, namespace string) {
-	ctx, cancel := context.WithTimeout(ctx, mpsHookBudget)
+	ctx, cancel := context.WithTimeout(ctx, time.Second) // after release's NVML calls, inside NRI's 2 s
 	defer cancel()
 	cgroup := ""
 	if ctr.GetPid() > 0 {
@@ -385,22 +385,14 @@ func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
 	}
 }
 
-// releaseVanished releases the leases and MPS namespaces of containers
-// the runtime no longer runs (they stopped while the agent was away). An
+// releaseVanished releases the leases of containers the runtime no longer
+// runs (they stopped while the agent was away); their MPS namespaces go at
+// the agent's next reconciliation, off the NRI request. An
 // empty list from the runtime is not taken as "nothing runs": state is
 // then kept.
 func (p *Plugin) releaseVanished(ctx context.Context, pods map[string]*nriapi.PodSandbox, ctrs []*nriapi.Container) {
 	if len(ctrs) == 0 {
 		return
-	}
-	if p.opts.MPS != nil {
-		live := map[string]bool{}
-		for _, c := range ctrs {
-			if pod := pods[c.GetPodSandboxId()]; pod != nil && c.GetState() != nriapi.ContainerState_CONTAINER_STOPPED {
-				live[nodeapi.NamespaceName(pod.GetUid(), c.GetName())] = true
-			}
-		}
-		p.ReconcileMPS(ctx, func(name string) bool { return live[name] })
 	}
 	if p.opts.Leases == nil {
 		return
@@ -456,35 +448,81 @@ func (p *Plugin) ReconcileMPS(ctx context.Context, live func(name string) bool) 
 	}
 }
 
-// MPSReplaced is told that the node's MPS daemon was replaced under the
-// running containers. Their MPS clients lost their contexts, and their
-// mounts still name the old daemon's sockets and namespace directories,
-// so a CUDA process they start next would not reach MPS at all: no
-// memacct, no ceiling, no pinned limit. Every fractional pod is evicted,
-// to come back on the new daemon (fail closed), and told why.
-func (p *Plugin) MPSReplaced(ctx context.Context, detail string) {
-	logger := klog.FromContext(ctx)
-	evicted := map[string]bool{}
-	for _, t := range p.tenants.list() {
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.MPSRestarted(t.Pod, t.Container, detail)
-		}
-		if evicted[t.Pod.UID] {
+// RetryEvictions evicts, off any NRI request, the pods that must not keep
+// running and are not yet on their way out: those whose containers run
+// unenforced (a failed eviction is retried here), and, mpsStarted being
+// when the node's MPS daemon started, those whose containers were created
+// before it. Those containers' mounts name an older daemon's sockets and
+// directories, so a CUDA process they start next would not reach MPS at
+// all: no memacct, no ceiling, no pinned limit. Their pods are told why,
+// and come back on the new daemon. A container whose creation time the
+// runtime did not give is not taken as stale.
+func (p *Plugin) RetryEvictions(ctx context.Context, mpsStarted time.Time) {
+	for id, t := range p.tenants.ids() {
+		if t.evicted {
 			continue
 		}
-		evicted[t.Pod.UID] = true
-		reason := "the node's MPS daemon was replaced under it (" + detail + "); its containers' MPS mounts name the old daemon"
-		if p.opts.Evictor != nil {
-			if err := p.opts.Evictor.Evict(ctx, t.Pod, reason); err != nil {
-				logger.Error(err, "Eviction failed; the pod keeps running without MPS", "pod", t.Pod.Namespace+"/"+t.Pod.Name)
-				continue
+		stale := !mpsStarted.IsZero() && !t.started.IsZero() && t.started.Before(mpsStarted)
+		switch {
+		case stale:
+			detail := fmt.Sprintf("the node's MPS daemon started at %s, after the container (created %s); its MPS mounts name the old daemon",
+				mpsStarted.UTC().Format(time.RFC3339), t.started.UTC().Format(time.RFC3339))
+			if !t.mpsReported && p.opts.Reporter != nil {
+				p.opts.Reporter.MPSRestarted(t.Pod, t.Container, detail)
 			}
-		}
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.Evicted(t.Pod, t.Container, reason)
+			p.tenants.update(id, func(t *Tenant) { t.mpsReported = true })
+			p.evict(ctx, t.Pod, t.Container, "the node's MPS daemon was replaced under it: "+detail)
+		case t.State == StateUnenforced && !p.opts.FailOpen:
+			p.evict(ctx, t.Pod, t.Container, "it runs without its GPU-fraction enforcement")
 		}
 	}
 }
+
+// evict asks for the pod's eviction in the background, with a deadline of
+// its own (not the NRI request's), unless one is under way; on success its
+// containers are marked evicted and the pod is told, on failure
+// RetryEvictions tries again.
+func (p *Plugin) evict(ctx context.Context, pod PodRef, container, reason string) {
+	p.evictMu.Lock()
+	if p.evicting == nil {
+		p.evicting = map[string]bool{}
+	}
+	if p.evicting[pod.UID] {
+		p.evictMu.Unlock()
+		return
+	}
+	p.evicting[pod.UID] = true
+	p.evictMu.Unlock()
+	logger := klog.FromContext(ctx)
+	p.evictions.Add(1)
+	go func() {
+		defer p.evictions.Done()
+		defer func() {
+			p.evictMu.Lock()
+			delete(p.evicting, pod.UID)
+			p.evictMu.Unlock()
+		}()
+		ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), logger), 30*time.Second)
+		defer cancel()
+		if p.opts.Evictor != nil {
+			if err := p.opts.Evictor.Evict(ctx, pod, reason); err != nil {
+				logger.Error(err, "Eviction failed; retrying at the next resync", "pod", pod.Namespace+"/"+pod.Name, "reason", reason)
+				return
+			}
+		}
+		for id, t := range p.tenants.ids() {
+			if t.Pod.UID == pod.UID {
+				p.tenants.update(id, func(t *Tenant) { t.evicted = true })
+			}
+		}
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Evicted(pod, container, reason)
+		}
+	}()
+}
+
+// WaitForEvictions waits until the evictions asked for so far were tried.
+func (p *Plugin) WaitForEvictions() { p.evictions.Wait() }
 
 // LiveNamespaces are the MPS namespaces of the containers the plugin
 // knows run.
@@ -530,7 +568,11 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 			if reason != "" {
 				state = StateUnenforced
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), d, backend, state))
+			var created time.Time
+			if ns := ctr.GetCreatedAt(); ns > 0 {
+				created = time.Unix(0, ns)
+			}
+			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), d, backend, state, created))
 		}
 		if reason == "" {
 			continue
@@ -538,15 +580,7 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 		logger.Info("Evicting a pod whose GPU fraction is not enforced", "pod", pod.GetNamespace()+"/"+pod.GetName(),
 			"container", ctr.GetName(), "reason", reason)
 		evicted[pod.GetId()] = true
-		if p.opts.Evictor != nil {
-			if err := p.opts.Evictor.Evict(ctx, refOf(pod), reason); err != nil {
-				logger.Error(err, "Eviction failed; the container keeps running unenforced", "pod", pod.GetNamespace()+"/"+pod.GetName())
-				continue
-			}
-		}
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.Evicted(refOf(pod), ctr.GetName(), reason)
-		}
+		p.evict(ctx, refOf(pod), ctr.GetName(), reason)
 	}
 	if len(ctrs) > 0 {
 		p.tenants.retain(live)

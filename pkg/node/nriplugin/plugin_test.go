@@ -3,6 +3,7 @@ package nriplugin
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -69,6 +70,7 @@ func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs [
 type recorder struct {
 	mu                                                                            sync.Mutex
 	refused, failedOpen, evict, releaseFailed, enforced, unenforced, mpsRestarted []string
+	failEvictions                                                                 int
 }
 
 func (r *recorder) Refused(pod PodRef, c string, err error) {
@@ -91,6 +93,13 @@ func (r *recorder) ReleaseFailed(pod PodRef, c string, err error) {
 	r.add(&r.releaseFailed, pod.Name+"/"+c+": "+err.Error())
 }
 func (r *recorder) Evict(_ context.Context, pod PodRef, reason string) error {
+	r.mu.Lock()
+	if r.failEvictions > 0 {
+		r.failEvictions--
+		r.mu.Unlock()
+		return errors.New("cannot evict: it would violate the disruption budget")
+	}
+	r.mu.Unlock()
 	r.add(&r.evict, pod.Name+": "+reason)
 	return nil
 }
@@ -295,13 +304,17 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 	}
 	rt := startRuntime(t, pods, ctrs)
 	rec := &recorder{}
-	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	p.WaitForEvictions()
 	want := []string{
 		`unenforced: NVIDIA_GPU_MEMORY_REQUEST is "", want "40448"`,
 		`forged: running although its GPU fraction cannot be enforced: gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`,
 		`no-mps: CUDA_MPS_PIPE_DIRECTORY is "", want "/run/nvidia/mps"`,
 	}
-	if diff := cmp.Diff(want, rec.get(&rec.evict)); diff != "" {
+	got := rec.get(&rec.evict)
+	slices.Sort(got)
+	slices.Sort(want)
+	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("evictions (-want +got):\n%s", diff)
 	}
 }
@@ -309,7 +322,7 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 func TestSynchronizeWithNothingRunningEvictsNothing(t *testing.T) {
 	rt := startRuntime(t, nil, nil)
 	rec := &recorder{}
-	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec}).WaitForEvictions()
 	if got := rec.get(&rec.evict); len(got) != 0 {
 		t.Errorf("evictions on an empty resync: %v", got)
 	}
@@ -474,6 +487,7 @@ func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	p.WaitForEvictions()
 	evictions := rec.get(&rec.evict)
 	if len(evictions) != 1 || !strings.HasPrefix(evictions[0], "unenforced: GPU memory limits not in force after start: GPU "+uuids[1]) {
 		t.Fatalf("evictions = %v", evictions)
@@ -639,21 +653,44 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 		t.Errorf("after the restart the namespace's ceiling is %d, want 25", got)
 	}
 	// Their mounts name the old daemon's sockets: both pods are evicted,
-	// and told why.
-	p.MPSReplaced(ctx, "generation 2 replaced 1")
+	// and told why; a container created on the new daemon is not.
+	st, _ = mps.ReadStatus(root)
+	newPod := sandbox("pn", "new-tenant", scheduled)
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: newPod}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: newPod, Container: container("cn", "pn", "main")}); err != nil {
+		t.Fatal(err)
+	}
+	rec.mu.Lock()
+	rec.failEvictions = 1 // the first one is refused (as a disruption budget would), and retried
+	rec.mu.Unlock()
+	p.RetryEvictions(ctx, st.Started)
+	p.WaitForEvictions()
+	p.RetryEvictions(ctx, st.Started)
+	p.WaitForEvictions()
 	// (connect's probe pod is a fractional tenant too.)
 	for _, pod := range []string{"mps-tenant", "ts-tenant", "probe"} {
-		if got := rec.get(&rec.mpsRestarted); !slices.ContainsFunc(got, func(e string) bool { return strings.HasPrefix(e, pod+"/main: generation 2") }) {
+		if got := rec.get(&rec.mpsRestarted); !slices.ContainsFunc(got, func(e string) bool { return strings.HasPrefix(e, pod+"/main: the node's MPS daemon started at") }) {
 			t.Errorf("restart reports %v, want one for %s", got, pod)
 		}
 		if got := rec.get(&rec.evict); !slices.ContainsFunc(got, func(e string) bool {
-			return strings.HasPrefix(e, pod+": the node's MPS daemon was replaced")
+			return strings.HasPrefix(e, pod+": the node's MPS daemon was replaced under it")
 		}) {
 			t.Errorf("evictions %v, want %s", got, pod)
 		}
 	}
 	if got := rec.get(&rec.evict); len(got) != 3 {
-		t.Errorf("evictions %v, want one per pod", got)
+		t.Errorf("evictions %v, want one per pod, and none of new-tenant", got)
+	}
+	if got := rec.get(&rec.mpsRestarted); len(got) != 3 {
+		t.Errorf("restart reports %v, want one per pod", got)
+	}
+	// Evicted pods are not evicted again.
+	p.RetryEvictions(ctx, st.Started)
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 3 {
+		t.Errorf("evictions after another resync %v", got)
 	}
 
 	clients := filepath.Join(nodeapi.LogDir(root), "clients")
@@ -769,6 +806,7 @@ func TestUnverifiedLimitsFailingOpenAreReportedNotEvicted(t *testing.T) {
 	if err := rt.PostStartContainer(ctx, &nriapi.PostStartContainerRequest{Pod: pod, Container: ctr}); err != nil {
 		t.Fatal(err)
 	}
+	p.WaitForEvictions()
 	if got := rec.get(&rec.evict); len(got) != 0 {
 		t.Errorf("evicted although the node fails open: %v", got)
 	}

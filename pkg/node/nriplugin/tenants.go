@@ -4,6 +4,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
@@ -40,6 +41,13 @@ type Tenant struct {
 	// annotations again.
 	assignment api.Assignment
 	notes      []string
+	// started is when the container was created (zero when the runtime
+	// did not say): one created before the node's MPS daemon started has
+	// mounts naming an older daemon's sockets.
+	started time.Time
+	// evicted: its pod's eviction was accepted; mpsReported: its pod was
+	// told the MPS daemon was replaced under it.
+	evicted, mpsReported bool
 }
 
 // tenants tracks the fractional containers by container ID.
@@ -62,6 +70,27 @@ func (t *tenants) get(id string) (Tenant, bool) {
 	defer t.mu.Unlock()
 	tenant, ok := t.m[id]
 	return tenant, ok
+}
+
+// update changes the tenant id, if known, with f.
+func (t *tenants) update(id string, f func(*Tenant)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if tenant, ok := t.m[id]; ok {
+		f(&tenant)
+		t.m[id] = tenant
+	}
+}
+
+// ids lists the tenants' container IDs.
+func (t *tenants) ids() map[string]Tenant {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make(map[string]Tenant, len(t.m))
+	for id, tenant := range t.m {
+		out[id] = tenant
+	}
+	return out
 }
 
 func (t *tenants) setState(id, state string) {
@@ -103,8 +132,8 @@ func (t *tenants) list() []Tenant {
 	return out
 }
 
-func tenantOf(pod PodRef, d injection.Decision, backend, state string) Tenant {
+func tenantOf(pod PodRef, d injection.Decision, backend, state string, started time.Time) Tenant {
 	a := *d.Assignment
 	return Tenant{Pod: pod, Container: a.Container, Devices: a.Devices, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB,
-		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, assignment: a, notes: d.Notes}
+		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, assignment: a, notes: d.Notes, started: started}
 }
