@@ -145,8 +145,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.plugin.EnableLimitLifecycle(lib, a.opts.ProcRoot, leases)
 	a.leases = leases
 	// The namespaces a previous agent created stay claimed (its table is
-	// read back); those of containers that are gone are deleted at the
-	// plugin's first synchronization.
+	// read back); those of containers that are gone are deleted by the
+	// first resync after the plugin's synchronization.
 	if a.opts.Injection.MPSRoot != "" {
 		if err := nodeapi.CheckRoot(a.opts.Injection.MPSRoot); err != nil {
 			return err

@@ -158,11 +158,7 @@ var cfg = injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufr
 func startMPS(t *testing.T) (string, *mps.Manager) {
 	t.Helper()
 	mpstest.Use(t)
-	root, err := os.MkdirTemp("/tmp", "mps")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	root := shortRoot(t)
 	d := mps.NewDaemon(os.Args[0], root, 615)
 	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.StopGrace, d.ServerBinary = 50*time.Millisecond, time.Second, 20*time.Millisecond, 2*time.Second, ""
 	ctx, cancel := context.WithCancel(context.Background())
@@ -180,6 +176,18 @@ func startMPS(t *testing.T) (string, *mps.Manager) {
 		t.Fatal(err)
 	}
 	return root, m
+}
+
+// shortRoot is an MPS root short enough for a unix socket path (the
+// daemon's limit), which t.TempDir's names are not.
+func shortRoot(t *testing.T) string {
+	t.Helper()
+	root, err := os.MkdirTemp("/tmp", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	return root
 }
 
 // namespaceCeiling is the active-thread ceiling the daemon has for a
@@ -202,6 +210,12 @@ func sandbox(id, name string, annotations map[string]string) *nriapi.PodSandbox 
 
 func container(id, pod, name string, env ...string) *nriapi.Container {
 	return &nriapi.Container{Id: id, PodSandboxId: pod, Name: name, Env: env, State: nriapi.ContainerState_CONTAINER_RUNNING}
+}
+
+// smSharing is a 1Gi sm-sharing share of a quarter of GPU-a's SMs.
+var smSharing = map[string]string{
+	"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
+	"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
 }
 
 var scheduled = map[string]string{
@@ -591,10 +605,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	connect(t, p, rt)
 	ctx := context.Background()
 
-	pod := sandbox("ps", "mps-tenant", map[string]string{
-		"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
-		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
-	})
+	pod := sandbox("ps", "mps-tenant", smSharing)
 	ctr := container("cs", "ps", "main")
 	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
 		t.Fatal(err)
@@ -722,11 +733,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 // the hook's budget, rather than starting it without its ceiling.
 func TestSMSharingWithAnUnreachableDaemonIsRefused(t *testing.T) {
 	mpstest.Use(t)
-	root, err := os.MkdirTemp("/tmp", "mps")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	root := shortRoot(t)
 	m, err := mps.OpenManager(mps.Control{Binary: os.Args[0], Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}, filepath.Join(root, "ns.json"))
 	if err != nil {
 		t.Fatal(err)
@@ -739,10 +746,7 @@ func TestSMSharingWithAnUnreachableDaemonIsRefused(t *testing.T) {
 	p.EnableMPS(m)
 	connect(t, p, rt)
 	ctx := context.Background()
-	pod := sandbox("pu", "unreachable", map[string]string{
-		"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
-		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
-	})
+	pod := sandbox("pu", "unreachable", smSharing)
 	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
 		t.Fatal(err)
 	}
@@ -759,10 +763,7 @@ func TestSMSharingWithoutMPSIsRefused(t *testing.T) {
 	rt := startRuntime(t, nil, nil)
 	startPlugin(t, rt, Options{Injection: cfg})
 	ctx := context.Background()
-	pod := sandbox("ps", "mps-tenant", map[string]string{
-		"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi",
-		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25",
-	})
+	pod := sandbox("ps", "mps-tenant", smSharing)
 	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
 		t.Fatal(err)
 	}
