@@ -35,6 +35,27 @@ type Status struct {
 	LastExit string `json:"lastExit,omitempty"`
 }
 
+// replacePath is where the node agent asks for the daemon's replacement:
+// a wedged server (clients that never finish terminating) is invisible to
+// the control daemon's own probe, which keeps answering.
+func replacePath(root string) string { return filepath.Join(root, "replace") }
+
+// RequestReplace asks the supervisor to replace the daemon at its next
+// probe, saying why.
+func RequestReplace(root, why string) error {
+	return statefile.Write(replacePath(root), []byte(why))
+}
+
+// takeReplaceRequest reads and clears a replacement request.
+func takeReplaceRequest(root string) (string, bool) {
+	data, err := os.ReadFile(replacePath(root))
+	if err != nil {
+		return "", false
+	}
+	_ = os.Remove(replacePath(root))
+	return strings.TrimSpace(string(data)), true
+}
+
 // StatusPath is where the supervisor writes its Status under root.
 func StatusPath(root string) string { return filepath.Join(root, "daemon.json") }
 
@@ -197,6 +218,10 @@ func (d *Daemon) once(ctx context.Context, logger klog.Logger, args []string, st
 		case <-ctx.Done():
 			return fmt.Sprintf("stopped: its supervisor (the mps container) is shutting down (%s)", errOrZero(d.quit(stdin, cmd, exited))), nil
 		case <-probe.C:
+			if why, asked := takeReplaceRequest(d.Root); asked {
+				_ = d.kill(cmd, exited) // killed on purpose: its exit status says nothing
+				return "replaced at the node agent's request: " + why, nil
+			}
 			if err := d.control().Ping(ctx); err != nil {
 				if ctx.Err() != nil {
 					continue

@@ -174,10 +174,8 @@ func (m *Manager) put(ns Namespace) error {
 	return m.save()
 }
 
-// Drain terminates the MPS clients match selects, within ctx: at a
-// container's stop, before its processes are killed, so a client killed
-// mid-kernel cannot wedge the shared server. It returns the clients it
-// could not terminate in time.
+// Drain terminates the MPS clients match selects, within ctx, at a
+// container's stop. It returns the clients it could not terminate in time.
 func (m *Manager) Drain(ctx context.Context, match func(Client) bool) ([]int, error) {
 	clients, err := m.Control().Clients(ctx)
 	if err != nil {
@@ -234,6 +232,10 @@ func (m *Manager) Remove(ctx context.Context, name, containerID string) error {
 	m.mu.Unlock()
 	return m.save()
 }
+
+// RequestReplace asks the daemon's supervisor to replace it (see
+// RequestReplace in daemon.go).
+func (m *Manager) RequestReplace(why string) error { return RequestReplace(m.Control().Root, why) }
 
 // Reconciled says what Reconcile changed.
 type Reconciled struct {

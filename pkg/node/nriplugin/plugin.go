@@ -88,6 +88,9 @@ type Options struct {
 	// MPS keeps the sm-sharing containers' namespaces of the node's MPS
 	// daemon; nil refuses sm-sharing containers.
 	MPS *mps.Manager
+	// DrainTimeout bounds how long a stopped container's MPS clients may
+	// take to terminate (default DefaultDrainTimeout).
+	DrainTimeout time.Duration
 	// ObserveHook, when set, receives how long each NRI hook took.
 	ObserveHook func(hook string, d time.Duration)
 }
@@ -102,8 +105,10 @@ type Plugin struct {
 	// Evictions run off the NRI request (whose deadline is 2 s), one per
 	// pod at a time; a failed one is retried by RetryEvictions.
 	evictions sync.WaitGroup
-	evictMu   sync.Mutex
-	evicting  map[string]bool // pod UID
+	// background are the other goroutines of hooks (client drains).
+	background sync.WaitGroup
+	evictMu    sync.Mutex
+	evicting   map[string]bool // pod UID
 }
 
 // Tenants lists the fractional containers the plugin knows of, with their
@@ -299,13 +304,13 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	return nil
 }
 
-// StopContainer terminates what is left of the stopped container's MPS
-// clients and releases its soft limit before its cgroup goes away. The
-// runtime calls it once the container's processes were signalled, so this
-// cannot prevent a client killed mid-kernel from wedging the shared
-// server: the daemon's probe catches a wedge, and the daemon is replaced
-// (see MPSReplaced). It never fails the stop, and is bounded inside NRI's
-// request timeout.
+// StopContainer releases the stopped container's soft limit before its
+// cgroup goes away, and terminates what is left of its MPS clients in the
+// background. The runtime calls it once the container's processes were
+// signalled, so this cannot prevent a client killed mid-kernel from
+// wedging the shared server; a termination that does not finish is taken
+// as that wedge, and the daemon is replaced (see drain). It never fails
+// the stop, and is bounded inside NRI's request timeout.
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	defer p.observe("StopContainer", time.Now())
 	tenant, known := p.tenants.get(ctr.GetId())
@@ -337,27 +342,54 @@ func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 // namespace, and those whose cgroup is the container's (time-slicing
 // clients of the main socket).
 func (p *Plugin) drain(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, namespace string) {
-	ctx, cancel := context.WithTimeout(ctx, time.Second) // after release's NVML calls, inside NRI's 2 s
-	defer cancel()
 	cgroup := ""
 	if ctr.GetPid() > 0 {
 		cgroup, _ = enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
 	}
-	left, err := p.opts.MPS.Drain(ctx, func(c mps.Client) bool {
-		if namespace != "" && c.Namespace == namespace {
-			return true
-		}
-		if cgroup == "" {
-			return false
-		}
-		cg, err := enforce.CgroupOf(p.opts.ProcRoot, c.PID)
-		return err == nil && cg == cgroup
-	})
-	if err != nil {
-		klog.FromContext(ctx).Error(err, "Cannot drain the container's MPS clients before it stops", "pod", pod.GetNamespace()+"/"+pod.GetName(),
-			"container", ctr.GetName(), "left", left)
+	ref, name, logger := pod.GetNamespace()+"/"+pod.GetName(), ctr.GetName(), klog.FromContext(ctx)
+	deadline := p.opts.DrainTimeout
+	if deadline <= 0 {
+		deadline = DefaultDrainTimeout
 	}
+	// Off the NRI request: terminating a client waits for its work to
+	// drain, which can take longer than the request may.
+	p.background.Add(1)
+	go func() {
+		defer p.background.Done()
+		ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), logger), deadline)
+		defer cancel()
+		left, err := p.opts.MPS.Drain(ctx, func(c mps.Client) bool {
+			if namespace != "" && c.Namespace == namespace {
+				return true
+			}
+			if cgroup == "" {
+				return false
+			}
+			cg, err := enforce.CgroupOf(p.opts.ProcRoot, c.PID)
+			return err == nil && cg == cgroup
+		})
+		if err != nil {
+			logger.Error(err, "Cannot terminate the stopped container's MPS clients", "pod", ref, "container", name, "left", left)
+		}
+		if len(left) == 0 {
+			return
+		}
+		// A client that does not finish terminating is how a wedged shared
+		// server shows (KAI's node operator, measured on r615, with the
+		// same 30 s): its other clients fail or hang while the control
+		// daemon still answers. The daemon is replaced, and the pods on it
+		// are evicted once the new one runs (RetryEvictions).
+		why := fmt.Sprintf("MPS clients %v of stopped container %s %s did not finish terminating within %s", left, ref, name, deadline)
+		logger.Info("The shared MPS server looks wedged; asking for the daemon's replacement", "reason", why)
+		if rerr := p.opts.MPS.RequestReplace(why); rerr != nil {
+			logger.Error(rerr, "Cannot ask for the wedged MPS daemon's replacement")
+		}
+	}()
 }
+
+// DefaultDrainTimeout is how long a stopped container's MPS clients may
+// take to terminate before the shared server is taken as wedged.
+const DefaultDrainTimeout = 30 * time.Second
 
 // mpsHookBudget bounds the MPS work of one NRI request: creating a
 // namespace, draining clients, deleting a namespace. NRI's default request
@@ -434,7 +466,7 @@ func (p *Plugin) ensureNamespace(ctx context.Context, pod *nriapi.PodSandbox, ct
 // ReconcileMPS makes the MPS daemon's namespaces those of the running
 // containers (live): claimed ones a restarted daemon dropped are created
 // again with their ceilings (for the containers' restarts until their pods
-// are evicted, see MPSReplaced), unclaimed ones are deleted.
+// are evicted, see RetryEvictions), unclaimed ones are deleted.
 func (p *Plugin) ReconcileMPS(ctx context.Context, live func(name string) bool) {
 	if p.opts.MPS == nil {
 		return
@@ -521,8 +553,12 @@ func (p *Plugin) evict(ctx context.Context, pod PodRef, container, reason string
 	}()
 }
 
-// WaitForEvictions waits until the evictions asked for so far were tried.
-func (p *Plugin) WaitForEvictions() { p.evictions.Wait() }
+// WaitForEvictions waits until the evictions and client drains asked for
+// so far were tried.
+func (p *Plugin) WaitForEvictions() {
+	p.background.Wait()
+	p.evictions.Wait()
+}
 
 // LiveNamespaces are the MPS namespaces of the containers the plugin
 // knows run.

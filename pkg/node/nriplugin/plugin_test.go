@@ -600,7 +600,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	c := cfg
 	c.MPSRoot, c.Backend = root, nodeapi.BackendMPSPinned
 	rec := &recorder{}
-	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc})
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc, DrainTimeout: 300 * time.Millisecond})
 	p.EnableMPS(m)
 	connect(t, p, rt)
 	ctx := context.Background()
@@ -714,6 +714,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: tsPod, Container: tsCtr}); err != nil {
 		t.Fatal(err)
 	}
+	p.WaitForEvictions() // the drains run off the request
 	if got, _ := os.ReadFile(clients); strings.TrimSpace(string(got)) != "88 gpufrac default" {
 		t.Errorf("clients after both stops: %q, want only the other cgroup's 88", got)
 	}
@@ -726,6 +727,41 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	}
 	if got := m.List(); len(got) != 0 {
 		t.Errorf("namespaces recorded after removal: %v", got)
+	}
+
+	// A client that never finishes terminating is a wedged shared server,
+	// which the control daemon's own probe does not see: the plugin asks
+	// for the daemon's replacement, and the supervisor does it.
+	wedgedPod := sandbox("pw", "wedged", smSharing)
+	wedgedCtr := container("cw", "pw", "main")
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: wedgedPod}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: wedgedPod, Container: wedgedCtr}); err != nil {
+		t.Fatal(err)
+	}
+	st, _ = mps.ReadStatus(root)
+	if err := os.WriteFile(clients, []byte("301 gpufrac "+nodeapi.NamespaceName(wedgedPod.GetUid(), "main")+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "hang-terminate"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: wedgedPod, Container: wedgedCtr}); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("StopContainer took %s: the drain must not hold the NRI request", d)
+	}
+	p.WaitForEvictions()
+	_ = os.Remove(filepath.Join(nodeapi.LogDir(root), "hang-terminate"))
+	if err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation > st.Generation && strings.Contains(s.LastExit, "replaced at the node agent's request: MPS clients [301]"), nil
+	}); err != nil {
+		s, _ := mps.ReadStatus(root)
+		t.Errorf("after a hanging termination the daemon was not replaced: %+v", s)
 	}
 }
 
