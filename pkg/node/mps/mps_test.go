@@ -25,18 +25,6 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// shortRoot is an MPS root short enough for a unix socket path (the
-// daemon's limit), which t.TempDir's names are not.
-func shortRoot(t *testing.T) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("/tmp", "mps")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	return dir
-}
-
 func self(t *testing.T) string {
 	t.Helper()
 	exe, err := os.Executable()
@@ -44,28 +32,6 @@ func self(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return exe
-}
-
-// startDaemon runs a supervised daemon (the stand-in) under root until the
-// test ends, and returns it with its control client once it answers.
-func startDaemon(t *testing.T, root string, release int) (*mps.Daemon, mps.Control, context.CancelFunc, chan struct{}) {
-	t.Helper()
-	mpstest.Use(t)
-	d := mps.NewDaemon(self(t), root, release)
-	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.MaxBackoff, d.StopGrace = 50*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond, 100*time.Millisecond, 2*time.Second
-	d.ServerBinary = ""
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := d.Run(ctx); err != nil {
-			t.Errorf("daemon supervisor: %v", err)
-		}
-	}()
-	t.Cleanup(func() { cancel(); <-done })
-	c := mps.Control{Binary: self(t), Root: root, Protocol: d.Protocol(), Timeout: time.Second}
-	waitFor(t, "the daemon answers", func() bool { return c.Ping(context.Background()) == nil })
-	return d, c, cancel, done
 }
 
 func waitFor(t *testing.T, what string, cond func() bool) {
@@ -137,15 +103,15 @@ func TestGeneratedConfigurationsStartTheirRelease(t *testing.T) {
 		release int
 		opts    mps.ConfigOptions
 	}{{615, mps.ConfigOptions{AuditLog: true}}, {620, mps.ConfigOptions{Timeslice: "long"}}} {
-		root := shortRoot(t)
+		root := mpstest.ShortRoot(t)
 		t.Setenv(mpstest.ReleaseEnv, strconv.Itoa(tt.release))
-		_, _, cancel, _ := startDaemon(t, root, tt.release)
-		cancel()
+		_, stop := mpstest.StartDaemon(t, root, tt.release)
+		stop()
 	}
 	// An r620 key in an r615 daemon's configuration.
 	mpstest.Use(t)
 	t.Setenv(mpstest.ReleaseEnv, "615")
-	root := shortRoot(t)
+	root := mpstest.ShortRoot(t)
 	cfg, _ := mps.Config(620, mps.ConfigOptions{Timeslice: "long"})
 	path := filepath.Join(root, "bad.toml")
 	if err := os.WriteFile(path, cfg, 0o644); err != nil {
@@ -160,8 +126,8 @@ func TestGeneratedConfigurationsStartTheirRelease(t *testing.T) {
 }
 
 func TestDaemonCommandLineAndStatus(t *testing.T) {
-	root := shortRoot(t)
-	_, _, cancel, done := startDaemon(t, root, 615)
+	root := mpstest.ShortRoot(t)
+	_, stop := mpstest.StartDaemon(t, root, 615)
 	st, err := mps.ReadStatus(root)
 	if err != nil || !st.Running || st.Generation != 1 || st.Protocol != nodeapi.MPSv3 || st.PID == 0 {
 		t.Fatalf("status %+v, %v", st, err)
@@ -171,8 +137,7 @@ func TestDaemonCommandLineAndStatus(t *testing.T) {
 	if want := []string{"-p", "3", "-m", "-f", "-a", mps.ConfigPath(root)}; !slices.Equal(args, want) {
 		t.Errorf("daemon started with %q, want %q", args, want)
 	}
-	cancel()
-	<-done
+	stop()
 	pid := st.PID
 	st, _ = mps.ReadStatus(root)
 	if st.Running || !strings.Contains(st.LastExit, "stopped") {
@@ -190,8 +155,8 @@ func TestDaemonCommandLineAndStatus(t *testing.T) {
 // the runtime namespaces, and the manager creates the claimed ones again,
 // with their ceilings, and deletes those nobody claims.
 func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
-	root := shortRoot(t)
-	_, c, _, _ := startDaemon(t, root, 615)
+	root := mpstest.ShortRoot(t)
+	c, _ := mpstest.StartDaemon(t, root, 615)
 	m, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
 	if err != nil {
 		t.Fatal(err)
@@ -287,8 +252,8 @@ func TestRestartDropsNamespacesAndReconcileRecreatesThem(t *testing.T) {
 // that does not see the container yet leaves a new namespace alone, and
 // deletes it once it is past the grace.
 func TestReconcileSparesNewNamespaces(t *testing.T) {
-	root := shortRoot(t)
-	_, c, _, _ := startDaemon(t, root, 615)
+	root := mpstest.ShortRoot(t)
+	c, _ := mpstest.StartDaemon(t, root, 615)
 	m, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
 	if err != nil {
 		t.Fatal(err)
@@ -324,16 +289,8 @@ func TestWedgedDaemonIsReplaced(t *testing.T) {
 	serverExit := make(chan error, 1)
 	go func() { serverExit <- server.Wait() }()
 	t.Cleanup(func() { _ = server.Process.Kill() })
-	mpstest.Use(t)
-	root := shortRoot(t)
-	d := mps.NewDaemon(self(t), root, 615)
-	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.MaxBackoff, d.StopGrace = 50*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond, 100*time.Millisecond, 2*time.Second
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	c := mps.Control{Binary: self(t), Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}
-	waitFor(t, "the daemon answers", func() bool { return c.Ping(context.Background()) == nil })
+	root := mpstest.ShortRoot(t)
+	c, _ := mpstest.StartDaemon(t, root, 615, func(d *mps.Daemon) { d.ServerBinary = "nvidia-cuda-mps-server" })
 	st, _ := mps.ReadStatus(root)
 	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "wedged"), nil, 0o644); err != nil {
 		t.Fatal(err)
@@ -363,7 +320,7 @@ func TestWedgedDaemonIsReplaced(t *testing.T) {
 // A configuration the driver cannot take never starts a daemon, and the
 // status says why (the node's condition quotes it).
 func TestConfigurationErrorIsRecorded(t *testing.T) {
-	root := shortRoot(t)
+	root := mpstest.ShortRoot(t)
 	d := mps.NewDaemon(self(t), root, 615)
 	d.Options.Timeslice = "long"
 	err := d.Run(context.Background())
@@ -376,8 +333,8 @@ func TestConfigurationErrorIsRecorded(t *testing.T) {
 // Ceilings are set before a client attaches and cannot change under one;
 // a namespace with a client cannot be deleted until the client goes.
 func TestNamespacesWithAttachedClients(t *testing.T) {
-	root := shortRoot(t)
-	_, c, _, _ := startDaemon(t, root, 615)
+	root := mpstest.ShortRoot(t)
+	c, _ := mpstest.StartDaemon(t, root, 615)
 	m, err := mps.OpenManager(c, filepath.Join(root, "namespaces.json"))
 	if err != nil {
 		t.Fatal(err)
@@ -461,10 +418,10 @@ func TestNamespacesWithAttachedClients(t *testing.T) {
 // The legacy interface has no namespaces: sm-sharing is refused, not
 // silently uncapped.
 func TestLegacyDaemonHasNoNamespaces(t *testing.T) {
-	root := shortRoot(t)
-	d, c, _, _ := startDaemon(t, root, 580)
-	if d.Protocol() != nodeapi.MPSv2 {
-		t.Fatalf("r580 protocol %q", d.Protocol())
+	root := mpstest.ShortRoot(t)
+	c, _ := mpstest.StartDaemon(t, root, 580)
+	if c.Protocol != nodeapi.MPSv2 {
+		t.Fatalf("r580 protocol %q", c.Protocol)
 	}
 	st, _ := mps.ReadStatus(root)
 	cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(st.PID) + "/cmdline")

@@ -157,37 +157,13 @@ var cfg = injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufr
 // manager over it.
 func startMPS(t *testing.T) (string, *mps.Manager) {
 	t.Helper()
-	mpstest.Use(t)
-	root := shortRoot(t)
-	d := mps.NewDaemon(os.Args[0], root, 615)
-	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.StopGrace, d.ServerBinary = 50*time.Millisecond, time.Second, 20*time.Millisecond, 2*time.Second, ""
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	control := mps.Control{Binary: os.Args[0], Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}
-	if err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
-		return control.Ping(ctx) == nil, nil
-	}); err != nil {
-		t.Fatalf("MPS daemon did not answer: %v", err)
-	}
+	root := mpstest.ShortRoot(t)
+	control, _ := mpstest.StartDaemon(t, root, 615)
 	m, err := mps.OpenManager(control, filepath.Join(root, "namespaces.json"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return root, m
-}
-
-// shortRoot is an MPS root short enough for a unix socket path (the
-// daemon's limit), which t.TempDir's names are not.
-func shortRoot(t *testing.T) string {
-	t.Helper()
-	root, err := os.MkdirTemp("/tmp", "mps")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(root) })
-	return root
 }
 
 // namespaceCeiling is the active-thread ceiling the daemon has for a
@@ -769,7 +745,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 // the hook's budget, rather than starting it without its ceiling.
 func TestSMSharingWithAnUnreachableDaemonIsRefused(t *testing.T) {
 	mpstest.Use(t)
-	root := shortRoot(t)
+	root := mpstest.ShortRoot(t)
 	m, err := mps.OpenManager(mps.Control{Binary: os.Args[0], Root: root, Protocol: nodeapi.MPSv3, Timeout: time.Second}, filepath.Join(root, "ns.json"))
 	if err != nil {
 		t.Fatal(err)

@@ -31,6 +31,7 @@ package mpstest
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -43,8 +44,11 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/BurntSushi/toml"
+
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 )
 
 // Env is the variable that, set to 1, makes the test binary act as the
@@ -440,4 +444,49 @@ func appendLine(path, line string) {
 	}
 	defer func() { _ = f.Close() }()
 	fmt.Fprintln(f, line)
+}
+
+// ShortRoot is an MPS root short enough for a unix socket path (the
+// daemon's limit), which t.TempDir's names are not; removed at the end.
+func ShortRoot(t *testing.T) string {
+	t.Helper()
+	root, err := os.MkdirTemp("/tmp", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	return root
+}
+
+// StartDaemon supervises a daemon of the stand-in (the test binary) under
+// root, as driver release, with short probes and backoff (configure may
+// change them), and returns once it answers, with its control client and a
+// stop that ends the supervisor and waits for it (also run at the end).
+func StartDaemon(t *testing.T, root string, release int, configure ...func(*mps.Daemon)) (mps.Control, func()) {
+	t.Helper()
+	Use(t)
+	d := mps.NewDaemon(os.Args[0], root, release)
+	d.ProbeInterval, d.CommandTimeout, d.MinBackoff, d.MaxBackoff, d.StopGrace = 50*time.Millisecond, 500*time.Millisecond, 20*time.Millisecond, 100*time.Millisecond, 2*time.Second
+	d.ServerBinary = "" // never kill the host's MPS servers; a test that checks it names one
+	for _, f := range configure {
+		f(d)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := d.Run(ctx); err != nil {
+			t.Errorf("MPS daemon supervisor: %v", err)
+		}
+	}()
+	stop := func() { cancel(); <-done }
+	t.Cleanup(stop)
+	c := mps.Control{Binary: os.Args[0], Root: root, Protocol: d.Protocol(), Timeout: time.Second}
+	for deadline := time.Now().Add(10 * time.Second); c.Ping(context.Background()) != nil; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			stop()
+			t.Fatal("the MPS daemon did not answer within 10s")
+		}
+	}
+	return c, stop
 }
