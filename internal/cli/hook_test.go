@@ -2,22 +2,16 @@ package cli
 
 import (
 	"errors"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 )
 
 // On a machine without the NVIDIA driver the hook must fail the
 // container's creation, naming the cgroup and the NVML error.
 func TestHookFailsClosedWithoutTheDriver(t *testing.T) {
-	proc := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(proc, "4242"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(proc, "4242", "cgroup"), []byte("0::/kubepods.slice/pod-x/cri-containerd-abc.scope\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	proc := enforcetest.Proc(t, map[int]string{4242: "/kubepods.slice/pod-x/cri-containerd-abc.scope"})
 	t.Setenv("GPUFRAC_CONTAINER", "main")
 	t.Setenv("GPUFRAC_DEVICES", "GPU-a")
 	t.Setenv("GPUFRAC_MEMORY_REQUEST_MIB", "1024")
@@ -31,7 +25,7 @@ func TestHookFailsClosedWithoutTheDriver(t *testing.T) {
 	if !errors.As(err, &exit) || exit.Code != 1 {
 		t.Fatalf("error %v, want exit 1", err)
 	}
-	for _, want := range []string{"container abc (main)", "cgroup /kubepods.slice/pod-x/cri-containerd-abc.scope"} {
+	for _, want := range []string{"container abc (main)", "cgroup /sys/fs/cgroup/kubepods.slice/pod-x/cri-containerd-abc.scope"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not name %q", err, want)
 		}

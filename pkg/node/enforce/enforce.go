@@ -84,9 +84,29 @@ func ReadState(r io.Reader) (rspec.State, error) {
 	return s, nil
 }
 
-// CgroupOf resolves the cgroup v2 path of pid from procRoot (normally
-// /proc). Only the unified hierarchy carries the dmem controller.
+// CgroupOf names pid's cgroup as NVML wants it: the full path of its
+// cgroup v2 directory in sysfs, e.g.
+// /sys/fs/cgroup/kubepods.slice/.../cri-containerd-<id>.scope. nvml.h says
+// nameSpace is the "Full path to sysfs cgroup file name" and that a path
+// the driver cannot open is NVML_ERROR_OPERATING_SYSTEM; NVIDIA's MPS v3
+// memory partitioning guide sets limits on "/sys/fs/cgroup/mygroup". The
+// path in /proc/<pid>/cgroup is relative to the cgroup v2 mount, which
+// is found in procRoot/self/mountinfo: /sys/fs/cgroup on a cgroup v2 host,
+// /sys/fs/cgroup/unified on a hybrid one. procRoot is normally /proc; only
+// the unified hierarchy carries the dmem controller.
 func CgroupOf(procRoot string, pid int) (string, error) {
+	rel, err := cgroupPath(procRoot, pid)
+	if err != nil {
+		return "", err
+	}
+	mount, err := CgroupMount(procRoot)
+	if err != nil {
+		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
+	}
+	return filepath.Join(mount, rel), nil
+}
+
+func cgroupPath(procRoot string, pid int) (string, error) {
 	f, err := os.Open(filepath.Join(procRoot, strconv.Itoa(pid), "cgroup"))
 	if err != nil {
 		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
@@ -102,6 +122,55 @@ func CgroupOf(procRoot string, pid int) (string, error) {
 		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
 	}
 	return "", fmt.Errorf("pid %d is in no cgroup v2 hierarchy: driver memory limits need cgroup v2 with the dmem controller (kernel 6.14 or later)", pid)
+}
+
+// CgroupMount is where the cgroup v2 file system is mounted, read from
+// procRoot/self/mountinfo (proc(5)): the mount point of the first cgroup2
+// mount, /sys/fs/cgroup preferred when there are several.
+func CgroupMount(procRoot string) (string, error) {
+	path := filepath.Join(procRoot, "self", "mountinfo")
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("find the cgroup v2 mount: %w", err)
+	}
+	var found string
+	for _, line := range strings.Split(string(raw), "\n") {
+		pre, post, ok := strings.Cut(line, " - ")
+		fields, fs := strings.Fields(pre), strings.Fields(post)
+		if !ok || len(fields) < 5 || len(fs) == 0 || fs[0] != "cgroup2" {
+			continue
+		}
+		mount := unescapeMount(fields[4])
+		if mount == "/sys/fs/cgroup" {
+			return mount, nil
+		}
+		if found == "" {
+			found = mount
+		}
+	}
+	if found == "" {
+		return "", fmt.Errorf("%s lists no cgroup2 file system: driver memory limits need cgroup v2 (mounted at /sys/fs/cgroup)", path)
+	}
+	return found, nil
+}
+
+// unescapeMount undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMount(s string) string {
+	if !strings.Contains(s, "\\") {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }
 
 // RunHook is the createRuntime hook: the OCI state on stdin, the limits in

@@ -19,7 +19,12 @@ func newMachine(t *testing.T, n int) (*server.Server, *enforcetest.Driver, []str
 	return enforcetest.NewMachine(n)
 }
 
-const cg = "/kubepods.slice/kubepods-burstable.slice/cri-containerd-abc.scope"
+// cgRel is a container's cgroup as /proc/<pid>/cgroup shows it, cg as NVML
+// names it.
+const (
+	cgRel = "/kubepods.slice/kubepods-burstable.slice/cri-containerd-abc.scope"
+	cg    = enforcetest.CgroupFS + cgRel
+)
 
 func TestApplySetsSoftAndHardOnEveryDevice(t *testing.T) {
 	lib, d, uuids := newMachine(t, 4)
@@ -100,25 +105,51 @@ func TestLimitsFromEnv(t *testing.T) {
 }
 
 func TestCgroupOf(t *testing.T) {
-	proc := t.TempDir()
-	write := func(pid, content string) {
-		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
+	proc := enforcetest.Proc(t, map[int]string{42: cgRel})
+	// cgroup v1 only
+	if err := os.MkdirAll(filepath.Join(proc, "43"), 0o755); err != nil {
+		t.Fatal(err)
 	}
-	write("42", "0::"+cg+"\n")
-	write("43", "12:memory:/docker/x\n11:cpu:/docker/x\n") // cgroup v1 only
+	if err := os.WriteFile(filepath.Join(proc, "43", "cgroup"), []byte("12:memory:/docker/x\n11:cpu:/docker/x\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	if got, err := CgroupOf(proc, 42); err != nil || got != cg {
-		t.Errorf("CgroupOf(42) = %q, %v", got, err)
+		t.Errorf("CgroupOf(42) = %q, %v; want %q", got, err, cg)
 	}
 	if _, err := CgroupOf(proc, 43); err == nil || !strings.Contains(err.Error(), "cgroup v2") {
 		t.Errorf("cgroup v1: %v", err)
 	}
 	if _, err := CgroupOf(proc, 44); err == nil {
 		t.Error("missing pid resolved")
+	}
+}
+
+// The cgroup v2 mount is read from mountinfo: /sys/fs/cgroup on a v2 host,
+// the unified mount of a hybrid one, with mountinfo's escapes undone.
+func TestCgroupMount(t *testing.T) {
+	for _, tt := range []struct{ name, mountinfo, want, wantErr string }{
+		{"cgroup v2", "30 24 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n", "/sys/fs/cgroup", ""},
+		{"hybrid", "31 24 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n32 31 0:27 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n" +
+			"40 31 0:35 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n", "/sys/fs/cgroup/unified", ""},
+		{"preferred", "40 24 0:35 / /run/other rw - cgroup2 cgroup2 rw\n41 24 0:35 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", "/sys/fs/cgroup", ""},
+		{"escaped", "40 24 0:35 / /mnt/cgroup\\040v2 rw - cgroup2 cgroup2 rw\n", "/mnt/cgroup v2", ""},
+		{"optional fields", "40 24 0:35 / /sys/fs/cgroup rw shared:4 master:1 - cgroup2 cgroup2 rw\n", "/sys/fs/cgroup", ""},
+		{"cgroup v1", "32 31 0:27 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", "", "no cgroup2 file system"},
+	} {
+		proc := t.TempDir()
+		if err := os.MkdirAll(filepath.Join(proc, "self"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(proc, "self", "mountinfo"), []byte(tt.mountinfo), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		got, err := CgroupMount(proc)
+		if got != tt.want || (tt.wantErr == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("%s: CgroupMount = %q, %v; want %q, %q", tt.name, got, err, tt.want, tt.wantErr)
+		}
+	}
+	if _, err := CgroupMount(t.TempDir()); err == nil || !strings.Contains(err.Error(), "mountinfo") {
+		t.Errorf("no mountinfo: %v", err)
 	}
 }
 
@@ -156,14 +187,9 @@ func TestVerifyDetectsMissingOrChangedLimits(t *testing.T) {
 // The hook end to end: a real OCI state document, a cgroup v2 tree under a
 // fake /proc, and a driver that records every SetMemoryLimits_v1 call.
 func TestRunHookEndToEnd(t *testing.T) {
-	proc := t.TempDir()
-	const pid, cgroup = 4242, "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope"
-	if err := os.MkdirAll(filepath.Join(proc, "4242"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(proc, "4242", "cgroup"), []byte("0::"+cgroup+"\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	const rel = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/cri-containerd-abc.scope"
+	const cgroup = enforcetest.CgroupFS + rel
+	proc := enforcetest.Proc(t, map[int]string{4242: rel})
 	state := `{"ociVersion":"1.2.0","id":"abc","status":"creating","pid":4242,"bundle":"/run/containerd/io.containerd.runtime.v2.task/k8s.io/abc",` +
 		`"annotations":{"io.kubernetes.cri.container-name":"main"}}`
 	env := func(m map[string]string) func(string) string { return func(k string) string { return m[k] } }

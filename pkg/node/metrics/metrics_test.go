@@ -20,7 +20,7 @@ import (
 
 func TestNodeAndContainerMetrics(t *testing.T) {
 	lib, drv, uuids := enforcetest.NewMachine(2)
-	const cg = "/kubepods/pod-a/ctr-1"
+	const cg = enforcetest.CgroupFS + "/kubepods/pod-a/ctr-1"
 	// The container uses all of its 2Gi hard limit on the first GPU.
 	drv.Set(uuids[0], cg, nvml.MemoryLimits_v1{SoftLimit: 1 << 30, HardLimit: 2 << 30, CurrentUsed: 2 << 30})
 	drv.Set(uuids[1], cg, nvml.MemoryLimits_v1{SoftLimit: 1 << 30, HardLimit: 2 << 30, CurrentUsed: 512 << 20})

@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -426,17 +425,9 @@ func runHelperRuntime(sock, stateJSON string) {
 // of the agent and are released for containers that vanished meanwhile.
 func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 	lib, drv, uuids := enforcetest.NewMachine(2)
-	proc := t.TempDir()
-	cgroups := map[int]string{101: "/kubepods/pod-a/ctr-1", 102: "/kubepods/pod-b/ctr-2"}
-	for pid, cg := range cgroups {
-		dir := filepath.Join(proc, strconv.Itoa(pid))
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, "cgroup"), []byte("0::"+cg+"\n"), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	proc := enforcetest.Proc(t, map[int]string{101: "/kubepods/pod-a/ctr-1", 102: "/kubepods/pod-b/ctr-2"})
+	// As NVML names them: the full sysfs paths.
+	cgroups := map[int]string{101: enforcetest.CgroupFS + "/kubepods/pod-a/ctr-1", 102: enforcetest.CgroupFS + "/kubepods/pod-b/ctr-2"}
 	leasePath := filepath.Join(t.TempDir(), "leases.json")
 	leases, err := enforce.OpenLeases(leasePath)
 	if err != nil {
@@ -492,7 +483,7 @@ func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 	if diff := cmp.Diff(map[string]string{"enforced": StateEnforced, "unenforced": StateUnenforced, "probe": StateInjected}, states); diff != "" {
 		t.Errorf("tenant states (-want +got):\n%s", diff)
 	}
-	if got := rec.get(&rec.enforced); len(got) != 1 || !strings.HasPrefix(got[0], "enforced/main: driver memory limits verified on cgroup /kubepods/pod-a/ctr-1") {
+	if got := rec.get(&rec.enforced); len(got) != 1 || !strings.HasPrefix(got[0], "enforced/main: driver memory limits verified on cgroup "+cgroups[101]) {
 		t.Errorf("enforced events = %v", got)
 	}
 
@@ -533,7 +524,7 @@ func TestEmptyResyncKeepsLeases(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := leases.Put("c1", enforce.Lease{Pod: "ml/x", Cgroup: "/kubepods/x", Devices: uuids}); err != nil {
+	if err := leases.Put("c1", enforce.Lease{Pod: "ml/x", Cgroup: enforcetest.CgroupFS + "/kubepods/x", Devices: uuids}); err != nil {
 		t.Fatal(err)
 	}
 	rt := startRuntime(t, nil, nil)
@@ -563,15 +554,7 @@ func TestCorruptLeasesAreNotDiscarded(t *testing.T) {
 // and their pods are told.
 func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	root, m := startMPS(t)
-	proc := t.TempDir()
-	for pid, cg := range map[string]string{"7": "/kubepods/ts", "77": "/kubepods/ts", "88": "/kubepods/other"} {
-		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte("0::"+cg+"\n"), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	proc := enforcetest.Proc(t, map[int]string{7: "/kubepods/ts", 77: "/kubepods/ts", 88: "/kubepods/other"})
 	rt := startRuntime(t, nil, nil)
 	c := cfg
 	c.MPSRoot, c.Backend = root, nodeapi.BackendMPSPinned
@@ -789,13 +772,7 @@ func TestSMSharingWithoutMPSIsRefused(t *testing.T) {
 // evicted.
 func TestUnverifiedLimitsFailingOpenAreReportedNotEvicted(t *testing.T) {
 	lib, _, uuids := enforcetest.NewMachine(1)
-	proc := t.TempDir()
-	if err := os.MkdirAll(filepath.Join(proc, "7"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(proc, "7", "cgroup"), []byte("0::/kubepods/x\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	proc := enforcetest.Proc(t, map[int]string{7: "/kubepods/x"})
 	leases, err := enforce.OpenLeases(filepath.Join(t.TempDir(), "leases.json"))
 	if err != nil {
 		t.Fatal(err)

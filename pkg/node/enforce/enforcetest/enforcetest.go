@@ -5,7 +5,13 @@
 package enforcetest
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
+	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
@@ -37,6 +43,10 @@ func NewMachine(n int) (*server.Server, *Driver, []string) {
 			d.calls = append(d.calls, Call{GPU: uuid, Cgroup: cgroup, Soft: soft, Hard: hard})
 			if uuid == d.FailSet {
 				return nvml.ERROR_NOT_SUPPORTED
+			}
+			// The driver opens the cgroup by its full sysfs path.
+			if !strings.HasPrefix(cgroup, CgroupFS+"/") {
+				return nvml.ERROR_OPERATING_SYSTEM
 			}
 			d.limits[uuid+cgroup] = nvml.MemoryLimits_v1{NameSpace: cgroup, SoftLimit: soft, HardLimit: hard}
 			return nvml.SUCCESS
@@ -76,4 +86,29 @@ func (d *Driver) Set(uuid, cgroup string, l nvml.MemoryLimits_v1) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.limits[uuid+cgroup] = l
+}
+
+// CgroupFS is where the fake /proc of Proc says cgroup v2 is mounted.
+const CgroupFS = "/sys/fs/cgroup"
+
+// Proc writes a fake /proc: each pid's cgroup file puts it in its cgroup v2
+// path (relative to the mount, as the kernel writes it), and self/mountinfo
+// mounts cgroup v2 at CgroupFS. It returns the directory.
+func Proc(t testing.TB, cgroups map[int]string) string {
+	t.Helper()
+	proc := t.TempDir()
+	write := func(path, content string) {
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(filepath.Join(proc, "self", "mountinfo"), fmt.Sprintf("24 31 0:22 / /sys ro,nosuid - sysfs sysfs rw\n"+
+		"28 24 0:25 / %s rw,nosuid,nodev,noexec shared:4 - cgroup2 cgroup2 rw,nsdelegate\n", CgroupFS))
+	for pid, cg := range cgroups {
+		write(filepath.Join(proc, strconv.Itoa(pid), "cgroup"), "0::"+cg+"\n")
+	}
+	return proc
 }
