@@ -51,6 +51,9 @@ const (
 	// BackendOff: no enforcement; fractional containers are refused (or,
 	// failing open, get no GPU).
 	BackendOff Backend = "off"
+	// BackendUnset: not decided yet, until the agent has read the GPUs;
+	// fractional containers are refused meanwhile.
+	BackendUnset Backend = ""
 )
 
 // Backends are the values --memory-limits accepts besides "auto".

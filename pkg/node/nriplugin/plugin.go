@@ -109,6 +109,19 @@ type Plugin struct {
 	background sync.WaitGroup
 	evictMu    sync.Mutex
 	evicting   map[string]bool // pod UID
+
+	// deferred is the runtime's container list of a Synchronize that came
+	// before the node's memory-limit backend was known: audited by the
+	// SetInjection that makes it known.
+	auditMu  sync.Mutex
+	deferred *audit
+}
+
+// audit is one Synchronize's view of the runtime.
+type audit struct {
+	logger klog.Logger
+	pods   []*nriapi.PodSandbox
+	ctrs   []*nriapi.Container
 }
 
 // Tenants lists the fractional containers the plugin knows of, with their
@@ -142,9 +155,21 @@ func (p *Plugin) EnableMPS(m *mps.Manager) { p.opts.MPS = m }
 // container on, e.g. once the agent knows which memory-limit backend the
 // driver allows.
 // The plugin's FailOpen option wins over cfg's.
+//
+// The first one that names a backend runs the audit a Synchronize had to
+// defer (see Synchronize).
 func (p *Plugin) SetInjection(cfg injection.Config) {
 	cfg.FailOpen = p.opts.FailOpen
+	p.auditMu.Lock()
+	defer p.auditMu.Unlock()
 	p.injection.Store(&cfg)
+	if cfg.Backend == nodeapi.BackendUnset || p.deferred == nil {
+		return
+	}
+	a := p.deferred
+	p.deferred = nil
+	a.logger.Info("Auditing the runtime's containers now that the node's memory-limit backend is known", "backend", cfg.Backend, "containers", len(a.ctrs))
+	p.audit(klog.NewContext(context.Background(), a.logger), a.pods, a.ctrs)
 }
 
 // Registered reports whether the runtime has accepted the plugin and
@@ -583,6 +608,29 @@ func (p *Plugin) decide(pod *nriapi.PodSandbox, ctr *nriapi.Container) injection
 // it comes back enforced. An empty list is taken as it is: nothing is
 // wiped or assumed.
 func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
+	p.auditMu.Lock()
+	if p.injection.Load().Backend == nodeapi.BackendUnset {
+		// The agent has not read the GPUs yet: every fractional container
+		// would look unenforceable and be evicted. New containers are
+		// refused meanwhile; the running ones are judged once it knows.
+		logger := klog.FromContext(ctx)
+		logger.Info("Deferring the audit of the runtime's containers until the node's memory-limit backend is known", "containers", len(ctrs))
+		p.deferred = &audit{logger: logger, pods: pods, ctrs: ctrs}
+		p.auditMu.Unlock()
+		p.registered.Store(true)
+		return nil, nil
+	}
+	p.deferred = nil // a reconnection's list supersedes an older one
+	p.auditMu.Unlock()
+	p.audit(ctx, pods, ctrs)
+	p.registered.Store(true)
+	return nil, nil
+}
+
+// audit judges every running container of the runtime against what
+// CreateContainer would have made of it now: one whose fraction is not in
+// force is evicted, and leases of containers that are gone are released.
+func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) {
 	logger := klog.FromContext(ctx)
 	byID := make(map[string]*nriapi.PodSandbox, len(pods))
 	for _, pod := range pods {
@@ -622,8 +670,6 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 		p.tenants.retain(live)
 	}
 	p.releaseVanished(ctx, byID, ctrs)
-	p.registered.Store(true)
-	return nil, nil
 }
 
 // missingEnforcement compares a running container's environment with what

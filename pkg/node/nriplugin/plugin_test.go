@@ -308,6 +308,52 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 	}
 }
 
+// An agent that connects before it has read the GPUs does not know the
+// node's backend yet, so every fractional container would look
+// unenforceable. The audit waits for the backend, then evicts exactly the
+// unenforced container: a restarted agent must not evict the node.
+func TestSynchronizeBeforeTheBackendIsKnownWaitsForIt(t *testing.T) {
+	enforcedEnv := []string{"NVIDIA_VISIBLE_DEVICES=GPU-a", "NVIDIA_GPU_MEMORY_REQUEST=40448", "NVIDIA_GPU_MEMORY_LIMIT=60672", "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia/mps"}
+	pods := []*nriapi.PodSandbox{sandbox("p1", "enforced", scheduled), sandbox("p2", "unenforced", scheduled)}
+	ctrs := []*nriapi.Container{container("c1", "p1", "main", enforcedEnv...), container("c2", "p2", "main", "NVIDIA_VISIBLE_DEVICES=GPU-a")}
+	rt := startRuntime(t, pods, ctrs)
+	rec := &recorder{}
+	unknown := cfg
+	unknown.Backend = nodeapi.BackendUnset
+	p := New(Options{Injection: unknown, Reporter: rec, Evictor: rec})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx, rt.socket) }()
+	t.Cleanup(func() { cancel(); <-done })
+	// Registered, and new fractional containers are refused meanwhile.
+	probe := sandbox("probe", "probe", scheduled)
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: probe, Container: container("probe", "probe", "main")})
+		return p.Registered() && err != nil && strings.Contains(err.Error(), "no memory-limit backend is in effect"), nil
+	}); err != nil {
+		t.Fatalf("the plugin did not register and refuse: %v", err)
+	}
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 0 {
+		t.Fatalf("evicted before the backend was known: %v", got)
+	}
+	p.SetInjection(unknown) // still unknown: still nothing
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 0 {
+		t.Fatalf("evicted while the backend was still unknown: %v", got)
+	}
+	p.SetInjection(cfg)
+	p.WaitForEvictions()
+	if got, want := rec.get(&rec.evict), []string{`unenforced: NVIDIA_GPU_MEMORY_REQUEST is "", want "40448"`}; !cmp.Equal(got, want) {
+		t.Errorf("evictions once the backend is known = %v, want %v", got, want)
+	}
+	p.SetInjection(cfg) // the deferred audit runs once
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 1 {
+		t.Errorf("the audit ran again: %v", got)
+	}
+}
+
 func TestSynchronizeWithNothingRunningEvictsNothing(t *testing.T) {
 	rt := startRuntime(t, nil, nil)
 	rec := &recorder{}
