@@ -57,7 +57,7 @@ demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster 
 	$(BIN)/gpufrac up --demo $(DEMO_FLAGS)
 
 .PHONY: test
-test: preflight verify unit ## the whole suite: formatting, vet, lint, then every test
+test: preflight verify unit node-e2e ## the whole suite: formatting, vet, lint, every test, then the real node
 
 .PHONY: unit
 # The trace replays (fidelity to the published study, our policy's margin)
@@ -74,6 +74,50 @@ unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) chromium ## every test: with the 
 .PHONY: e2e
 e2e: $(KUBE_STAMP) $(KWOK) chromium ## end to end on a local cluster (gpufrac up): examples, a forged key, crashes during a burst of 500 (also in make test)
 	$(GO) test -count=1 -v ./test/e2e/
+
+# The real node (test/node): containerd, its runc shim and ctr from source
+# in a module of their own (hack/node), the kubelet from this module's
+# Kubernetes, runc, BusyBox and the CNI plugins from Debian, the fake
+# libnvidia-ml.so.1 (C, against go-nvml's copy of nvml.h) and the probe
+# image, built without a registry.
+NODE_BIN      := $(BIN)/node
+NODE_STAMP    := $(NODE_BIN)/.built
+KUBELET       := $(KUBE_BIN)/kubelet
+FAKE_NVML     := $(NODE_BIN)/lib/libnvidia-ml.so.1
+NODE_IMAGES   := $(NODE_BIN)/images.tar
+NODE_PACKAGES := runc busybox-static containernetworking-plugins iproute2
+
+.PHONY: node-e2e
+node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) ## a real node (kubelet, containerd, runc; GPU, driver and MPS stand-ins) joined to gpufrac up: pods started through it (also in make test; root)
+	$(call announce,"the real node: kubelet + containerd + runc with the node agent as NRI plugin and the hook under runc (about 2 min)")
+	$(GO) test -tags nodee2e -count=1 -v -timeout 20m ./test/node/
+
+.PHONY: node-packages
+# Debian's packages the real node needs, installed once (root and apt).
+node-packages:
+	@missing=; for p in $(NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  printf '==> %s\n' "Debian packages for the real node:$$missing (first time: about 30 s)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null || \
+	  { echo "installing$$missing failed: install Debian's $(NODE_PACKAGES) by hand (as root)"; exit 1; }; fi
+
+$(KUBELET): go.mod go.sum | preflight
+	$(call announce,"bin/kube/kubelet $(KUBE_VERSION) from source (first time: about 1 min after bin/kube; kept until go.mod changes)")
+	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubelet
+	@touch $@
+
+$(NODE_STAMP): hack/node/go.mod hack/node/go.sum hack/node/mkimage/main.go | preflight
+	$(call announce,"bin/node: containerd v2.4.2$(,) containerd-shim-runc-v2$(,) ctr and mkimage (hack/node: a module of its own; first time: about 1.5 min)")
+	cd hack/node && $(GO) build -o $(NODE_BIN)/ tool ./mkimage
+	@touch $@
+
+$(FAKE_NVML): test/node/fakenvml/fakenvml.c go.mod | preflight
+	@mkdir -p $(dir $@)
+	$${CC:-cc} -shared -fPIC -O2 -Wall -Wextra -Werror -I"$$($(GO) list -m -f '{{.Dir}}' github.com/NVIDIA/go-nvml)/pkg/nvml" -o $@ $<
+
+$(NODE_IMAGES): $(NODE_STAMP) test/node/probe/main.go | node-packages
+	CGO_ENABLED=0 $(GO) build -o $(NODE_BIN)/probe ./test/node/probe
+	$(NODE_BIN)/mkimage /usr/bin/busybox $(NODE_BIN)/probe $@
 
 .PHONY: kube-binaries
 kube-binaries: $(KUBE_STAMP) ## build kube-apiserver, kube-controller-manager and etcd from source into bin/kube
@@ -141,7 +185,7 @@ fmt-check:
 .PHONY: vet
 vet:
 	$(call announce,"go vet ./...: compiles every package and its tests (first time: about 1.5 min)")
-	$(GO) vet ./...
+	$(GO) vet -tags nodee2e ./...
 
 .PHONY: lint
 lint: $(GOLANGCI_LINT) ## golangci-lint, built from hack/tools at a pinned version

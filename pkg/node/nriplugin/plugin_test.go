@@ -324,7 +324,12 @@ func TestSynchronizeBeforeTheBackendIsKnownWaitsForIt(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- p.Run(ctx, rt.socket) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("plugin stopped: %v", err)
+		}
+	})
 	// Registered, and new fractional containers are refused meanwhile.
 	probe := sandbox("probe", "probe", scheduled)
 	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {

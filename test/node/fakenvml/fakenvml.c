@@ -1,0 +1,232 @@
+/*
+ * A stand-in for the driver's libnvidia-ml.so.1 on the node test's machine,
+ * which has no GPU. It is built against go-nvml's copy of NVIDIA's nvml.h, so
+ * every signature and structure is the real library's, and it answers only
+ * what gpufrac's node agent, MPS daemon and hook call.
+ *
+ * $GPUFRAC_FAKE_NVML_DIR holds its state, shared by every process that loads
+ * it (the agent, the hook runc runs, the MPS daemon):
+ *
+ *   machine    what the library reports, written by the test from a go-nvml
+ *              mock machine: "DRIVER CUDA" on the first line, then one
+ *              "UUID MEMORY_MIB BUS_ID NAME..." line per GPU;
+ *   limits     every accepted nvmlDeviceSetMemoryLimits_v1, one
+ *              "set UUID SOFT HARD NAMESPACE" line each (bytes), appended;
+ *              nvmlDeviceGetMemoryLimits_v1 answers from the last line for
+ *              the GPU and namespace, as the driver answers from its table;
+ *   fail-set   if present, every SetMemoryLimits_v1 returns the NVML code it
+ *              holds (default NVML_ERROR_UNKNOWN), as a driver refusing would.
+ *
+ * SetMemoryLimits_v1 checks what nvml.h documents of the real call: root only
+ * (NVML_ERROR_NO_PERMISSION), softLimit <= hardLimit <= the GPU's memory
+ * (NVML_ERROR_INVALID_ARGUMENT), and nameSpace the "Full path to sysfs cgroup
+ * file name" of a cgroup that can be opened (NVML_ERROR_OPERATING_SYSTEM):
+ * here, an absolute path to a cgroup v2 directory (it has cgroup.procs).
+ */
+#define NVML_NO_UNVERSIONED_FUNC_DEFS
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "nvml.h"
+
+#define MAX_GPUS 16
+
+struct nvmlDevice_st {
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    char busid[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+    unsigned long long memory;
+};
+
+static struct nvmlDevice_st gpus[MAX_GPUS];
+static unsigned int ngpus;
+static char driver[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+static int cuda;
+static int initialized;
+
+static const char *state_path(const char *file, char *buf, size_t n) {
+    const char *dir = getenv("GPUFRAC_FAKE_NVML_DIR");
+    if (dir == NULL || *dir == '\0') return NULL;
+    snprintf(buf, n, "%s/%s", dir, file);
+    return buf;
+}
+
+nvmlReturn_t nvmlInit_v2(void) {
+    char path[4096];
+    FILE *f;
+    if (state_path("machine", path, sizeof path) == NULL || (f = fopen(path, "r")) == NULL)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    ngpus = 0;
+    if (fscanf(f, "%79s %d\n", driver, &cuda) != 2) { fclose(f); return NVML_ERROR_UNKNOWN; }
+    while (ngpus < MAX_GPUS) {
+        struct nvmlDevice_st *g = &gpus[ngpus];
+        unsigned long long mib;
+        if (fscanf(f, "%95s %llu %31s %95[^\n]\n", g->uuid, &mib, g->busid, g->name) != 4) break;
+        g->memory = mib << 20;
+        ngpus++;
+    }
+    fclose(f);
+    initialized = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInit(void) { return nvmlInit_v2(); }
+nvmlReturn_t nvmlShutdown(void) { initialized = 0; return NVML_SUCCESS; }
+
+static nvmlReturn_t copy(char *dst, unsigned int n, const char *src) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (dst == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > n) return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(dst, src);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) { return copy(version, length, driver); }
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    *v = cuda;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { return nvmlSystemGetCudaDriverVersion(v); }
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    *n = ngpus;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int i, nvmlDevice_t *d) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (i >= ngpus || d == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    d->handle = &gpus[i];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *d) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (uuid == NULL || d == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < ngpus; i++) {
+        if (strcmp(gpus[i].uuid, uuid) == 0) { d->handle = &gpus[i]; return NVML_SUCCESS; }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* nvmlDevice_t wraps a pointer to the library's own device record. */
+static struct nvmlDevice_st *dev(nvmlDevice_t d) {
+    return d.handle >= &gpus[0] && d.handle < &gpus[ngpus] ? d.handle : NULL;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int length) {
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    return copy(uuid, length, g->uuid);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int length) {
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    return copy(name, length, g->name);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || m == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    m->total = g->memory; m->used = 0; m->free = g->memory;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *p) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || p == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    memset(p, 0, sizeof *p);
+    snprintf(p->busId, sizeof p->busId, "%s", g->busid);
+    snprintf(p->busIdLegacy, sizeof p->busIdLegacy, "%.15s", g->busid);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = NVML_DEVICE_MIG_DISABLE;
+    return NVML_SUCCESS;
+}
+
+/* cgroup_ok is what the driver needs of a nameSpace: a cgroup v2 directory
+ * it can open, named by its full sysfs path. */
+static int cgroup_ok(const char *ns) {
+    char procs[4096];
+    struct stat st;
+    if (ns == NULL || ns[0] != '/') return 0;
+    snprintf(procs, sizeof procs, "%s/cgroup.procs", ns);
+    return stat(ns, &st) == 0 && S_ISDIR(st.st_mode) && access(procs, R_OK) == 0;
+}
+
+nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t d, nvmlSetMemoryLimits_v1_t *l) {
+    char path[4096], line[4096];
+    FILE *f;
+    int fd, n;
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || l == NULL || l->softLimit > l->hardLimit) return NVML_ERROR_INVALID_ARGUMENT;
+    if (l->hardLimit > g->memory && l->hardLimit != NVML_DEVICE_MEMORY_LIMIT_MAX) return NVML_ERROR_INVALID_ARGUMENT;
+    if (geteuid() != 0) return NVML_ERROR_NO_PERMISSION;
+    if (state_path("fail-set", path, sizeof path) && (f = fopen(path, "r")) != NULL) {
+        int code = NVML_ERROR_UNKNOWN;
+        if (fscanf(f, "%d", &code) != 1) code = NVML_ERROR_UNKNOWN;
+        fclose(f);
+        return (nvmlReturn_t)code;
+    }
+    if (!cgroup_ok(l->nameSpace)) return NVML_ERROR_OPERATING_SYSTEM;
+    if (state_path("limits", path, sizeof path) == NULL) return NVML_ERROR_UNKNOWN;
+    n = snprintf(line, sizeof line, "set %s %llu %llu %s\n", g->uuid, l->softLimit, l->hardLimit, l->nameSpace);
+    if (n <= 0 || (size_t)n >= sizeof line) return NVML_ERROR_INVALID_ARGUMENT;
+    /* One write with O_APPEND: lines from concurrent hooks never interleave. */
+    if ((fd = open(path, O_WRONLY | O_APPEND | O_CREAT, 0644)) < 0) return NVML_ERROR_UNKNOWN;
+    if (write(fd, line, (size_t)n) != n) { close(fd); return NVML_ERROR_UNKNOWN; }
+    close(fd);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t d, nvmlGetMemoryLimits_v1_t *l) {
+    char path[4096], uuid[128], ns[4096];
+    unsigned long long soft, hard;
+    int found = 0;
+    FILE *f;
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || l == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!cgroup_ok(l->nameSpace)) return NVML_ERROR_OPERATING_SYSTEM;
+    if (state_path("limits", path, sizeof path) == NULL || (f = fopen(path, "r")) == NULL) return NVML_ERROR_NOT_FOUND;
+    while (fscanf(f, "set %127s %llu %llu %4095s\n", uuid, &soft, &hard, ns) == 4) {
+        if (strcmp(uuid, g->uuid) == 0 && strcmp(ns, l->nameSpace) == 0) {
+            l->softLimit = soft; l->hardLimit = hard; l->currentUsed = 0;
+            found = 1;
+        }
+    }
+    fclose(f);
+    return found ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+}
+
+const char *nvmlErrorString(nvmlReturn_t r) {
+    switch (r) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request";
+    default: return "Unknown Error";
+    }
+}

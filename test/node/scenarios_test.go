@@ -1,0 +1,417 @@
+//go:build nodee2e
+
+package node
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	podresources "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+)
+
+const ns = "default"
+
+func probe(name string, env map[string]string) corev1.Container {
+	c := corev1.Container{Name: name, Image: probeImage, ImagePullPolicy: corev1.PullNever}
+	keys := make([]string, 0, len(env))
+	for k := range env {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		c.Env = append(c.Env, corev1.EnvVar{Name: k, Value: env[k]})
+	}
+	return c
+}
+
+// createPod creates a pod for gpufrac's scheduler and deletes it at the
+// end of the test, waiting until the kubelet has stopped its containers.
+func createPod(t *testing.T, name string, annotations map[string]string, containers ...corev1.Container) *corev1.Pod {
+	t.Helper()
+	off := false
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
+		Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever, Containers: containers,
+			AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2))},
+	}
+	created, err := theNode.admin.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { deletePod(t, name) })
+	return created
+}
+
+func deletePod(t *testing.T, name string) {
+	ctx := context.Background()
+	err := theNode.admin.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{})
+	if apierrors.IsNotFound(err) {
+		return
+	}
+	if err != nil {
+		t.Errorf("delete pod %s: %v", name, err)
+		return
+	}
+	if err := waitFor("pod "+name+" to be gone", 60*time.Second, func() (bool, error) {
+		_, err := theNode.admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}); err != nil {
+		t.Error(err)
+	}
+}
+
+func getPod(t *testing.T, name string) *corev1.Pod {
+	t.Helper()
+	pod, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// running waits until the pod runs on the node and returns it.
+func running(t *testing.T, name string) *corev1.Pod {
+	t.Helper()
+	var pod *corev1.Pod
+	err := waitFor("pod "+name+" Running", 2*time.Minute, func() (bool, error) {
+		p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pod = p
+		if p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
+			return false, fmt.Errorf("pod %s ended: %s %s %+v", name, p.Status.Reason, p.Status.Message, p.Status.ContainerStatuses)
+		}
+		return p.Status.Phase == corev1.PodRunning, nil
+	})
+	if err != nil {
+		t.Fatalf("%v (pod status %+v, annotations %v)", err, pod.Status, pod.Annotations)
+	}
+	if pod.Spec.NodeName != nodeName {
+		t.Fatalf("pod %s runs on %q, not on the real node", name, pod.Spec.NodeName)
+	}
+	return pod
+}
+
+func assignment(t *testing.T, pod *corev1.Pod, container string) api.Assignment {
+	t.Helper()
+	as, err := api.ParseAssignments(pod.Annotations)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range as {
+		if a.Container == container {
+			return a
+		}
+	}
+	t.Fatalf("pod %s has no decision for container %s: %v", pod.Name, container, pod.Annotations)
+	return api.Assignment{}
+}
+
+func containerID(t *testing.T, pod *corev1.Pod, container string) string {
+	t.Helper()
+	for _, s := range pod.Status.ContainerStatuses {
+		if s.Name == container {
+			_, id, _ := strings.Cut(s.ContainerID, "://")
+			return id
+		}
+	}
+	t.Fatalf("pod %s has no status for container %s", pod.Name, container)
+	return ""
+}
+
+// checkInjected checks what a fractional container saw against the
+// scheduler's decision.
+func checkInjected(t *testing.T, r report, a api.Assignment) {
+	t.Helper()
+	want := map[string]string{
+		nodeapi.EnvVisibleDevices:   strings.Join(a.DeviceNames(), ","),
+		nodeapi.EnvMemoryRequest:    strconv.FormatInt(a.RequestMiB, 10),
+		nodeapi.EnvMemoryLimit:      strconv.FormatInt(a.LimitMiB, 10),
+		nodeapi.EnvMPSPipeDirectory: nodeapi.ContainerPipeDir,
+	}
+	for k, v := range want {
+		if r.Env[k] != v {
+			t.Errorf("container %s sees %s=%q, the decision says %q", a.Container, k, r.Env[k], v)
+		}
+	}
+	// A time-slicing container's way into the node's MPS daemon: its main
+	// socket.
+	if !slices.Contains(r.MPSDir, "control") {
+		t.Errorf("container %s's MPS pipe directory holds %v, not the daemon's control socket", a.Container, r.MPSDir)
+	}
+}
+
+// checkLimits checks that the fake driver holds soft = request and hard =
+// limit on every assigned GPU for the container's own cgroup, and that the
+// cgroup is the container's real one: it exists, ends in the container's
+// id and holds the probe's process.
+func checkLimits(t *testing.T, pod *corev1.Pod, a api.Assignment, r report) {
+	t.Helper()
+	id := containerID(t, pod, a.Container)
+	calls, err := theNode.limitCalls()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]limitCall{}
+	for _, c := range calls {
+		if strings.HasSuffix(c.Cgroup, id) {
+			got[c.GPU] = c // the last call per GPU is what the driver holds
+		}
+	}
+	if len(got) != len(a.Devices) {
+		t.Fatalf("the driver holds limits for container %s on %d GPUs, want %d (%v); all calls: %+v", id, len(got), len(a.Devices), a.Devices, calls)
+	}
+	for _, uuid := range a.Devices {
+		c, ok := got[uuid]
+		if !ok {
+			t.Errorf("no limits on GPU %s", uuid)
+			continue
+		}
+		if c.Soft != uint64(a.RequestMiB)<<20 || c.Hard != uint64(a.LimitMiB)<<20 {
+			t.Errorf("GPU %s: soft %d, hard %d; want request %dMi, limit %dMi", uuid, c.Soft, c.Hard, a.RequestMiB, a.LimitMiB)
+		}
+		mount, err := enforce.CgroupMount("/proc")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Cgroup != "/" && c.Cgroup != filepath.Join(mount, r.Cgroup) {
+			t.Errorf("limits set on %s; the container is in %s under %s", c.Cgroup, r.Cgroup, mount)
+		}
+		procs, err := os.ReadFile(filepath.Join(c.Cgroup, "cgroup.procs"))
+		if err != nil || len(strings.Fields(string(procs))) == 0 {
+			t.Errorf("cgroup %s is not the running container's: %q, %v", c.Cgroup, procs, err)
+		}
+	}
+}
+
+// A fractional pod placed by gpufrac's scheduler runs through the kubelet,
+// containerd and runc: the container sees exactly the decision, and runc's
+// createRuntime hook set soft = request, hard = limit on its real cgroup.
+func TestFractionalPodRunsWithItsDecision(t *testing.T) {
+	createPod(t, "frac", map[string]string{"gpu-memory": "4096", "gpu-memory.limit": "8Gi"}, probe("main", nil))
+	pod := running(t, "frac")
+	a := assignment(t, pod, "main")
+	if a.RequestMiB != 4096 || a.LimitMiB != 8192 || len(a.Devices) != 1 {
+		t.Fatalf("decision %+v, want one GPU, request 4096Mi, limit 8192Mi", a)
+	}
+	r := theNode.probeReport(t, pod, "main")
+	checkInjected(t, r, a)
+	checkLimits(t, pod, a, r)
+
+	// The GPU came from the reservation pod the scheduler bound there,
+	// which the kubelet gave that GPU through the device plugin.
+	checkReservation(t, a.Devices[0])
+}
+
+// checkReservation finds the reservation pod holding uuid: it runs on the
+// node, the kubelet allocated it uuid from the device-plugin stand-in, the
+// PodResources API says so, and the agent wrote it on the pod.
+func checkReservation(t *testing.T, uuid string) {
+	t.Helper()
+	list, err := theNode.admin.CoreV1().Pods(api.DefaultReservationNamespace).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var holder *corev1.Pod
+	for i, p := range list.Items {
+		if p.Annotations[api.ReservedGPUAnnotation] == uuid {
+			holder = &list.Items[i]
+		}
+	}
+	if holder == nil {
+		t.Fatalf("no reservation pod is annotated with %s: %d reservation pods", uuid, len(list.Items))
+	}
+	if holder.Spec.NodeName != nodeName {
+		t.Errorf("reservation pod %s is on %q", holder.Name, holder.Spec.NodeName)
+	}
+	if !slices.ContainsFunc(theNode.plugin.allocated(), func(ids []string) bool { return slices.Equal(ids, []string{uuid}) }) {
+		t.Errorf("the device plugin never allocated %s; it allocated %v", uuid, theNode.plugin.allocated())
+	}
+	conn, err := grpc.NewClient("unix://"+theNode.podResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := podresources.NewPodResourcesListerClient(conn).List(ctx, &podresources.ListPodResourcesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen []string
+	for _, p := range resp.PodResources {
+		for _, c := range p.Containers {
+			for _, d := range c.Devices {
+				if d.ResourceName == string(api.ResourceGPU) {
+					seen = append(seen, p.Namespace+"/"+p.Name+"="+strings.Join(d.DeviceIds, ","))
+				}
+			}
+		}
+	}
+	if want := holder.Namespace + "/" + holder.Name + "=" + uuid; !slices.Contains(seen, want) {
+		t.Errorf("PodResources lists %v, not %s", seen, want)
+	}
+	if err := waitFor("reservation pod "+holder.Name+" Running", 60*time.Second, func() (bool, error) {
+		p, err := theNode.admin.CoreV1().Pods(holder.Namespace).Get(context.Background(), holder.Name, metav1.GetOptions{})
+		return err == nil && p.Status.Phase == corev1.PodRunning, nil
+	}); err != nil {
+		t.Error(err)
+	}
+}
+
+// When the driver refuses the limits, runc's hook fails the container's
+// creation: its process never runs, and the pod says why.
+func TestLimitsThatCannotBeSetNeverRunTheProcess(t *testing.T) {
+	failSet := filepath.Join(theNode.nvmlDir(), "fail-set")
+	if err := os.WriteFile(failSet, []byte("999\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.Remove(failSet) })
+	pod := createPod(t, "refused", map[string]string{"gpu-memory": "2048"}, probe("main", nil))
+	var why string
+	err := waitFor("pod refused to show why its container did not start", 2*time.Minute, func() (bool, error) {
+		p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), "refused", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pod = p
+		for _, s := range p.Status.ContainerStatuses {
+			for _, st := range []corev1.ContainerState{s.State, s.LastTerminationState} {
+				if st.Waiting != nil && strings.Contains(st.Waiting.Message, "nvmlDeviceSetMemoryLimits_v1") {
+					why = st.Waiting.Reason + ": " + st.Waiting.Message
+				}
+				if st.Terminated != nil && strings.Contains(st.Terminated.Message, "nvmlDeviceSetMemoryLimits_v1") {
+					why = st.Terminated.Reason + ": " + st.Terminated.Message
+				}
+			}
+		}
+		return why != "", nil
+	})
+	if err != nil {
+		t.Fatalf("%v: status %+v", err, pod.Status)
+	}
+	t.Logf("the pod says: %s", why)
+	for _, want := range []string{"gpufrac hook", "Unknown Error"} {
+		if !strings.Contains(why, want) {
+			t.Errorf("the pod's reason %q does not name %q", why, want)
+		}
+	}
+	if pod.Status.Phase == corev1.PodRunning {
+		t.Errorf("pod refused is Running")
+	}
+	// The process never ran: the container printed nothing.
+	logs, _ := filepath.Glob(filepath.Join(theNode.path("pod-logs"), fmt.Sprintf("%s_%s_%s", ns, pod.Name, pod.UID), "main", "*.log"))
+	for _, l := range logs {
+		if raw, _ := os.ReadFile(l); strings.Contains(string(raw), "probe: ") {
+			t.Errorf("the refused container's process ran: %s", raw)
+		}
+	}
+}
+
+// A container that sets the GPU variables itself gets the decision's
+// values instead; a sidecar of the same pod, not a GPU container, sees no
+// GPU.
+func TestHostileEnvironmentIsReplacedAndSidecarsSeeNoGPU(t *testing.T) {
+	hostile := map[string]string{
+		nodeapi.EnvVisibleDevices: "all", nodeapi.EnvMemoryLimit: "999999", nodeapi.EnvMemoryRequest: "999999",
+		nodeapi.EnvMPSPipeDirectory: "/tmp/evil", nodeapi.EnvMPSPinnedLimit: "0=999999M",
+	}
+	createPod(t, "hostile", map[string]string{"gpu-fraction": "0.1"}, probe("main", hostile), probe("sidecar", map[string]string{nodeapi.EnvVisibleDevices: "all"}))
+	pod := running(t, "hostile")
+	a := assignment(t, pod, "main")
+	main := theNode.probeReport(t, pod, "main")
+	checkInjected(t, main, a)
+	checkLimits(t, pod, a, main)
+	if main.Env[nodeapi.EnvMPSPinnedLimit] == hostile[nodeapi.EnvMPSPinnedLimit] {
+		t.Errorf("main kept its own %s", nodeapi.EnvMPSPinnedLimit)
+	}
+
+	side := theNode.probeReport(t, pod, "sidecar")
+	if got := side.Env[nodeapi.EnvVisibleDevices]; got != "void" {
+		t.Errorf("the sidecar sees %s=%q, want void", nodeapi.EnvVisibleDevices, got)
+	}
+	for _, k := range []string{nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSPipeDirectory, nodeapi.EnvMPSPinnedLimit} {
+		if v, ok := side.Env[k]; ok {
+			t.Errorf("the sidecar sees %s=%q", k, v)
+		}
+	}
+	id := containerID(t, pod, "sidecar")
+	calls, err := theNode.limitCalls()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range calls {
+		if strings.HasSuffix(c.Cgroup, id) {
+			t.Errorf("the driver got limits for the sidecar: %+v", c)
+		}
+	}
+}
+
+// With the agent down (killed: a stopped agent marks the node not ready
+// first, and the scheduler then places nothing there), a fractional
+// container starts without our adjustment, since the runtime goes on
+// without a plugin. When the agent comes back, its audit of the runtime's
+// containers evicts exactly that pod and leaves the enforced one running.
+func TestAgentOutageEvictsOnlyTheUnenforced(t *testing.T) {
+	createPod(t, "enforced", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
+	enforced := running(t, "enforced")
+	a := assignment(t, enforced, "main")
+	checkLimits(t, enforced, a, theNode.probeReport(t, enforced, "main"))
+
+	theNode.killProcess("node-agent")
+	t.Cleanup(func() {
+		if theNode.exited("node-agent") != nil {
+			if err := theNode.startAgent(); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	// Small enough for the GPU enforced already holds, so no new
+	// reservation pod (whose GPU only the agent would name) is needed.
+	createPod(t, "unadjusted", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	unadjusted := running(t, "unadjusted")
+	r := theNode.probeReport(t, unadjusted, "main")
+	if v, ok := r.Env[nodeapi.EnvMemoryLimit]; ok {
+		t.Fatalf("with the agent down the container was adjusted anyway (%s=%s)", nodeapi.EnvMemoryLimit, v)
+	}
+
+	if err := theNode.startAgent(); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitFor("the unadjusted pod to be evicted", 90*time.Second, func() (bool, error) {
+		p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), "unadjusted", metav1.GetOptions{})
+		if apierrors.IsNotFound(err) || (err == nil && (p.UID != unadjusted.UID || p.DeletionTimestamp != nil)) {
+			return true, nil
+		}
+		return false, err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	after := getPod(t, "enforced")
+	if after.UID != enforced.UID || after.DeletionTimestamp != nil || after.Status.Phase != corev1.PodRunning {
+		t.Errorf("the enforced pod did not survive the audit: uid %s→%s, deleting %v, phase %s", enforced.UID, after.UID, after.DeletionTimestamp, after.Status.Phase)
+	}
+	if id := containerID(t, after, "main"); id != containerID(t, enforced, "main") {
+		t.Errorf("the enforced container was replaced: %s", id)
+	}
+	if err := theNode.waitFractionReady(time.Minute); err != nil {
+		t.Error(err)
+	}
+}
