@@ -111,13 +111,16 @@ $(NODE_STAMP): hack/node/go.mod hack/node/go.sum hack/node/mkimage/main.go | pre
 	cd hack/node && $(GO) build -o $(NODE_BIN)/ tool ./mkimage
 	@touch $@
 
+# go list of the package (not -m) downloads go-nvml if it is not yet; cgo's
+# C compiler is the one preflight checked.
 $(FAKE_NVML): test/node/fakenvml/fakenvml.c go.mod | preflight
 	@mkdir -p $(dir $@)
-	$${CC:-cc} -shared -fPIC -O2 -Wall -Wextra -Werror -I"$$($(GO) list -m -f '{{.Dir}}' github.com/NVIDIA/go-nvml)/pkg/nvml" -o $@ $<
+	nvml_h=$$($(GO) list -f '{{.Dir}}' github.com/NVIDIA/go-nvml/pkg/nvml) && \
+	  $$($(GO) env CC) -shared -fPIC -O2 -Wall -Wextra -Werror -I"$$nvml_h" -o $@ $< -lpthread
 
 $(NODE_IMAGES): $(NODE_STAMP) test/node/probe/main.go | node-packages
 	CGO_ENABLED=0 $(GO) build -o $(NODE_BIN)/probe ./test/node/probe
-	$(NODE_BIN)/mkimage /usr/bin/busybox $(NODE_BIN)/probe $@
+	$(NODE_BIN)/mkimage "$$(command -v busybox)" $(NODE_BIN)/probe $@
 
 .PHONY: kube-binaries
 kube-binaries: $(KUBE_STAMP) ## build kube-apiserver, kube-controller-manager and etcd from source into bin/kube

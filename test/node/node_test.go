@@ -15,9 +15,11 @@
 //     cgroup.controllers lists dmem, since this kernel has neither dmem nor
 //     misc (and this machine boots cgroup v1 hybrid).
 //
-// Each scenario asserts what the container itself saw (the probe's JSON
-// line in its log) and what the fake driver recorded for its real cgroup.
-// `make node-e2e` builds the parts and runs it (-tags nodee2e), as root.
+// The agent runs as in its DaemonSet: in the host's PID namespace, but in
+// a cgroup namespace of its own. Each scenario asserts what the container
+// itself saw (the probe's JSON line in its log) and what the fake driver
+// recorded for its real cgroup. `make node-e2e` builds the parts and runs
+// it (-tags nodee2e), as root.
 package node
 
 import (
@@ -50,6 +52,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 )
@@ -155,6 +158,16 @@ func startNode() (*node, error) {
 		if _, err := os.Stat(need); err != nil {
 			return n, fmt.Errorf("%s is missing: `make node-e2e` builds or installs it", need)
 		}
+	}
+	// The kubelet's device-plugin directory and pod cgroups are fixed
+	// paths: a kubelet already running here (or an earlier run's pods)
+	// would share them.
+	if c, err := net.Dial("unix", dp.KubeletSocket); err == nil {
+		_ = c.Close()
+		return n, fmt.Errorf("a kubelet already serves %s on this machine: the node test needs the machine to itself", dp.KubeletSocket)
+	}
+	if pids := kubepodsPIDs(); len(pids) > 0 {
+		return n, fmt.Errorf("processes %v are in pod cgroups (%v): another kubelet's pods, or an earlier run's left behind; stop them first", pids, kubepodsRoots)
 	}
 	for _, d := range []string{"logs", "nvml", "cni", "m", "agent", "pod-logs", "dmem-standin"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
@@ -479,11 +492,29 @@ func (n *node) startAgent() error {
 	if err := os.WriteFile(n.path("hook"), []byte(hook), 0o755); err != nil {
 		return err
 	}
-	return n.start("node-agent", append(n.mpsEnv(), n.nvmlEnv()...), n.gpufrac, "node-agent",
-		"--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
+	// As in its DaemonSet, the agent gets a cgroup namespace of its own
+	// (containerd gives every unprivileged container one on cgroup v2), so
+	// it reads other containers' cgroups as "/../kubepods/...": it runs in
+	// a cgroup of its own, under unshare --cgroup.
+	cg, err := n.agentCgroup()
+	if err != nil {
+		return err
+	}
+	return n.start("node-agent", append(n.mpsEnv(), n.nvmlEnv()...), "/bin/sh", "-c", `echo $$ > "$0/cgroup.procs" && exec unshare --cgroup "$@"`, cg,
+		n.gpufrac, "node-agent", "--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
 		"--nri-socket", n.path("nri.sock"), "--pod-resources-socket", n.podResourcesSocket(),
 		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
 		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--resync-period", "2s")
+}
+
+// agentCgroup is the agent's own cgroup v2 directory, made once.
+func (n *node) agentCgroup() (string, error) {
+	mount, err := enforce.CgroupMount("/proc")
+	if err != nil {
+		return "", err
+	}
+	cg := filepath.Join(mount, "gpufrac-node-e2e-agent")
+	return cg, os.MkdirAll(cg, 0o755)
 }
 
 func (n *node) waitFractionReady(timeout time.Duration) error {
@@ -656,7 +687,6 @@ func (n *node) stop() error {
 	if err := n.removeSandboxes(); err != nil {
 		errs = append(errs, err)
 	}
-	n.killMatching(n.containerdSocket()) // the shims name containerd's socket
 	n.stopProcess("containerd")
 	n.stopProcess("mps-daemon")
 	n.mu.Lock()
@@ -671,7 +701,16 @@ func (n *node) stop() error {
 	if n.cluster != nil {
 		n.cluster.Down()
 	}
+	// What an orderly stop left is a failure; it is killed all the same,
+	// so that the next run starts clean.
+	if left := n.leftovers(); len(left) > 0 {
+		errs = append(errs, fmt.Errorf("processes left behind: %s", strings.Join(left, "; ")))
+	}
+	n.killMatching(n.containerdSocket()) // the shims name containerd's socket
 	n.killKubepods()
+	if cg, err := n.agentCgroup(); err == nil {
+		_ = os.Remove(cg)
+	}
 	if err := clearDevicePlugins(); err != nil {
 		errs = append(errs, err)
 	}
@@ -682,9 +721,6 @@ func (n *node) stop() error {
 		errs = append(errs, err)
 	}
 	_ = exec.Command("ip", "link", "delete", bridge).Run()
-	if left := n.leftovers(); len(left) > 0 {
-		errs = append(errs, fmt.Errorf("processes left behind: %s", strings.Join(left, "; ")))
-	}
 	if len(errs) == 0 {
 		if err := os.RemoveAll(n.dir); err != nil {
 			errs = append(errs, err)
@@ -762,22 +798,36 @@ func (n *node) killMatching(s string) {
 	}
 }
 
-// killKubepods kills whatever is still in the kubelet's pod cgroups (a
-// container process whose shim was killed).
-func (n *node) killKubepods() {
-	for _, root := range []string{"/sys/fs/cgroup/unified/kubepods", "/sys/fs/cgroup/pids/kubepods", "/sys/fs/cgroup/kubepods"} {
+// kubepodsRoots are the kubelet's pod cgroups (cgroupfs driver): in the
+// unified hierarchy, and in v1's pids hierarchy on a hybrid host. startNode
+// refuses to run where another kubelet's pods are, so what is in them is
+// this node's.
+var kubepodsRoots = []string{"/sys/fs/cgroup/kubepods", "/sys/fs/cgroup/unified/kubepods", "/sys/fs/cgroup/pids/kubepods"}
+
+func kubepodsPIDs() []int {
+	var pids []int
+	for _, root := range kubepodsRoots {
 		_ = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
 			if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
-				return nil
+				return nil // a cgroup removed meanwhile holds nothing
 			}
 			raw, _ := os.ReadFile(path)
 			for _, f := range strings.Fields(string(raw)) {
-				if pid, err := strconv.Atoi(f); err == nil {
-					_ = syscall.Kill(pid, syscall.SIGKILL)
+				if pid, err := strconv.Atoi(f); err == nil && !slices.Contains(pids, pid) {
+					pids = append(pids, pid)
 				}
 			}
 			return nil
 		})
+	}
+	return pids
+}
+
+// killKubepods kills whatever is still in the pod cgroups (a container
+// process whose shim was killed).
+func (n *node) killKubepods() {
+	for _, pid := range kubepodsPIDs() {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
 }
 
@@ -808,10 +858,14 @@ func (n *node) unmountAll() error {
 }
 
 // leftovers are processes of the node still running: anything naming the
-// work directory or a part's binary.
+// work directory or a part's binary, and anything in a pod's cgroup.
 func (n *node) leftovers() []string {
 	time.Sleep(500 * time.Millisecond) // killed processes are reaped
 	var left []string
+	for _, pid := range kubepodsPIDs() {
+		raw, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
+		left = append(left, fmt.Sprintf("%d %s (in a pod's cgroup)", pid, strings.ReplaceAll(string(raw), "\x00", " ")))
+	}
 	for pid, cmd := range cmdlines() {
 		if strings.Contains(cmd, n.dir) || strings.Contains(cmd, n.nodeBin) || strings.Contains(cmd, filepath.Join(n.repo, "bin", "kube", "kubelet")) {
 			state, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))

@@ -194,9 +194,20 @@ func checkLimits(t *testing.T, pod *corev1.Pod, a api.Assignment, r report) {
 		if r.Cgroup != "/" && c.Cgroup != filepath.Join(mount, r.Cgroup) {
 			t.Errorf("limits set on %s; the container is in %s under %s", c.Cgroup, r.Cgroup, mount)
 		}
+		// The probe itself runs in that cgroup (host PIDs: this test runs
+		// in the host's PID namespace).
 		procs, err := os.ReadFile(filepath.Join(c.Cgroup, "cgroup.procs"))
-		if err != nil || len(strings.Fields(string(procs))) == 0 {
-			t.Errorf("cgroup %s is not the running container's: %q, %v", c.Cgroup, procs, err)
+		if err != nil {
+			t.Errorf("cgroup %s: %v", c.Cgroup, err)
+			continue
+		}
+		var cmds []string
+		for _, pid := range strings.Fields(string(procs)) {
+			raw, _ := os.ReadFile(filepath.Join("/proc", pid, "cmdline"))
+			cmds = append(cmds, strings.TrimRight(strings.ReplaceAll(string(raw), "\x00", " "), " "))
+		}
+		if !slices.Contains(cmds, "/bin/probe") {
+			t.Errorf("the probe does not run in cgroup %s, which holds %q", c.Cgroup, cmds)
 		}
 	}
 }
@@ -308,7 +319,13 @@ func TestLimitsThatCannotBeSetNeverRunTheProcess(t *testing.T) {
 		t.Fatalf("%v: status %+v", err, pod.Status)
 	}
 	t.Logf("the pod says: %s", why)
-	for _, want := range []string{"gpufrac hook", "Unknown Error"} {
+	a := assignment(t, pod, "main")
+	mount, err := enforce.CgroupMount("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"StartError", "gpufrac hook", "GPU " + a.Devices[0], "set memory limits (soft 2048Mi, hard 2048Mi) for cgroup " + mount + "/",
+		"nvmlDeviceSetMemoryLimits_v1: Unknown Error"} {
 		if !strings.Contains(why, want) {
 			t.Errorf("the pod's reason %q does not name %q", why, want)
 		}
@@ -403,6 +420,18 @@ func TestAgentOutageEvictsOnlyTheUnenforced(t *testing.T) {
 		return false, err
 	}); err != nil {
 		t.Fatal(err)
+	}
+	// The audit is done; the enforced pod stays through two more resyncs
+	// (2 s each) and gets no eviction.
+	time.Sleep(5 * time.Second)
+	events, err := theNode.admin.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=enforced"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range events.Items {
+		if strings.Contains(e.Reason, "Evict") || strings.Contains(e.Message, "evict") {
+			t.Errorf("the enforced pod got %s: %s", e.Reason, e.Message)
+		}
 	}
 	after := getPod(t, "enforced")
 	if after.UID != enforced.UID || after.DeletionTimestamp != nil || after.Status.Phase != corev1.PodRunning {

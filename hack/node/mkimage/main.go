@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -62,7 +63,7 @@ func run(busybox, probe, out string) error {
 		if err != nil {
 			return err
 		}
-		cf.OS, cf.Architecture = "linux", "amd64"
+		cf.OS, cf.Architecture = "linux", runtime.GOARCH
 		if img, err = mutate.ConfigFile(img, cf); err != nil {
 			return err
 		}

@@ -286,6 +286,13 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 			cfg.Backend = nodeapi.BackendOff
 		}
 	}
+	if invErr != nil {
+		// Not knowing the GPUs is not knowing the backend: new fractional
+		// containers are refused, and an audit of the running ones waits
+		// (nriplugin's Synchronize) instead of finding them all
+		// unenforceable and evicting the node.
+		cfg.Backend = nodeapi.BackendUnset
+	}
 	if invErr == nil && len(inv.GPUs) > 0 {
 		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
 	}

@@ -14,9 +14,11 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	rspec "github.com/opencontainers/runtime-spec/specs-go"
@@ -90,68 +92,176 @@ func ReadState(r io.Reader) (rspec.State, error) {
 // nameSpace is the "Full path to sysfs cgroup file name" and that a path
 // the driver cannot open is NVML_ERROR_OPERATING_SYSTEM; NVIDIA's MPS v3
 // memory partitioning guide sets limits on "/sys/fs/cgroup/mygroup". The
-// path in /proc/<pid>/cgroup is relative to the cgroup v2 mount, which
-// is found in procRoot/self/mountinfo: /sys/fs/cgroup on a cgroup v2 host,
-// /sys/fs/cgroup/unified on a hybrid one. procRoot is normally /proc; only
-// the unified hierarchy carries the dmem controller.
+// path must be one the calling process can open, so it is built from this
+// process's own mounts (procRoot/self/mountinfo; procRoot is normally
+// /proc): /sys/fs/cgroup on a cgroup v2 host, /sys/fs/cgroup/unified on a
+// hybrid one. Only the unified hierarchy carries the dmem controller.
+//
+// The kernel writes /proc/<pid>/cgroup relative to the reader's cgroup
+// namespace, with "../ entries for each ancestor level" when the target
+// lies outside it (cgroup_namespaces(7)). runc runs the hook in the
+// host's namespace, but the node agent's pod has one of its own: containerd
+// gives every unprivileged container one on cgroup v2
+// (internal/cri/server/container_create.go). Such a path is resolved
+// through the mount of the host's hierarchy (see cgroupMount).
 func CgroupOf(procRoot string, pid int) (string, error) {
-	rel, err := cgroupPath(procRoot, pid)
+	rel, err := cgroupPath(procRoot, strconv.Itoa(pid))
 	if err != nil {
 		return "", err
 	}
-	mount, err := CgroupMount(procRoot)
+	m, err := cgroupMount(procRoot)
 	if err != nil {
 		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
 	}
-	return filepath.Join(mount, rel), nil
+	if m.up == 0 && !climbs(rel) {
+		return filepath.Join(m.point, rel), nil
+	}
+	root, err := namespaceRoot(procRoot, m)
+	if err != nil {
+		return "", fmt.Errorf("cgroup of pid %d (%s, outside this process's cgroup namespace): %w", pid, rel, err)
+	}
+	if ups(rel) > depth(root) {
+		return "", fmt.Errorf("cgroup of pid %d: %s climbs above %s, the root of the hierarchy mounted at %s", pid, rel, root, m.point)
+	}
+	return filepath.Join(m.point, path.Join(root, rel)), nil
 }
 
-func cgroupPath(procRoot string, pid int) (string, error) {
-	f, err := os.Open(filepath.Join(procRoot, strconv.Itoa(pid), "cgroup"))
+func cgroupPath(procRoot, pid string) (string, error) {
+	f, err := os.Open(filepath.Join(procRoot, pid, "cgroup"))
 	if err != nil {
-		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
+		return "", fmt.Errorf("cgroup of pid %s: %w", pid, err)
 	}
 	defer func() { _ = f.Close() }()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if path, ok := strings.CutPrefix(sc.Text(), "0::"); ok && path != "" {
-			return path, nil
+		if p, ok := strings.CutPrefix(sc.Text(), "0::"); ok && p != "" {
+			return p, nil
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("cgroup of pid %d: %w", pid, err)
+		return "", fmt.Errorf("cgroup of pid %s: %w", pid, err)
 	}
-	return "", fmt.Errorf("pid %d is in no cgroup v2 hierarchy: driver memory limits need cgroup v2 with the dmem controller (kernel 6.14 or later)", pid)
+	return "", fmt.Errorf("pid %s is in no cgroup v2 hierarchy: driver memory limits need cgroup v2 with the dmem controller (kernel 6.14 or later)", pid)
 }
 
-// CgroupMount is where the cgroup v2 file system is mounted, read from
-// procRoot/self/mountinfo (proc(5)): the mount point of the first cgroup2
-// mount, /sys/fs/cgroup preferred when there are several.
-func CgroupMount(procRoot string) (string, error) {
-	path := filepath.Join(procRoot, "self", "mountinfo")
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return "", fmt.Errorf("find the cgroup v2 mount: %w", err)
+// climbs tells whether a cgroup path leaves the reader's namespace.
+func climbs(p string) bool { return p == "/.." || strings.HasPrefix(p, "/../") }
+
+// ups counts a path's leading ".." components.
+func ups(p string) int {
+	n := 0
+	for _, c := range strings.Split(strings.TrimPrefix(p, "/"), "/") {
+		if c != ".." {
+			break
+		}
+		n++
 	}
-	var found string
+	return n
+}
+
+func depth(p string) int {
+	if p = strings.Trim(p, "/"); p == "" {
+		return 0
+	}
+	return strings.Count(p, "/") + 1
+}
+
+// mount is a cgroup2 mount as mountinfo shows it: where it is mounted,
+// and how many levels above the reader's cgroup namespace root its root
+// lies (mountinfo's root field, "/" or "/../.."; 0 in the host's
+// namespace).
+type mount struct {
+	point string
+	up    int
+}
+
+// CgroupMount is where this process sees the cgroup v2 hierarchy mounted
+// (see cgroupMount).
+func CgroupMount(procRoot string) (string, error) {
+	m, err := cgroupMount(procRoot)
+	return m.point, err
+}
+
+// cgroupMount picks, from procRoot/self/mountinfo (proc(5)), the cgroup2
+// mount that shows the most of the hierarchy: the one whose root lies
+// highest above this process's cgroup namespace root. In a pod that is the
+// host's /sys/fs/cgroup mounted in, not the runtime's mount of the pod's
+// own namespace. Among equals, /sys/fs/cgroup is preferred, then the first.
+func cgroupMount(procRoot string) (mount, error) {
+	file := filepath.Join(procRoot, "self", "mountinfo")
+	raw, err := os.ReadFile(file)
+	if err != nil {
+		return mount{}, fmt.Errorf("find the cgroup v2 mount: %w", err)
+	}
+	best := mount{up: -1}
 	for _, line := range strings.Split(string(raw), "\n") {
 		pre, post, ok := strings.Cut(line, " - ")
 		fields, fs := strings.Fields(pre), strings.Fields(post)
 		if !ok || len(fields) < 5 || len(fs) == 0 || fs[0] != "cgroup2" {
 			continue
 		}
-		mount := unescapeMount(fields[4])
-		if mount == "/sys/fs/cgroup" {
-			return mount, nil
+		root := unescapeMount(fields[3])
+		if root != "/" && ups(root) != depth(root) {
+			continue // a mount of a subtree: names below it only
 		}
-		if found == "" {
-			found = mount
+		m := mount{point: unescapeMount(fields[4]), up: ups(root)}
+		if m.up > best.up || (m.up == best.up && m.point == "/sys/fs/cgroup" && best.point != "/sys/fs/cgroup") {
+			best = m
 		}
+	}
+	if best.up < 0 {
+		return mount{}, fmt.Errorf("%s lists no cgroup2 file system with the hierarchy's root: driver memory limits need cgroup v2 (mounted at /sys/fs/cgroup; in the node agent's pod, the host's /sys/fs/cgroup)", file)
+	}
+	return best, nil
+}
+
+// namespaceRoots caches, per mount, where this process's cgroup namespace
+// root lies below the mount's root; it never changes.
+var namespaceRoots sync.Map
+
+// namespaceRoot is the path, below mount m's root, of this process's
+// cgroup namespace root. The kernel says only how many levels up the
+// mount's root is; the names come from finding this process in the
+// mount's tree: the directory whose cgroup.procs lists its pid (as the
+// reader's PID namespace numbers it: the agent runs with hostPID).
+func namespaceRoot(procRoot string, m mount) (string, error) {
+	if m.up == 0 {
+		return "/", nil
+	}
+	if v, ok := namespaceRoots.Load(m); ok {
+		return v.(string), nil
+	}
+	self, err := cgroupPath(procRoot, "self")
+	if err != nil {
+		return "", err
+	}
+	pid := strconv.Itoa(os.Getpid())
+	var found string
+	walkErr := filepath.WalkDir(m.point, func(p string, d os.DirEntry, err error) error {
+		if err != nil || !d.IsDir() || found != "" {
+			return nil // an unreadable cgroup is not this process's
+		}
+		raw, _ := os.ReadFile(filepath.Join(p, "cgroup.procs"))
+		for _, f := range strings.Fields(string(raw)) {
+			if f == pid {
+				found = "/" + strings.TrimPrefix(strings.TrimPrefix(p, m.point), "/")
+				return filepath.SkipAll
+			}
+		}
+		return nil
+	})
+	if walkErr != nil {
+		return "", walkErr
 	}
 	if found == "" {
-		return "", fmt.Errorf("%s lists no cgroup2 file system: driver memory limits need cgroup v2 (mounted at /sys/fs/cgroup)", path)
+		return "", fmt.Errorf("pid %s (this process) is in no cgroup under %s: mount the host's /sys/fs/cgroup and run in the host PID namespace", pid, m.point)
 	}
-	return found, nil
+	root := path.Clean(strings.TrimSuffix(found, strings.TrimPrefix(self, "/")))
+	if self != "/" && !strings.HasSuffix(found, self) || depth(root) != m.up {
+		return "", fmt.Errorf("this process is in %s under %s and in %s of its namespace, whose root is %d levels below the mount's: they disagree", found, m.point, self, m.up)
+	}
+	namespaceRoots.Store(m, root)
+	return root, nil
 }
 
 // unescapeMount undoes mountinfo's octal escapes (\040 for a space).

@@ -4,6 +4,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -121,6 +122,62 @@ func TestCgroupOf(t *testing.T) {
 	}
 	if _, err := CgroupOf(proc, 44); err == nil {
 		t.Error("missing pid resolved")
+	}
+}
+
+// In the agent's pod the kernel writes other containers' cgroups relative
+// to the pod's own cgroup namespace ("/../../podB/ctrB"). They are resolved
+// through the host's hierarchy mounted into the pod (its mountinfo root is
+// "/../../../.."), by finding the agent itself in that tree.
+func TestCgroupOfFromAPrivateCgroupNamespace(t *testing.T) {
+	host := t.TempDir() // the host's /sys/fs/cgroup, as mounted into the pod
+	for dir, procs := range map[string]string{
+		"kubepods/besteffort/podA/ctrA":   strconv.Itoa(os.Getpid()) + "\n", // the agent
+		"kubepods/besteffort/podB/ctrB":   "4242\n",
+		"system.slice/containerd.service": "77\n",
+	} {
+		if err := os.MkdirAll(filepath.Join(host, dir), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(host, dir, "cgroup.procs"), []byte(procs), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	proc := func(hostRoot string, cgroups map[string]string) string {
+		proc := t.TempDir()
+		cgroups["self"] = "/"
+		for pid, cg := range cgroups {
+			if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(proc, pid, "cgroup"), []byte("0::"+cg+"\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// The runtime's mount of the pod's own namespace, and the host's.
+		mountinfo := "1210 1200 0:26 / /sys/fs/cgroup ro,nosuid - cgroup2 cgroup rw\n" +
+			"1211 1200 0:26 " + hostRoot + " " + host + " ro,nosuid - cgroup2 cgroup2 rw\n"
+		if err := os.WriteFile(filepath.Join(proc, "self", "mountinfo"), []byte(mountinfo), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return proc
+	}
+	p := proc("/../../../..", map[string]string{"42": "/../../podB/ctrB", "77": "/../../../../system.slice/containerd.service", "88": "/../../../../../x"})
+	for pid, want := range map[int]string{
+		42: filepath.Join(host, "kubepods/besteffort/podB/ctrB"),
+		77: filepath.Join(host, "system.slice/containerd.service"),
+	} {
+		if got, err := CgroupOf(p, pid); err != nil || got != want {
+			t.Errorf("CgroupOf(%d) = %q, %v; want %q", pid, got, err, want)
+		}
+	}
+	if got, err := CgroupOf(p, 88); err == nil || !strings.Contains(err.Error(), "climbs above") {
+		t.Errorf("a path above the root: %q, %v", got, err)
+	}
+	// A mount whose root the kernel puts three levels up, while the agent
+	// is four levels deep in it: not the hierarchy's root, so refused.
+	if got, err := CgroupOf(proc("/../../..", map[string]string{"42": "/../../podB/ctrB"}), 42); err == nil || !strings.Contains(err.Error(), "disagree") {
+		t.Errorf("an inconsistent mount: %q, %v", got, err)
 	}
 }
 

@@ -7,6 +7,7 @@ package nriplugin
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -181,7 +182,13 @@ func (p *Plugin) Registered() bool { return p.registered.Load() }
 // ends or the runtime goes away.
 func (p *Plugin) Run(ctx context.Context, socketPath string) error {
 	s, err := stub.New(p, stub.WithPluginName(Name), stub.WithPluginIdx(Index), stub.WithSocketPath(socketPath),
-		stub.WithOnClose(func() { p.registered.Store(false) }),
+		stub.WithOnClose(func() {
+			p.registered.Store(false)
+			// The next connection's Synchronize brings a fresh list.
+			p.auditMu.Lock()
+			p.deferred = nil
+			p.auditMu.Unlock()
+		}),
 		// Fail closed: by default a request the plugin does not answer in
 		// time proceeds without it (a fractional container would start
 		// with no limits) and the plugin is dropped. With this the request
@@ -338,6 +345,7 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 // the stop, and is bounded inside NRI's request timeout.
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	defer p.observe("StopContainer", time.Now())
+	p.forgetDeferred(ctr.GetId())
 	tenant, known := p.tenants.get(ctr.GetId())
 	p.tenants.remove(ctr.GetId())
 	// The soft limit first: it must not stay charged up the cgroup tree.
@@ -621,10 +629,23 @@ func (p *Plugin) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctr
 		return nil, nil
 	}
 	p.deferred = nil // a reconnection's list supersedes an older one
-	p.auditMu.Unlock()
+	// Under the lock: a SetInjection meanwhile must not change the
+	// configuration halfway through the list.
 	p.audit(ctx, pods, ctrs)
+	p.auditMu.Unlock()
 	p.registered.Store(true)
 	return nil, nil
+}
+
+// forgetDeferred drops a container that stopped from a deferred audit's
+// list, which would otherwise judge it as still running.
+func (p *Plugin) forgetDeferred(id string) {
+	p.auditMu.Lock()
+	defer p.auditMu.Unlock()
+	if p.deferred == nil {
+		return
+	}
+	p.deferred.ctrs = slices.DeleteFunc(slices.Clone(p.deferred.ctrs), func(c *nriapi.Container) bool { return c.GetId() == id })
 }
 
 // audit judges every running container of the runtime against what

@@ -24,8 +24,8 @@
  * here, an absolute path to a cgroup v2 directory (it has cgroup.procs).
  */
 #define NVML_NO_UNVERSIONED_FUNC_DEFS
-#include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,7 +47,7 @@ static struct nvmlDevice_st gpus[MAX_GPUS];
 static unsigned int ngpus;
 static char driver[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
 static int cuda;
-static int initialized;
+static int initialized; /* Init calls not yet matched by Shutdown */
 
 static const char *state_path(const char *file, char *buf, size_t n) {
     const char *dir = getenv("GPUFRAC_FAKE_NVML_DIR");
@@ -56,27 +56,57 @@ static const char *state_path(const char *file, char *buf, size_t n) {
     return buf;
 }
 
-nvmlReturn_t nvmlInit_v2(void) {
-    char path[4096];
+/* The machine is read once; Init and Shutdown are counted, as NVML counts
+ * them (nvml.h, nvmlInit_v2: "A reference count of the number of
+ * initializations is maintained"), so a Shutdown on one thread never pulls
+ * the devices from under another's call. A line that does not parse fails Init: no GPU is
+ * dropped silently. */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int loaded;
+
+static nvmlReturn_t load(void) {
+    char path[4096], line[512];
     FILE *f;
     if (state_path("machine", path, sizeof path) == NULL || (f = fopen(path, "r")) == NULL)
         return NVML_ERROR_DRIVER_NOT_LOADED;
-    ngpus = 0;
-    if (fscanf(f, "%79s %d\n", driver, &cuda) != 2) { fclose(f); return NVML_ERROR_UNKNOWN; }
-    while (ngpus < MAX_GPUS) {
+    nvmlReturn_t ret = NVML_SUCCESS;
+    if (fgets(line, sizeof line, f) == NULL || sscanf(line, "%79s %d", driver, &cuda) != 2) ret = NVML_ERROR_UNKNOWN;
+    while (ret == NVML_SUCCESS && fgets(line, sizeof line, f) != NULL) {
         struct nvmlDevice_st *g = &gpus[ngpus];
         unsigned long long mib;
-        if (fscanf(f, "%95s %llu %31s %95[^\n]\n", g->uuid, &mib, g->busid, g->name) != 4) break;
+        if (line[0] == '\n') continue;
+        if (ngpus == MAX_GPUS || strchr(line, '\n') == NULL ||
+            sscanf(line, "%95s %llu %31s %95[^\n]", g->uuid, &mib, g->busid, g->name) != 4) {
+            ret = NVML_ERROR_UNKNOWN;
+            break;
+        }
         g->memory = mib << 20;
         ngpus++;
     }
     fclose(f);
-    initialized = 1;
-    return NVML_SUCCESS;
+    if (ret != NVML_SUCCESS) ngpus = 0;
+    return ret;
+}
+
+nvmlReturn_t nvmlInit_v2(void) {
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&lock);
+    if (!loaded && (ret = load()) == NVML_SUCCESS) loaded = 1;
+    if (ret == NVML_SUCCESS) initialized++;
+    pthread_mutex_unlock(&lock);
+    return ret;
 }
 
 nvmlReturn_t nvmlInit(void) { return nvmlInit_v2(); }
-nvmlReturn_t nvmlShutdown(void) { initialized = 0; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlShutdown(void) {
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&lock);
+    if (initialized > 0) initialized--;
+    else ret = NVML_ERROR_UNINITIALIZED;
+    pthread_mutex_unlock(&lock);
+    return ret;
+}
 
 static nvmlReturn_t copy(char *dst, unsigned int n, const char *src) {
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
@@ -90,6 +120,7 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) { re
 
 nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v) {
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (v == NULL) return NVML_ERROR_INVALID_ARGUMENT;
     *v = cuda;
     return NVML_SUCCESS;
 }
@@ -97,6 +128,7 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { return nvmlSystemGetCud
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n) {
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (n == NULL) return NVML_ERROR_INVALID_ARGUMENT;
     *n = ngpus;
     return NVML_SUCCESS;
 }
@@ -155,7 +187,7 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *p) {
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending) {
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
     struct nvmlDevice_st *g = dev(d);
-    if (g == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (g == NULL || current == NULL || pending == NULL) return NVML_ERROR_INVALID_ARGUMENT;
     *current = *pending = NVML_DEVICE_MIG_DISABLE;
     return NVML_SUCCESS;
 }
