@@ -27,6 +27,8 @@ type simOptions struct {
 	policy      string
 	seeds       string
 	tune        float64
+	tuneSet     bool
+	order       string
 	json        bool
 	out         string
 	published   string
@@ -44,11 +46,16 @@ pods sorted by name and shuffled with each seed, padded to --tune times the GPU
 capacity, placed one at a time and never deleted. It reports the GPU allocation
 at 100% and 130% of the capacity arrived and the fragmentation at 80%.
 
+With --order given the pods are replayed as the CSV lists them, each once (no
+shuffle, no padding to --tune), ties between nodes going to the earlier by
+name: the very sequence a live cluster can be given, to pair the two.
+
 Policies: ` + strings.Join(placement.Names, ", ") + ` (default gpufrac), or all.`,
 		Example: `  gpufrac sim --nodes openb_node_list_gpu_node.csv --pods openb_pod_list_default.csv
   gpufrac sim --nodes nodes.csv --pods pods.csv --policy all --seeds 42-51 --out results/`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			o.tuneSet = cmd.Flags().Changed("tune")
 			return runSim(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), o)
 		},
 	}
@@ -58,6 +65,7 @@ Policies: ` + strings.Join(placement.Names, ", ") + ` (default gpufrac), or all.
 	f.StringVar(&o.policy, "policy", "gpufrac", "placement policy, or all")
 	f.StringVar(&o.seeds, "seeds", "42", "seeds: a number, a range such as 42-51, or a comma list")
 	f.Float64Var(&o.tune, "tune", 1.3, "workload as a multiple of the GPU capacity")
+	f.StringVar(&o.order, "order", "study", "arrival order: study (each seed shuffles and pads the trace) or given (the CSV's order, each pod once)")
 	f.BoolVar(&o.json, "json", false, "print one JSON object per (policy, seed) run")
 	f.StringVar(&o.out, "out", "", "directory for curves.csv and allocation.png")
 	f.StringVar(&o.published, "published", "", "the study's analysis_allo_discrete.csv, drawn for comparison (default: fgd-atc23-expected-results/ beside --pods, when there)")
@@ -72,6 +80,7 @@ type simRun struct {
 	Policy      string   `json:"policy"`
 	Seed        int64    `json:"seed"`
 	Tune        float64  `json:"tune"`
+	Order       string   `json:"order"`
 	Pods        int      `json:"pods"`
 	Unscheduled int      `json:"unscheduled"`
 	AllocAt100  *float64 `json:"alloc_at_100"`
@@ -93,6 +102,17 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 	}
 	if !(o.tune > 0 && o.tune <= 10) {
 		return fmt.Errorf("--tune %v must be above 0 and at most 10", o.tune)
+	}
+	given := false
+	switch o.order {
+	case "study":
+	case "given":
+		given = true
+		if o.tuneSet {
+			return fmt.Errorf("--tune %v has no effect with --order given: the pods are replayed as listed, each once", o.tune)
+		}
+	default:
+		return fmt.Errorf("--order %q: must be study or given", o.order)
 	}
 	if o.workers < 1 {
 		return fmt.Errorf("--parallel %d must be at least 1", o.workers)
@@ -130,7 +150,7 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 	for range min(o.workers, len(jobs)) {
 		wg.Go(func() {
 			for j := range queue {
-				results[j.i], errs[j.i] = sim.Run(nodes, pods, sim.Config{Policy: j.policy, Seed: j.seed, Tune: o.tune},
+				results[j.i], errs[j.i] = sim.Run(nodes, pods, sim.Config{Policy: j.policy, Seed: j.seed, Tune: o.tune, Given: given},
 					func(done, total int) { bar.update(j.i, done, total) })
 			}
 		})
@@ -155,7 +175,7 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 		enc := json.NewEncoder(stdout)
 		for _, r := range results {
 			c := r.Discrete(sim.MaxArrived)
-			_ = enc.Encode(simRun{Policy: r.Policy, Seed: r.Seed, Tune: r.Tune, Pods: r.Pods, Unscheduled: r.Unscheduled,
+			_ = enc.Encode(simRun{Policy: r.Policy, Seed: r.Seed, Tune: r.Tune, Order: o.order, Pods: r.Pods, Unscheduled: r.Unscheduled,
 				AllocAt100: at(c, c.Alloc, 100), AllocAt130: at(c, c.Alloc, 130), FragAt80: at(c, c.Frag, 80),
 				Seconds: math.Round(r.Elapsed.Seconds()*1000) / 1000})
 		}

@@ -40,6 +40,22 @@ func TestSimJSONRunsPerPolicyAndSeed(t *testing.T) {
 	}
 }
 
+// --order given replays the CSV's 6 pods once each, with no tune.
+func TestSimGivenOrder(t *testing.T) {
+	out, errOut, code := runCLI(t, "", "sim", "--nodes", "testdata/trace/nodes.csv", "--pods", "testdata/trace/pods.csv",
+		"--policy", "bestfit", "--order", "given", "--json")
+	if code != 0 || errOut != "" {
+		t.Fatalf("exit %d, stderr %q", code, errOut)
+	}
+	var r map[string]any
+	if err := json.Unmarshal([]byte(strings.TrimSpace(out)), &r); err != nil {
+		t.Fatalf("%q: %v", out, err)
+	}
+	if r["order"] != "given" || r["pods"].(float64) != 6 || r["tune"].(float64) != 0 {
+		t.Errorf("run %v: want order given, the 6 listed pods, tune 0", r)
+	}
+}
+
 func TestSimSummaryAndOutputs(t *testing.T) {
 	dir := t.TempDir()
 	out, _, code := runCLI(t, "", "sim", "--nodes", "testdata/trace/nodes.csv", "--pods", "testdata/trace/pods.csv", "--out", dir)
@@ -64,6 +80,8 @@ func TestSimBadFlagsSayWhatIsWrong(t *testing.T) {
 		{[]string{"--policy", "tetris"}, `--policy: policy "tetris" is not known: use one of gpufrac, fgd, bestfit, gpupacking, dotprod, random`},
 		{[]string{"--seeds", "9-3"}, `--seeds: seeds "9-3": "9-3" must be a whole number or a range low-high`},
 		{[]string{"--tune", "0"}, "--tune 0 must be above 0 and at most 10"},
+		{[]string{"--order", "random"}, `--order "random": must be study or given`},
+		{[]string{"--order", "given", "--tune", "2"}, "--tune 2 has no effect with --order given"},
 		{[]string{"--pods", "testdata/trace/missing.csv"}, "testdata/trace/missing.csv: no such file"},
 		{[]string{"--pods", "testdata/trace/nodes.csv"}, `no "name" column`},
 	} {

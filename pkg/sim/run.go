@@ -20,6 +20,11 @@ type Config struct {
 	Policy string
 	Seed   int64
 	Tune   float64
+	// Given replays the pods as listed, each once: no shuffle, no padding
+	// or thinning to Tune (which is then unused), and ties between nodes
+	// go to the earlier by name. A live run can place the very same
+	// sequence, so the two pair up. The seed still seeds the policy.
+	Given bool
 }
 
 // Sample is the cluster after one pod arrived (placed or not).
@@ -34,7 +39,8 @@ type Sample struct {
 type Result struct {
 	Policy        string
 	Seed          int64
-	Tune          float64
+	Tune          float64 // 0 for a Given run
+	Given         bool
 	Pods          int
 	Unscheduled   int
 	CapacityMilli int64
@@ -46,7 +52,8 @@ type Result struct {
 // The seeded generator is drawn from in the study's order (one draw, the
 // shuffle, the padding, the node order, then ties), so a run is
 // reproducible; ties between nodes go to the earlier in that order, as
-// in the study. progress, if not nil, is called now and then with the
+// in the study. A Given run replays the pods as listed instead (see
+// Config.Given). progress, if not nil, is called now and then with the
 // pods placed so far and the total.
 func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, total int)) (Result, error) {
 	start := time.Now()
@@ -59,8 +66,11 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 		return Result{}, fmt.Errorf("the node list has no GPU nodes")
 	}
 	rng := rand.New(rand.NewSource(cfg.Seed))
-	rng.Int() // the study logs one draw before shuffling
-	workload := Workload(pods, rng, cfg.Tune, capacity)
+	workload := pods
+	if !cfg.Given {
+		rng.Int() // the study logs one draw before shuffling
+		workload = Workload(pods, rng, cfg.Tune, capacity)
+	}
 	keys := make([]placement.Key, len(pods))
 	mems := make([]int64, len(pods))
 	for i, p := range pods {
@@ -77,10 +87,22 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 	// and its scheduler settles ties by node order: ties here go to the
 	// node earliest in a seeded permutation, drawn where the study draws
 	// it. This order reproduces the published per-seed figures closely.
-	order := rng.Perm(len(nodes))
+	var order []int
+	if cfg.Given {
+		order = make([]int, len(nodes))
+		for i := range order {
+			order[i] = i
+		}
+	} else {
+		order = rng.Perm(len(nodes))
+	}
 
 	s := newState(nodes, policy, shapes)
-	res := Result{Policy: policy.Name(), Seed: cfg.Seed, Tune: cfg.Tune, Pods: len(workload), CapacityMilli: capacity,
+	tune := cfg.Tune
+	if cfg.Given {
+		tune = 0
+	}
+	res := Result{Policy: policy.Name(), Seed: cfg.Seed, Tune: tune, Given: cfg.Given, Pods: len(workload), CapacityMilli: capacity,
 		Samples: make([]Sample, 0, len(workload))}
 	var arrived, alloc int64
 	cands := make([]placement.Candidate, 0, len(nodes))

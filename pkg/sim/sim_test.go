@@ -249,6 +249,43 @@ func TestRunIsSeededAndKeepsTheLedgerConsistent(t *testing.T) {
 	}
 }
 
+// A Given run replays the list as it stands: every pod once, in order,
+// whatever the seed or tune, so that a live run of the same list pairs
+// with it.
+func TestGivenOrderReplaysTheListAsListed(t *testing.T) {
+	nodes := []NodeSpec{{Name: "b", CPUMilli: 16000, MemoryMiB: 65536, GPUs: 2, Model: "T4"}, {Name: "a", CPUMilli: 64000, MemoryMiB: 65536, GPUs: 4, Model: "V100M32"}}
+	pods := []PodSpec{
+		{Name: "z", CPUMilli: 8000, MemoryMiB: 100, NumGPU: 2, GPUMilli: 1000},
+		{Name: "s1", CPUMilli: 2000, MemoryMiB: 100, NumGPU: 1, GPUMilli: 500},
+		{Name: "c", CPUMilli: 6000, MemoryMiB: 100},
+		{Name: "v", CPUMilli: 1000, MemoryMiB: 100, NumGPU: 1, GPUMilli: 1000, GPUSpec: []string{"V100M32"}},
+		{Name: "s2", CPUMilli: 2000, MemoryMiB: 100, NumGPU: 1, GPUMilli: 300},
+	}
+	for _, policy := range []string{"gpufrac", "fgd", "bestfit"} {
+		a, err := Run(nodes, pods, Config{Policy: policy, Seed: 1, Tune: 1.3, Given: true}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.Pods != len(pods) || len(a.Samples) != len(pods) || !a.Given || a.Tune != 0 {
+			t.Fatalf("%s: %d pods, %d samples, given %v, tune %v; want the %d listed, given, no tune", policy, a.Pods, len(a.Samples), a.Given, a.Tune, len(pods))
+		}
+		var arrived int64
+		for i, p := range pods {
+			arrived += p.GPURequest()
+			if a.Samples[i].ArrivedMilli != arrived {
+				t.Fatalf("%s: after pod %d (%s) %d milli-GPU arrived, want %d: not the listed order", policy, i, p.Name, a.Samples[i].ArrivedMilli, arrived)
+			}
+		}
+		b, err := Run(nodes, pods, Config{Policy: policy, Seed: 99, Tune: 0.5, Given: true}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(a.Samples, b.Samples) {
+			t.Errorf("%s: another seed or tune changed a given-order run", policy)
+		}
+	}
+}
+
 func TestCurvesAndPublishedFigures(t *testing.T) {
 	r := Result{Policy: "fgd", Seed: 42, CapacityMilli: 100, Samples: []Sample{{ArrivedMilli: 1, AllocMilli: 1, Frag: 2}}}
 	var buf bytes.Buffer
