@@ -442,7 +442,7 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	port, err := freePort()
+	port, err := FreePort()
 	if err != nil {
 		return err
 	}
@@ -493,7 +493,7 @@ func (c *Cluster) startDashboard(ctx context.Context) error {
 		}
 	}
 	if addr == "" {
-		port, err := freePort()
+		port, err := FreePort()
 		if err != nil {
 			return err
 		}
@@ -533,8 +533,8 @@ func (c *Cluster) waitServing(ctx context.Context, name string, client *http.Cli
 	})
 }
 
-// freePort is a loopback TCP port nobody listens on now.
-func freePort() (int, error) {
+// FreePort is a loopback TCP port nobody listens on now.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err

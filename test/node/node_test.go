@@ -397,21 +397,12 @@ func (n *node) startMPS() error {
 		"--mps-pipe-dir", n.mpsRoot(), "--mps-control", self, "--probe-interval", "1s")
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer func() { _ = l.Close() }()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
 func (n *node) startKubelet() error {
-	port, err := freePort()
+	port, err := localcluster.FreePort()
 	if err != nil {
 		return err
 	}
-	healthz, err := freePort()
+	healthz, err := localcluster.FreePort()
 	if err != nil {
 		return err
 	}
