@@ -3,8 +3,6 @@ package cli
 import (
 	"encoding/json"
 	"fmt"
-	"slices"
-	"strings"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/spf13/cobra"
@@ -33,8 +31,8 @@ before installing the agent; --simulate-gpus reads a go-nvml mock machine.`,
 			}
 			var lib nvml.Interface
 			if simulate != "" {
-				if !slices.Contains(inventory.Machines, simulate) {
-					return &ExitError{Code: 2, Err: fmt.Errorf("inventory: --simulate-gpus %q: must be one of %s", simulate, strings.Join(inventory.Machines, ", "))}
+				if err := inventory.CheckMachine(simulate); err != nil {
+					return &ExitError{Code: 2, Err: fmt.Errorf("inventory: %w", err)}
 				}
 				var err error
 				if lib, err = inventory.Simulated(simulate); err != nil {
@@ -68,7 +66,7 @@ before installing the agent; --simulate-gpus reads a go-nvml mock machine.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&simulate, "simulate-gpus", "", "read a go-nvml mock machine instead of NVML: "+strings.Join(inventory.Machines, ", "))
+	f.StringVar(&simulate, "simulate-gpus", "", "read a go-nvml mock machine instead of NVML: "+inventory.MachineHelp())
 	f.StringVarP(&output, "output", "o", "", "json for machines")
 	return cmd
 }

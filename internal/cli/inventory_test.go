@@ -30,7 +30,7 @@ func TestInventory(t *testing.T) {
 	cmd.SetOut(&strings.Builder{})
 	cmd.SetErr(&strings.Builder{})
 	var exit *ExitError
-	if err := cmd.Execute(); !errors.As(err, &exit) || exit.Code != 2 || !strings.Contains(err.Error(), `--simulate-gpus "dgx-nope": must be one of`) {
+	if err := cmd.Execute(); !errors.As(err, &exit) || exit.Code != 2 || !strings.Contains(err.Error(), `--simulate-gpus "dgx-nope": unknown machine; one of`) {
 		t.Errorf("bad machine: %v", err)
 	}
 }

@@ -3,7 +3,6 @@ package cli
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -38,7 +37,7 @@ func newNodeAgentCommand() *cobra.Command {
     enforce (or, with --fail-open, starts them with no GPU) and evicts
     fractional containers found running without enforcement.
 
-With --simulate-gpus=MACHINE (` + strings.Join(inventory.Machines, ", ") + `) the GPUs come from
+With --simulate-gpus=MACHINE (` + inventory.MachineHelp() + `) the GPUs come from
 go-nvml's mock machines, the agent assigns reservation pods their GPUs
 itself, and it hosts an in-process NRI runtime endpoint: for local clusters
 with no GPU, kubelet or container runtime.`,
@@ -76,7 +75,7 @@ with no GPU, kubelet or container runtime.`,
 	f := cmd.Flags()
 	f.StringVar(&opts.NodeName, "node-name", "", "the node this agent runs on (required)")
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-	f.StringVar(&opts.SimulateGPUs, "simulate-gpus", "", "use a go-nvml mock machine instead of the GPUs: "+strings.Join(inventory.Machines, ", "))
+	f.StringVar(&opts.SimulateGPUs, "simulate-gpus", "", "use a go-nvml mock machine instead of the GPUs: "+inventory.MachineHelp())
 	f.StringVar(&opts.NRISocket, "nri-socket", "/var/run/nri/nri.sock", "the container runtime's NRI socket")
 	f.StringVar(&opts.PodResourcesSocket, "pod-resources-socket", reservation.DefaultSocket, "the kubelet's PodResources socket")
 	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")

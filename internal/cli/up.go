@@ -5,8 +5,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"slices"
-	"strings"
 	"syscall"
 	"time"
 
@@ -50,8 +48,8 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 			if nodes < 1 || nodes > 100 {
 				return fmt.Errorf("--nodes %d: must be between 1 and 100", nodes)
 			}
-			if !slices.Contains(inventory.Machines, machine) {
-				return fmt.Errorf("--gpus %q: must be one of %s", machine, strings.Join(inventory.Machines, ", "))
+			if err := inventory.CheckMachine(machine); err != nil {
+				return fmt.Errorf("--gpus: %w", err)
 			}
 			root, err := testenv.RepoRoot()
 			if err != nil {
@@ -100,7 +98,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 	}
 	f := cmd.Flags()
 	f.IntVar(&nodes, "nodes", 4, "simulated GPU nodes")
-	f.StringVar(&machine, "gpus", "dgxh100", "each node's GPUs, a go-nvml mock machine: "+strings.Join(inventory.Machines, ", "))
+	f.StringVar(&machine, "gpus", "dgxh100", "each node's GPUs, a go-nvml mock machine: "+inventory.MachineHelp())
 	f.BoolVar(&demo, "demo", false, "apply every object of examples/, show the placements and a refusal, then stop")
 	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
 	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")

@@ -60,6 +60,24 @@ type Options struct {
 	// Dashboard is the address the dashboard should serve on (host:port);
 	// when it is "" or taken, a free loopback port.
 	Dashboard string
+	// Shapes, when set, are the simulated nodes, one each, and Nodes and
+	// Machine are unused: a trace's nodes, with their own CPU, memory and
+	// GPUs, for replaying the trace live.
+	Shapes []NodeShape
+	// Policy, when set, is the scheduler's placement policy instead of
+	// the one in deploy/scheduler/config.yaml.
+	Policy string
+}
+
+// NodeShape is one simulated node: its name, allocatable CPU, memory and
+// pods, and its GPUs as a --simulate-gpus machine.
+type NodeShape struct {
+	Name      string
+	CPUMilli  int64
+	MemoryMiB int64
+	Pods      int64
+	Machine   string
+	gpus      int
 }
 
 // Cluster is a running local cluster.
@@ -105,15 +123,31 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := os.MkdirAll(filepath.Join(opts.Dir, "logs"), 0o755); err != nil {
 		return nil, err
 	}
-	lib, err := inventory.Simulated(opts.Machine)
-	if err != nil {
-		return nil, err
+	if len(opts.Shapes) == 0 {
+		for i := 1; i <= opts.Nodes; i++ {
+			opts.Shapes = append(opts.Shapes, NodeShape{Name: fmt.Sprintf("gpu-node-%d", i), CPUMilli: 64000, MemoryMiB: 512 << 10, Pods: 110, Machine: opts.Machine})
+		}
 	}
-	inv, err := inventory.Read(lib)
-	if err != nil {
-		return nil, err
+	machines := map[string]int{}
+	for i, n := range opts.Shapes {
+		if _, ok := machines[n.Machine]; !ok {
+			lib, err := inventory.Simulated(n.Machine)
+			if err != nil {
+				return nil, fmt.Errorf("node %s: %w", n.Name, err)
+			}
+			inv, err := inventory.Read(lib)
+			if err != nil {
+				return nil, err
+			}
+			machines[n.Machine] = len(inv.GPUs)
+		}
+		opts.Shapes[i].gpus = machines[n.Machine]
 	}
-	gpus := len(inv.GPUs)
+	c.opts = opts
+	what := fmt.Sprintf("%d nodes of %d simulated %s GPUs, one node agent each", len(opts.Shapes), opts.Shapes[0].gpus, opts.Shapes[0].Machine)
+	if len(machines) > 1 {
+		what = fmt.Sprintf("%d nodes of %d kinds of simulated GPUs, one node agent each", len(opts.Shapes), len(machines))
+	}
 	if err := c.ensureTools(); err != nil {
 		return nil, err
 	}
@@ -126,7 +160,7 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := c.step("identities and RBAC from deploy/", func() error { return c.applyRBAC(ctx) }); err != nil {
 		return nil, err
 	}
-	if err := c.step(fmt.Sprintf("%d nodes of %d simulated %s GPUs, one node agent each", opts.Nodes, gpus, opts.Machine), func() error { return c.startNodes(ctx, gpus) }); err != nil {
+	if err := c.step(what, func() error { return c.startNodes(ctx) }); err != nil {
 		return nil, err
 	}
 	if err := c.step("fake kubelets (KWOK): bound pods become Running", c.startKwok); err != nil {
@@ -298,15 +332,20 @@ func (c *Cluster) kubeconfigFor(name, user string, groups ...string) (string, er
 
 // startNodes creates the Node objects (what a kubelet and the device
 // plugin would report) and starts one node agent per node.
-func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
+func (c *Cluster) startNodes(ctx context.Context) error {
 	kc, err := c.kubeconfigFor("node-agent", agentUser, serviceAccountGroups...)
 	if err != nil {
 		return err
 	}
-	for i := 1; i <= c.opts.Nodes; i++ {
-		name := fmt.Sprintf("gpu-node-%d", i)
+	for _, shape := range c.opts.Shapes {
+		name := shape.Name
 		labels := map[string]string{"kubernetes.io/hostname": name, "gpufrac.io/simulated": "true"}
-		if err := CreateNode(ctx, c.Admin, name, gpus, labels); err != nil {
+		res := corev1.ResourceList{
+			corev1.ResourceCPU:    *resource.NewMilliQuantity(shape.CPUMilli, resource.DecimalSI),
+			corev1.ResourceMemory: *resource.NewQuantity(shape.MemoryMiB<<20, resource.BinarySI),
+			corev1.ResourcePods:   *resource.NewQuantity(shape.Pods, resource.DecimalSI),
+		}
+		if err := CreateNodeWith(ctx, c.Admin, name, shape.gpus, res, labels); err != nil {
 			return err
 		}
 		state := filepath.Join(c.opts.Dir, "nodes", name)
@@ -314,7 +353,7 @@ func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
 			return err
 		}
 		if err := c.start("node-agent-"+name, "node-agent", "--node-name", name, "--kubeconfig", kc,
-			"--simulate-gpus", c.opts.Machine, "--publish-gpu-labels", "--state-dir", state,
+			"--simulate-gpus", shape.Machine, "--publish-gpu-labels", "--state-dir", state,
 			"--health-addr", "", "--resync-period", "2s", "--hook-path", "",
 			// No containers run here, so no MPS daemon either.
 			"--mps-pipe-dir", ""); err != nil {
@@ -329,16 +368,22 @@ func (c *Cluster) startNodes(ctx context.Context, gpus int) error {
 // pods and gpus nvidia.com/gpu, with the given labels and any further
 // conditions (what a node agent would publish).
 func CreateNode(ctx context.Context, client kubernetes.Interface, name string, gpus int, labels map[string]string, conditions ...corev1.NodeCondition) error {
-	node, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
-	if err != nil {
-		return err
-	}
 	res := corev1.ResourceList{
 		corev1.ResourceCPU:    resource.MustParse("64"),
 		corev1.ResourceMemory: resource.MustParse("512Gi"),
 		corev1.ResourcePods:   resource.MustParse("110"),
-		api.ResourceGPU:       *resource.NewQuantity(int64(gpus), resource.DecimalSI),
 	}
+	return CreateNodeWith(ctx, client, name, gpus, res, labels, conditions...)
+}
+
+// CreateNodeWith is CreateNode with the node's CPU, memory and pods given.
+func CreateNodeWith(ctx context.Context, client kubernetes.Interface, name string, gpus int, res corev1.ResourceList, labels map[string]string, conditions ...corev1.NodeCondition) error {
+	node, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
+	if err != nil {
+		return err
+	}
+	res = res.DeepCopy()
+	res[api.ResourceGPU] = *resource.NewQuantity(int64(gpus), resource.DecimalSI)
 	node.Status.Capacity, node.Status.Allocatable = res, res
 	node.Status.Conditions = append([]corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "Simulated",
 		Message: "a Node object with no kubelet", LastHeartbeatTime: metav1.Now()}}, conditions...)
@@ -379,6 +424,11 @@ func (c *Cluster) startScheduler() error {
 	}
 	conn["kubeconfig"] = kc
 	cfg["clientConnection"] = conn
+	if c.opts.Policy != "" {
+		if err := setPolicy(cfg, c.opts.Policy); err != nil {
+			return err
+		}
+	}
 	cfg["leaderElection"] = map[string]any{"leaderElect": false}
 	out, err := yaml.Marshal(cfg)
 	if err != nil {
@@ -642,7 +692,7 @@ func (c *Cluster) waitReady(ctx context.Context) error {
 				}
 			}
 		}
-		return ready == c.opts.Nodes, nil
+		return ready == len(c.opts.Shapes), nil
 	})
 }
 
@@ -742,4 +792,28 @@ func alive(pid int) bool {
 	rest := string(stat[strings.LastIndexByte(string(stat), ')')+1:])
 	fields := strings.Fields(rest)
 	return len(fields) > 0 && fields[0] != "Z" && fields[0] != "X"
+}
+
+// setPolicy sets the GPUFractions plugin's policy in a
+// KubeSchedulerConfiguration read as YAML.
+func setPolicy(cfg map[string]any, policy string) error {
+	profiles, _ := cfg["profiles"].([]any)
+	for _, p := range profiles {
+		profile, _ := p.(map[string]any)
+		plugins, _ := profile["pluginConfig"].([]any)
+		for _, pc := range plugins {
+			pc, _ := pc.(map[string]any)
+			if pc["name"] != "GPUFractions" {
+				continue
+			}
+			args, _ := pc["args"].(map[string]any)
+			if args == nil {
+				args = map[string]any{}
+				pc["args"] = args
+			}
+			args["policy"] = policy
+			return nil
+		}
+	}
+	return fmt.Errorf("deploy/scheduler/config.yaml has no GPUFractions pluginConfig to set the policy %q in", policy)
 }

@@ -297,6 +297,19 @@ func (n *Node) Holds(tenant string) ([]int, bool) {
 // Used returns the node's charged CPU and memory.
 func (n *Node) Used() (cpu, memory int64) { return n.cpuUsed, n.memUsed }
 
+// WithHost returns n as seen with its host's CPU (milli-CPU) and memory:
+// what the node can allocate and what its pods already request, GPU or
+// not. The scheduler's ledger books GPUs only, while kube-scheduler counts
+// every pod's CPU and memory; the policies need both to see GPUs the host
+// can no longer feed. The copy shares n's GPUs and is for reading (Fit,
+// the policies' scores): booking on it panics rather than corrupt n.
+func (n *Node) WithHost(cpu, cpuUsed, memory, memUsed int64) *Node {
+	c := *n
+	c.CPU, c.cpuUsed, c.Memory, c.memUsed = cpu, cpuUsed, memory, memUsed
+	c.held = nil
+	return &c
+}
+
 // Record books the tenant on exactly the given devices as the cluster
 // reports it, whether or not it fits: an audit, or a view of what runs,
 // must count every pod the API shows, and Violations then says what the

@@ -35,7 +35,7 @@ func BenchmarkFilterScore(b *testing.B) {
 				if !c.Filter("n1", share).Fits {
 					b.Fatal("does not fit")
 				}
-				c.Score("n1", share, p)
+				c.Score("n1", share, p, Host{})
 			}
 		})
 	}

@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -36,19 +37,24 @@ type Cache struct {
 	// dirty is closed and replaced whenever a GPU group may have become
 	// empty, so that the collector looks for reservation pods to delete.
 	dirty chan struct{}
-	// shapes counts the resolved shapes of the GPU tenants, for the
+	// workload is what every live pod asks, bound or pending, for the
 	// placement policies that weigh the workload's typical shapes.
-	shapes map[shapeKey]int
+	workload map[types.UID]demand
 }
 
-type shapeKey struct {
-	whole   int
-	request int64
+// demand is what one pod of the workload asks: its CPU and memory, and
+// whole GPUs or a fraction (unresolved: its size depends on the GPU).
+type demand struct {
+	cpu, memoryMiB int64
+	whole          int
+	fraction       *api.Request
 }
 
 // nodeState is one node's GPUs.
 type nodeState struct {
-	inv   api.Inventory
+	inv api.Inventory
+	// cpu is the node's allocatable CPU in milli-CPU.
+	cpu   int64
 	ready bool
 	why   string // why fractions cannot land here, when !ready
 	// Layout is the node's ledger (nil without a GPU inventory), its slots
@@ -101,7 +107,7 @@ func (ns *nodeState) reserved(g string) bool { _, ok := ns.reservations[g]; retu
 
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
-	return &Cache{args: args, nodes: map[string]*nodeState{}, pods: map[types.UID]*tenant{}, dirty: make(chan struct{}), shapes: map[shapeKey]int{}}
+	return &Cache{args: args, nodes: map[string]*nodeState{}, pods: map[types.UID]*tenant{}, dirty: make(chan struct{}), workload: map[types.UID]demand{}}
 }
 
 // Dirty returns a channel closed at the next change that may leave a
@@ -133,6 +139,7 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(node.Name)
+	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
 	changed := inv != ns.inv || (ns.Ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
 	ns.ready, ns.why = ready, why
 	if changed {
@@ -147,8 +154,7 @@ func (c *Cache) DeleteNode(name string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if ns, ok := c.nodes[name]; ok {
-		for uid, t := range ns.tenants {
-			c.forgetShape(t)
+		for uid := range ns.tenants {
 			delete(c.pods, uid)
 		}
 		delete(c.nodes, name)
@@ -185,7 +191,6 @@ func (c *Cache) remove(ns *nodeState, t *tenant) {
 	ns.Release(t.lt(), ns.reserved)
 	delete(ns.tenants, t.uid)
 	delete(c.pods, t.uid)
-	c.forgetShape(t)
 	c.markDirty()
 	// A conflict may have cleared now that room was freed.
 	if len(ns.Conflicts) > 0 {
@@ -203,18 +208,23 @@ func (c *Cache) add(ns *nodeState, t *tenant) {
 func (c *Cache) register(ns *nodeState, t *tenant) {
 	ns.tenants[t.uid] = t
 	c.pods[t.uid] = t
-	c.shapes[t.shape()]++
 }
 
-func (t *tenant) shape() shapeKey {
-	return shapeKey{whole: t.request.Whole, request: t.request.Share.Request}
-}
-
-func (c *Cache) forgetShape(t *tenant) {
-	k := t.shape()
-	if c.shapes[k]--; c.shapes[k] <= 0 {
-		delete(c.shapes, k)
+// setDemand records what a live pod asks for the workload estimate, or
+// forgets a pod that asks nothing, has ended, or is a DaemonSet's (one per
+// node whatever arrives: not part of the stream the policies plan for).
+func (c *Cache) setDemand(pod *corev1.Pod, terminal bool) {
+	d := demand{whole: api.WholeGPUs(&pod.Spec)}
+	d.cpu, d.memoryMiB = podRequests(pod)
+	if reqs, err := api.Parse(api.Intent(pod)); err == nil && len(reqs) > 0 {
+		d.fraction = &reqs[0]
 	}
+	daemon := slices.ContainsFunc(pod.OwnerReferences, func(o metav1.OwnerReference) bool { return o.Kind == "DaemonSet" })
+	if terminal || daemon || (d == demand{}) {
+		delete(c.workload, pod.UID)
+		return
+	}
+	c.workload[pod.UID] = d
 }
 
 // SetPod records a pod as the API reports it. Pending pods are ignored
@@ -228,6 +238,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	terminal := pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.setDemand(pod, terminal)
 	old, known := c.pods[pod.UID]
 	if terminal || (pod.Spec.NodeName == "" && known && !old.assumed) {
 		if known {
@@ -272,6 +283,7 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	delete(c.workload, pod.UID)
 	if t, ok := c.pods[pod.UID]; ok {
 		c.remove(c.node(t.node), t)
 		return

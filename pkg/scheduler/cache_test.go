@@ -261,7 +261,7 @@ func TestReserveUnreserve(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := c.Reserve("n1", "default", "p2", ask("uid-p2", 30000, api.TimeSlicing, 2), p); err != nil {
+			if err := c.Reserve("n1", "default", "p2", ask("uid-p2", 30000, api.TimeSlicing, 2), p, Host{}); err != nil {
 				t.Fatal(err)
 			}
 			d, ok := c.Decision("uid-p2")
@@ -274,7 +274,7 @@ func TestReserveUnreserve(t *testing.T) {
 			}
 			// Reserve again, then the API shows the pod bound with that
 			// decision: nothing changes.
-			if err := c.Reserve("n1", "default", "p2", ask("uid-p2", 30000, api.TimeSlicing, 1), p); err != nil {
+			if err := c.Reserve("n1", "default", "p2", ask("uid-p2", 30000, api.TimeSlicing, 1), p, Host{}); err != nil {
 				t.Fatal(err)
 			}
 			reserved := summary(c, "n1")
@@ -468,7 +468,7 @@ func TestOrphanIsNeverRevived(t *testing.T) {
 	}
 	for i := range 2 {
 		uid := fmt.Sprintf("uid-%d", i)
-		if err := c.Reserve("n1", "default", uid, ask(uid, 1000, api.TimeSlicing, 1), p); err != nil {
+		if err := c.Reserve("n1", "default", uid, ask(uid, 1000, api.TimeSlicing, 1), p, Host{}); err != nil {
 			t.Fatal(err)
 		}
 		if d, _ := c.Decision(types.UID(uid)); slices.Contains(d.Groups, "old") {
@@ -478,7 +478,7 @@ func TestOrphanIsNeverRevived(t *testing.T) {
 			t.Fatal("the orphan gained a tenant")
 		}
 	}
-	if err := c.Reserve("n1", "default", "uid-9", ask("uid-9", 1000, api.TimeSlicing, 1), p); err != nil {
+	if err := c.Reserve("n1", "default", "uid-9", ask("uid-9", 1000, api.TimeSlicing, 1), p, Host{}); err != nil {
 		t.Fatal(err)
 	}
 	// Only the second GPU was free; the orphan's stays held until it is gone.

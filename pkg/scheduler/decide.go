@@ -11,13 +11,26 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
-// Ask is what one pod asks of a node's GPUs: whole GPUs, or a fraction on
-// each of Request.Devices GPUs.
+// Ask is what one pod asks of a node: whole GPUs, or a fraction on each of
+// Request.Devices GPUs, or no GPU at all; and CPU and memory, which the
+// policies weigh (kube-scheduler's own plugins check that they fit).
 type Ask struct {
 	UID   types.UID
 	Whole int
 	// Fraction is set for a fractional pod.
 	Fraction *api.Request
+	// CPU (milli-CPU) and MemoryMiB are the pod's requests as
+	// kube-scheduler counts them.
+	CPU, MemoryMiB int64
+}
+
+// GPU says whether the pod asks for a GPU, whole or shared.
+func (a Ask) GPU() bool { return a.Whole > 0 || a.Fraction != nil }
+
+// Host is a node's CPU (milli-CPU) and memory (MiB): allocatable, and
+// already requested by its pods, as kube-scheduler's NodeInfo counts them.
+type Host struct {
+	CPU, CPUUsed, MemoryMiB, MemoryUsedMiB int64
 }
 
 // Verdict is a node's answer to an Ask in Filter.
@@ -34,7 +47,7 @@ type Verdict struct {
 
 // request is the ledger request for ask on ns, or why it has none.
 func (c *Cache) request(ns *nodeState, ask Ask) (gpu.Request, api.Resolved, error) {
-	r := gpu.Request{Tenant: string(ask.UID)}
+	r := gpu.Request{Tenant: string(ask.UID), CPU: ask.CPU, Memory: ask.MemoryMiB}
 	if ask.Fraction == nil {
 		r.Whole = ask.Whole
 		return r, api.Resolved{}, nil
@@ -101,28 +114,42 @@ func explain(reason gpu.Reason, r gpu.Request) string {
 }
 
 // Score rates the node for the pod with the policy; higher is better. The
-// second result is false when the node cannot take the pod.
-func (c *Cache) Score(node string, ask Ask, policy placement.Policy) (float64, bool) {
+// second result is false when the node cannot take the pod. A pod without
+// GPUs is rated too, on every node: where it lands decides which GPUs its
+// CPU and memory strand, as the simulator rates it.
+func (c *Cache) Score(node string, ask Ask, policy placement.Policy, host Host) (float64, bool) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	choice, ok := c.choose(node, ask, policy)
+	choice, ok := c.choose(node, ask, policy, host)
 	return choice.Score, ok
 }
 
-func (c *Cache) choose(node string, ask Ask, policy placement.Policy) (placement.Choice, bool) {
+// noGPUs is the ledger of a node without GPUs (or whose GPUs are not
+// known yet), for rating pods that ask for none.
+var noGPUs = gpu.NewNode("", 0, 0)
+
+func (c *Cache) choose(node string, ask Ask, policy placement.Policy, host Host) (placement.Choice, bool) {
 	ns, ok := c.nodes[node]
-	if !ok || ns.Ledger == nil {
+	ledger := noGPUs
+	var r gpu.Request
+	switch {
+	case ok && ns.Ledger != nil:
+		var err error
+		if r, _, err = c.request(ns, ask); err != nil {
+			return placement.Choice{}, false
+		}
+		ledger = ns.Ledger
+	case ask.GPU():
 		return placement.Choice{}, false
+	default:
+		r = gpu.Request{Tenant: string(ask.UID), CPU: ask.CPU, Memory: ask.MemoryMiB}
 	}
-	r, _, err := c.request(ns, ask)
-	if err != nil {
-		return placement.Choice{}, false
-	}
-	fit, unfit := ns.Ledger.Fit(r)
+	view := ledger.WithHost(host.CPU, host.CPUUsed, host.MemoryMiB, host.MemoryUsedMiB)
+	fit, unfit := view.Fit(r)
 	if unfit != nil {
 		return placement.Choice{}, false
 	}
-	choice := policy.Score(ns.Ledger, r, fit)
+	choice := policy.Score(view, r, fit)
 	if math.IsNaN(choice.Score) {
 		choice.Score = math.Inf(-1)
 	}
@@ -132,7 +159,10 @@ func (c *Cache) choose(node string, ask Ask, policy placement.Policy) (placement
 // Reserve assumes the pod on the node: the policy's GPUs, joining the GPU
 // groups already on them or opening new ones. Whole-GPU pods are assumed
 // too, so that no fraction is placed on their GPUs meanwhile.
-func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.Policy) error {
+func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.Policy, host Host) error {
+	if !ask.GPU() {
+		return nil
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, held := c.pods[ask.UID]; held {
@@ -145,11 +175,13 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 		}
 		return nil
 	}
-	choice, ok := c.choose(node, ask, policy)
+	choice, ok := c.choose(node, ask, policy, host)
 	if !ok || len(choice.Devices) == 0 {
 		return fmt.Errorf("pod %s/%s no longer fits node %s", namespace, name, node)
 	}
 	r, resolved, _ := c.request(ns, ask)
+	// The ledger books GPUs; the host's CPU and memory are kube-scheduler's.
+	r.CPU, r.Memory = 0, 0
 	t := &tenant{uid: ask.UID, namespace: namespace, name: name, node: node, request: r, resolved: resolved, assumed: true}
 	if ask.Fraction == nil {
 		// Whole GPUs go where the policy chose (place would take the
@@ -269,24 +301,25 @@ func (c *Cache) live(ns *nodeState, g string) bool {
 	return ok && ns.Ledger != nil && shared(ns.Ledger.Devices[slot])
 }
 
-// Shapes returns the workload's typical shapes from the GPU tenants the
-// cache holds, as the FGD-like policies weigh them; and the largest
-// node's GPU memory, for the policies that normalise by it.
+// Coverage is the share of the workload's pods whose shapes the policies
+// weigh: the "typical pods" threshold of the FGD study, as the simulator
+// uses it.
+const Coverage = 0.95
+
+// Shapes returns the workload's typical shapes, as the FGD-like policies
+// weigh them: every live pod the cache has seen, bound or still pending
+// (the demand the policy plans for, as the simulator's estimate counts
+// every pod of its trace), with its CPU and, per shape, the mean memory.
+// A fraction is sized on the cluster's most common GPU. The capacity is
+// the largest node's CPU and summed GPU memory, for the policies that
+// normalise by it.
 func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	var keys []placement.Key
-	for k, n := range c.shapes {
-		key := placement.Key{NumGPU: k.whole, Share: k.request}
-		if k.whole == 0 {
-			key.NumGPU = 1
-		}
-		for range n {
-			keys = append(keys, key)
-		}
-	}
 	capacity := placement.Capacity{CPU: 1, GPU: 1}
+	usable := map[int64]int{}
 	for _, ns := range c.nodes {
+		capacity.CPU = max(capacity.CPU, ns.cpu)
 		if ns.Ledger == nil {
 			continue
 		}
@@ -295,6 +328,26 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
 			sum += d.Schedulable()
 		}
 		capacity.GPU = max(capacity.GPU, sum)
+		usable[ns.inv.MemoryMiB-c.args.Reserve(ns.inv.Model)]++
 	}
-	return placement.Popular(keys, 0.95), capacity
+	var common int64
+	for mib, n := range usable {
+		if n > usable[common] || (n == usable[common] && mib > common) {
+			common = mib
+		}
+	}
+	keys := make([]placement.Key, 0, len(c.workload))
+	mems := make([]int64, 0, len(c.workload))
+	for _, d := range c.workload {
+		key := placement.Key{CPU: d.cpu, NumGPU: d.whole}
+		if f := d.fraction; f != nil {
+			mib, err := f.Memory.Resolve(common, 0)
+			if err != nil {
+				continue // no GPU known yet to size it on
+			}
+			key.NumGPU, key.Share = f.Devices, mib
+		}
+		keys, mems = append(keys, key), append(mems, d.memoryMiB)
+	}
+	return placement.WithMemory(placement.Popular(keys, Coverage), keys, mems), capacity
 }

@@ -17,6 +17,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	toolscache "k8s.io/client-go/tools/cache"
+	resourcehelper "k8s.io/component-helpers/resource"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
@@ -152,14 +153,16 @@ func readCycle(state fwk.CycleState) (*cycle, bool) {
 	return c, ok
 }
 
-// PreFilter reads the pod's request once. A pod that asks for no GPU is
-// skipped by every later extension point; an invalid one is unschedulable
-// until its author fixes it.
+// PreFilter reads the pod's request once; an invalid one is unschedulable
+// until its author fixes it. A pod that asks for no GPU skips Filter but
+// is still scored: its CPU and memory can strand a node's GPUs, and the
+// simulator's figures assume the policy places it too.
 func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
 	if !p.waitSynced(ctx) {
 		return nil, fwk.NewStatus(fwk.Error, "gpufrac's GPU cache has not caught up with the API yet")
 	}
 	ask := Ask{UID: pod.UID}
+	ask.CPU, ask.MemoryMiB = podRequests(pod)
 	if n := api.WholeGPUs(&pod.Spec); n > 0 {
 		ask.Whole = n
 	}
@@ -169,15 +172,30 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev
 		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, err.Error())
 	case len(reqs) > 0:
 		ask.Fraction = &reqs[0]
-	case ask.Whole == 0:
-		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	policy, err := p.policy()
 	if err != nil {
 		return nil, fwk.AsStatus(err)
 	}
 	state.Write(stateKey, &cycle{ask: ask, policy: policy})
+	if !ask.GPU() {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
 	return nil, nil
+}
+
+// podRequests is the pod's CPU (milli-CPU) and memory (MiB) requests as
+// kube-scheduler's NodeResourcesFit counts them (init containers,
+// sidecars and overhead included).
+func podRequests(pod *corev1.Pod) (cpu, memoryMiB int64) {
+	reqs := resourcehelper.PodRequests(pod, resourcehelper.PodResourcesOptions{})
+	return reqs.Cpu().MilliValue(), reqs.Memory().Value() >> 20
+}
+
+// hostOf is a node's CPU and memory as kube-scheduler counts them.
+func hostOf(nodeInfo fwk.NodeInfo) Host {
+	alloc, used := nodeInfo.GetAllocatable(), nodeInfo.GetRequested()
+	return Host{CPU: alloc.GetMilliCPU(), CPUUsed: used.GetMilliCPU(), MemoryMiB: alloc.GetMemory() >> 20, MemoryUsedMiB: used.GetMemory() >> 20}
 }
 
 // waitSynced waits, at most syncTimeout, until the cache has seen the
@@ -248,44 +266,75 @@ func (p *Plugin) Score(_ context.Context, state fwk.CycleState, _ *corev1.Pod, n
 	if !ok {
 		return 0, nil
 	}
-	score, ok := p.cache.Score(nodeInfo.Node().Name, c.ask, c.policy)
+	score, ok := p.cache.Score(nodeInfo.Node().Name, c.ask, c.policy, hostOf(nodeInfo))
 	if !ok {
 		return 0, nil
 	}
-	// Policies score in their own units; a thousandth is finer than any
-	// of them distinguishes.
-	return int64(math.Round(max(min(score, 1e12), -1e12) * 1000)), nil
+	return rawScore(score), nil
+}
+
+// rawScore is a policy's score as the framework's integer.
+func rawScore(score float64) int64 {
+	// Policies score in their own units, gpufrac's in GPUs of expected
+	// fragmentation plus a node's rank, and the ranks of names that
+	// differ in their last character are about 1e-7 apart: score to a
+	// billionth, so that rounding ties no two nodes the policy tells
+	// apart. (±1e9 units at that scale still fit an int64.)
+	return int64(math.Round(max(min(score, 1e9), -1e9) * 1e9))
 }
 
 // ScoreExtensions implements fwk.ScorePlugin.
 func (p *Plugin) ScoreExtensions() fwk.ScoreExtensions { return p }
 
-// NormalizeScore rescales the raw scores linearly onto 0–100.
+// NormalizeScore maps the raw scores onto kube-scheduler's 0–100 so that
+// the policy's choice survives the framework: linearly, except that the
+// policy's best node alone gets 100 and every other at most 99. A linear
+// map alone would round near-equal nodes to the same integer, and
+// kube-scheduler settles equal totals at random, where the policy (and
+// the simulator) tell them apart. Nodes with the very same best raw score
+// are told apart by name, the earliest first, as the simulator's given
+// order does, so that a placement is reproducible.
 func (p *Plugin) NormalizeScore(_ context.Context, _ fwk.CycleState, _ *corev1.Pod, scores fwk.NodeScoreList) *fwk.Status {
-	if len(scores) == 0 {
-		return nil
-	}
-	lo, hi := scores[0].Score, scores[0].Score
-	for _, s := range scores {
-		lo, hi = min(lo, s.Score), max(hi, s.Score)
-	}
-	for i := range scores {
-		if hi == lo {
-			scores[i].Score = fwk.MaxScore
-			continue
-		}
-		scores[i].Score = int64(float64(scores[i].Score-lo) * float64(fwk.MaxScore) / float64(hi-lo))
-	}
+	normalize(scores)
 	return nil
 }
 
-// Reserve assumes the pod's GPUs in the cache.
+func normalize(scores fwk.NodeScoreList) {
+	if len(scores) == 0 {
+		return
+	}
+	lo, hi, best := scores[0].Score, scores[0].Score, 0
+	for i, s := range scores {
+		lo, hi = min(lo, s.Score), max(hi, s.Score)
+		if s.Score > scores[best].Score || (s.Score == scores[best].Score && s.Name < scores[best].Name) {
+			best = i
+		}
+	}
+	for i := range scores {
+		switch {
+		case i == best:
+			scores[i].Score = fwk.MaxScore
+		case hi == lo:
+			scores[i].Score = fwk.MaxScore - 1
+		default:
+			linear := int64(float64(scores[i].Score-lo) * float64(fwk.MaxScore) / float64(hi-lo))
+			scores[i].Score = min(linear, fwk.MaxScore-1)
+		}
+	}
+}
+
+// Reserve assumes the pod's GPUs in the cache, on the GPUs the policy
+// chose in Score: it rates the node again from the same snapshot.
 func (p *Plugin) Reserve(_ context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
 	c, ok := readCycle(state)
-	if !ok {
+	if !ok || !c.ask.GPU() {
 		return nil
 	}
-	if err := p.cache.Reserve(node, pod.Namespace, pod.Name, c.ask, c.policy); err != nil {
+	var host Host
+	if info, err := p.handle.SnapshotSharedLister().NodeInfos().Get(node); err == nil {
+		host = hostOf(info)
+	}
+	if err := p.cache.Reserve(node, pod.Namespace, pod.Name, c.ask, c.policy, host); err != nil {
 		return fwk.NewStatus(fwk.Unschedulable, err.Error())
 	}
 	return nil

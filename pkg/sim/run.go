@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand"
+	"strconv"
 	"strings"
 	"time"
 
@@ -45,7 +46,11 @@ type Result struct {
 	Unscheduled   int
 	CapacityMilli int64
 	Samples       []Sample
-	Elapsed       time.Duration
+	// Placed is, for a Given run, where each pod went (as a live replay
+	// reports it, a share's group named by its GPU's index), so that a
+	// live run can be compared with it pod by pod.
+	Placed  []Placement
+	Elapsed time.Duration
 }
 
 // Run replays the workload of SPEC §4 on the GPU nodes with one policy.
@@ -122,6 +127,9 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 		b := placement.Best(policy, cands)
 		if b < 0 {
 			res.Unscheduled++
+			if cfg.Given {
+				res.Placed = append(res.Placed, Placement{})
+			}
 		} else {
 			c := cands[b]
 			if err := nodes[c.Node].Assign(r, c.Devices); err != nil {
@@ -129,6 +137,13 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 			}
 			s.changed(c.Node)
 			alloc += p.GPURequest()
+			if cfg.Given {
+				pl := Placement{Node: nodes[c.Node].Name}
+				if r.Devices > 0 {
+					pl.Group = strconv.Itoa(c.Devices[0])
+				}
+				res.Placed = append(res.Placed, pl)
+			}
 		}
 		res.Samples = append(res.Samples, Sample{ArrivedMilli: arrived, AllocMilli: alloc, Frag: s.frag})
 	}

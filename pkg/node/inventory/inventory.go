@@ -7,6 +7,7 @@ package inventory
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxb200"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh200"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/gpus"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
 
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
@@ -76,13 +78,51 @@ func (inv Inventory) CUDAVersion() string {
 	return fmt.Sprintf("%d.%d", inv.CUDADriverVersion/1000, inv.CUDADriverVersion%1000/10)
 }
 
-// Machines are the simulated machines --simulate-gpus accepts.
+// Machines are the simulated machines --simulate-gpus accepts by name.
+// It also takes a shape, COUNTxMODEL@MEMORYMi (e.g. 8xG2@32000Mi): COUNT
+// GPUs named MODEL with MEMORY MiB each, for replaying a trace whose
+// nodes are none of those machines.
 var Machines = []string{"dgxa100", "dgxh100", "dgxh200", "dgxb200"}
+
+// MachineHelp lists what --simulate-gpus accepts, for flag help.
+func MachineHelp() string {
+	return strings.Join(Machines, ", ") + ", or COUNTxMODEL@MEMORYMi (e.g. 8xG2@32000Mi)"
+}
+
+// shapeMachine is COUNTxMODEL@MEMORYMi.
+var shapeMachine = regexp.MustCompile(`^([0-9]+)x([A-Za-z0-9][A-Za-z0-9._-]*)@([0-9]+)Mi$`)
+
+// maxShapeGPUs bounds a shape's GPU count: no server has more.
+const maxShapeGPUs = 16
+
+// CheckMachine says whether --simulate-gpus accepts machine, and if not
+// why, in one line.
+func CheckMachine(machine string) error {
+	if slices.Contains(Machines, machine) {
+		return nil
+	}
+	m := shapeMachine.FindStringSubmatch(machine)
+	if m == nil {
+		return fmt.Errorf("--simulate-gpus %q: unknown machine; one of %s", machine, MachineHelp())
+	}
+	count, err1 := strconv.Atoi(m[1])
+	mem, err2 := strconv.ParseInt(m[3], 10, 64)
+	switch {
+	case err1 != nil || count < 1 || count > maxShapeGPUs:
+		return fmt.Errorf("--simulate-gpus %q: the GPU count %s must be between 1 and %d", machine, m[1], maxShapeGPUs)
+	case err2 != nil || mem < 1 || mem > 1<<30:
+		return fmt.Errorf("--simulate-gpus %q: the memory %sMi must be between 1Mi and %dMi", machine, m[3], 1<<30)
+	}
+	return nil
+}
 
 // Simulated returns the NVML library of a go-nvml mock machine. PCI bus ids,
 // which the mocks leave empty, are filled in as 0000:<index+0x18>:00.0 so
 // that every GPU is addressable like a real one.
 func Simulated(machine string) (nvml.Interface, error) {
+	if err := CheckMachine(machine); err != nil {
+		return nil, err
+	}
 	var s *server.Server
 	switch machine {
 	case "dgxa100":
@@ -94,7 +134,13 @@ func Simulated(machine string) (nvml.Interface, error) {
 	case "dgxb200":
 		s = dgxb200.New()
 	default:
-		return nil, fmt.Errorf("--simulate-gpus %q: unknown machine; one of %s", machine, strings.Join(Machines, ", "))
+		// A shape: H100s renamed and resized, on dgxh100's driver.
+		m := shapeMachine.FindStringSubmatch(machine)
+		count, _ := strconv.Atoi(m[1])
+		mem, _ := strconv.ParseUint(m[3], 10, 64)
+		gpu := gpus.H100_SXM5_80GB
+		gpu.Name, gpu.MemoryMB = m[2], mem
+		s = dgxh100.NewWithGPUs(gpus.Multiple(count, gpu)...)
 	}
 	for i, d := range s.Devices {
 		dev, ok := d.(*server.Device)

@@ -111,3 +111,30 @@ func TestReadRealLibrary(t *testing.T) {
 	}
 	t.Logf("real inventory: %+v (enforcement %s)", inv, inv.Capability())
 }
+
+// A shape simulates a trace's node: its GPU count, model name and memory.
+func TestSimulatedShape(t *testing.T) {
+	lib, err := Simulated("3xG2@32000Mi")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.GPUs) != 3 {
+		t.Fatalf("got %d GPUs, want 3", len(inv.GPUs))
+	}
+	seen := map[string]bool{}
+	for _, g := range inv.GPUs {
+		if g.Product != "G2" || g.MemoryMiB != 32000 || seen[g.UUID] || g.PCIBusID == "" {
+			t.Errorf("GPU %+v: want a distinct G2 with 32000MiB and a bus id", g)
+		}
+		seen[g.UUID] = true
+	}
+	for _, bad := range []string{"0xG2@32000Mi", "17xG2@1Mi", "8xG2@0Mi", "8xG2@32000", "8x@1Mi", "dgx", "8x G2@1Mi"} {
+		if _, err := Simulated(bad); err == nil || !strings.Contains(err.Error(), bad) {
+			t.Errorf("Simulated(%q) = %v: want an error naming it", bad, err)
+		}
+	}
+}

@@ -1,0 +1,156 @@
+package scheduler
+
+import (
+	"slices"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/placement"
+)
+
+func TestNormalizeKeepsThePolicysBestAlone(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		raw  []int64
+		want []int64
+	}{
+		// 1000 and 999 apart by a thousandth of the range: a linear map
+		// alone gives both 100, and kube-scheduler would pick at random.
+		{"near tie", []int64{-100000, 1000, 999, 0}, []int64{0, 100, 99, 99}},
+		{"order kept below the best", []int64{0, 100, 50, 25}, []int64{0, 100, 50, 25}},
+		// Equal best: the earliest name wins, as the simulator's given order.
+		{"exact tie", []int64{7, 7, 3}, []int64{100, 99, 0}},
+		{"all equal", []int64{5, 5, 5}, []int64{100, 99, 99}},
+		{"one node", []int64{-3}, []int64{100}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			scores := make(fwk.NodeScoreList, len(tc.raw))
+			for i, s := range tc.raw {
+				scores[i] = fwk.NodeScore{Name: string(rune('a' + i)), Score: s}
+			}
+			// The names' order, not the list's, settles an exact tie.
+			slices.Reverse(scores)
+			normalize(scores)
+			slices.Reverse(scores)
+			for i, s := range scores {
+				if s.Score != tc.want[i] {
+					t.Fatalf("normalize(%v) = %v, want %v", tc.raw, scores, tc.want)
+				}
+			}
+		})
+	}
+}
+
+func withResources(p *corev1.Pod, cpu, memory string) *corev1.Pod {
+	p.Spec.Containers[0].Resources.Requests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse(cpu), corev1.ResourceMemory: resource.MustParse(memory)}
+	return p
+}
+
+func fractionPod(name, nodeName, fraction string) *corev1.Pod {
+	return pod(name, nodeName, map[string]string{api.KeyFraction: fraction})
+}
+
+func TestShapesCountPendingAndCPUOnlyPods(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 8, 40000, true))
+	c.SetNode(node("n2", 8, 40000, true))
+	c.SetNode(node("odd", 8, 80000, true))
+	// The pending pods are demand too: a policy that saw only bound pods
+	// would plan for nothing on an empty cluster.
+	for _, p := range []*corev1.Pod{
+		withResources(fractionPod("half-1", "", "0.5"), "4", "8Gi"),
+		withResources(fractionPod("half-2", "", "0.5"), "4", "16Gi"),
+		withResources(fractionPod("half-3", "", "0.5"), "4", "12Gi"),
+		withResources(wholePod("whole", "", 2), "8", "1Gi"),
+		withResources(pod("cpu-only", "", nil), "16", "1Gi"),
+	} {
+		c.SetPod(p)
+	}
+	// Not demand: a DaemonSet's pod, a finished pod, a pod asking nothing.
+	daemon := withResources(pod("daemon", "n1", nil), "1", "1Gi")
+	daemon.OwnerReferences = []metav1.OwnerReference{{Kind: "DaemonSet", Name: "ds", APIVersion: "apps/v1"}}
+	done := withResources(pod("done", "n1", nil), "2", "1Gi")
+	done.Status.Phase = corev1.PodSucceeded
+	for _, p := range []*corev1.Pod{daemon, done, pod("nothing", "n1", nil)} {
+		c.SetPod(p)
+	}
+	shapes, capacity := c.Shapes()
+	got := map[placement.Key]placement.Shape{}
+	for _, s := range shapes {
+		got[s.Key()] = s
+	}
+	// 0.5 of the common GPU (40000Mi on two nodes of three), not of the
+	// odd one's 80000Mi.
+	half := got[placement.Key{CPU: 4000, NumGPU: 1, Share: 20000}]
+	if half.P != 0.6 || half.Memory != 12*1024 {
+		t.Errorf("shapes %+v: want the half-GPU share at P 0.6 with mean memory 12Gi", shapes)
+	}
+	if _, ok := got[placement.Key{CPU: 16000}]; !ok {
+		t.Errorf("shapes %+v: the CPU-only pod is missing", shapes)
+	}
+	if len(shapes) != 3 {
+		t.Errorf("shapes %+v: want 3 (the daemon's, the finished and the empty pod are not demand)", shapes)
+	}
+	if capacity.GPU != 8*80000 {
+		t.Errorf("capacity %+v: want the largest node's 8 x 80000Mi", capacity)
+	}
+	c.DeletePod(fractionPod("half-1", "", "0.5"))
+	shapes, _ = c.Shapes()
+	for _, s := range shapes {
+		if s.Share == 20000 && s.P != 0.5 {
+			t.Errorf("after a delete the share is at P %v, want 0.5", s.P)
+		}
+	}
+}
+
+// A CPU-only pod is rated by the policy: on the node whose CPU it would
+// leave too short to feed the idle GPUs it scores lower than on a node
+// where it strands nothing, and a node without GPUs rates it too.
+func TestScoreRatesCPUOnlyPodsByWhatTheyStrand(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("gpu", 8, 40000, true))
+	for i := range 8 {
+		c.SetPod(withResources(fractionPod("pending-"+string(rune('a'+i)), "", "0.5"), "8", "1Gi"))
+	}
+	policy := NewTestPolicy(t, c)
+	cpuOnly := Ask{UID: "cpu", CPU: 40000, MemoryMiB: 1024}
+	// 64 CPUs, 20 used: 40 more leave 4, enough for no 8-CPU share.
+	tight := Host{CPU: 64000, CPUUsed: 20000, MemoryMiB: 1 << 20}
+	roomy := Host{CPU: 256000, MemoryMiB: 1 << 20}
+	onTight, ok1 := c.Score("gpu", cpuOnly, policy, tight)
+	onRoomy, ok2 := c.Score("gpu", cpuOnly, policy, roomy)
+	onCPUNode, ok3 := c.Score("cpu-node", cpuOnly, policy, roomy)
+	if !ok1 || !ok2 || !ok3 {
+		t.Fatalf("Score: want every node rated for a CPU-only pod, got ok %v %v %v", ok1, ok2, ok3)
+	}
+	if onTight >= onRoomy || onTight >= onCPUNode {
+		t.Errorf("scores: tight %v, roomy %v, node without GPUs %v: the node left unable to feed its GPUs must score lowest", onTight, onRoomy, onCPUNode)
+	}
+	// A GPU pod is not rated on a node without GPUs.
+	if _, ok := c.Score("cpu-node", ask("g", 1000, api.TimeSlicing, 1), policy, roomy); ok {
+		t.Error("Score rated a fractional pod on a node without GPUs")
+	}
+	// Reserve books nothing for a CPU-only pod.
+	if err := c.Reserve("gpu", "default", "cpu", cpuOnly, policy, tight); err != nil {
+		t.Fatalf("Reserve(CPU-only) = %v", err)
+	}
+	if _, held := c.pods["cpu"]; held {
+		t.Error("Reserve booked a CPU-only pod in the GPU cache")
+	}
+}
+
+// NewTestPolicy is the default policy over the cache's workload.
+func NewTestPolicy(t *testing.T, c *Cache) placement.Policy {
+	t.Helper()
+	shapes, capacity := c.Shapes()
+	p, err := placement.New("gpufrac", shapes, capacity, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
