@@ -33,7 +33,12 @@ type simOptions struct {
 	out         string
 	published   string
 	workers     int
+	variant     string
 }
+
+// variantSeed draws a variant's added pods: one fixed seed, so that a
+// variant is one trace, whatever seeds then shuffle it.
+const variantSeed = 1
 
 func newSimCommand() *cobra.Command {
 	o := simOptions{}
@@ -70,6 +75,7 @@ Policies: ` + strings.Join(placement.Names, ", ") + ` (default gpufrac), or all.
 	f.StringVar(&o.out, "out", "", "directory for curves.csv and allocation.png")
 	f.StringVar(&o.published, "published", "", "the study's analysis_allo_discrete.csv, drawn for comparison (default: fgd-atc23-expected-results/ beside --pods, when there)")
 	f.IntVar(&o.workers, "parallel", runtime.NumCPU(), "runs at once")
+	f.StringVar(&o.variant, "variant", "", "derive a mix from --pods first, as the study derived its variants: "+variantNames())
 	_ = cmd.MarkFlagRequired("nodes")
 	_ = cmd.MarkFlagRequired("pods")
 	return cmd
@@ -126,6 +132,16 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 		return err
 	}
 	workload := strings.TrimSuffix(filepath.Base(o.pods), filepath.Ext(o.pods))
+	if o.variant != "" {
+		v, err := sim.VariantNamed(o.variant)
+		if err != nil {
+			return fmt.Errorf("--variant: %w", err)
+		}
+		if pods, err = v.Derive(pods, variantSeed); err != nil {
+			return err
+		}
+		workload += "+" + v.Name
+	}
 	published, err := loadPublished(o, workload)
 	if err != nil {
 		return err
@@ -337,4 +353,12 @@ func (p *progress) finish() {
 	if p.drawn {
 		_, _ = fmt.Fprintln(p.w)
 	}
+}
+
+func variantNames() string {
+	names := make([]string, len(sim.Variants))
+	for i, v := range sim.Variants {
+		names[i] = v.Name
+	}
+	return strings.Join(names, ", ")
 }

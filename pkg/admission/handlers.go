@@ -48,6 +48,12 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 			}
 		}
 		warnings, err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
+	} else if req.Kind.Group == "" && req.Kind.Kind == "Binding" {
+		var b corev1.Binding
+		if err := json.Unmarshal(req.Object.Raw, &b); err != nil {
+			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode binding: %w", err))
+		}
+		err = v.Identity.ReviewBinding(req.UserInfo.Username, b.Annotations)
 	} else {
 		warnings, err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
 	}

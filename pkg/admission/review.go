@@ -70,6 +70,30 @@ func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (wa
 	return warnings, err
 }
 
+// ReviewBinding decides whether user may bind a pod with a Binding that
+// carries these annotations, which the API server copies onto the pod as
+// it binds it: gpufrac's scheduler writes its decision that way. A Binding
+// both places the pod and sets its annotations, so one from anyone else
+// may carry no GPU-fraction key and none of the scheduler's bookkeeping.
+func (i Identity) ReviewBinding(user string, annotations map[string]string) error {
+	if i.IsScheduler(user) {
+		return nil
+	}
+	var errs api.ErrorList
+	for _, key := range slices.Sorted(maps.Keys(annotations)) {
+		if !api.IsFractionKey(key) && key != api.GPUGroupsAnnotation && key != api.ResolvedKeysAnnotation {
+			continue
+		}
+		c, _, _ := api.SplitContainerKey(key)
+		errs = append(errs, &api.FieldError{Container: c, Key: key, Value: annotations[key],
+			Rule: fmt.Sprintf("can be written by a Binding only by the scheduler (%s), not by %s", strings.Join(i.Users, ", "), user)})
+	}
+	if len(errs) > 0 {
+		return errs
+	}
+	return nil
+}
+
 // guardUpdate denies a user other than the scheduler any change to the
 // scheduler-owned keys, and any change to the fraction of a pod that is
 // already scheduled.

@@ -1,11 +1,14 @@
 package admission
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 const scheduler = DefaultSchedulerUser
@@ -151,5 +154,33 @@ func TestNormalise(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestReviewBinding(t *testing.T) {
+	id := Identity{Users: []string{DefaultSchedulerUser}}
+	decision := map[string]string{
+		"nvidia.com/container.main.gpus.devices":       "GPU-1",
+		"nvidia.com/container.main.gpu-memory.request": "40960Mi",
+		api.GPUGroupsAnnotation:                        "g1",
+		"team":                                         "a",
+	}
+	if err := id.ReviewBinding(DefaultSchedulerUser, decision); err != nil {
+		t.Errorf("the scheduler's binding: %v", err)
+	}
+	if err := id.ReviewBinding("system:serviceaccount:x:other-scheduler", map[string]string{"team": "a"}); err != nil {
+		t.Errorf("another scheduler's binding without fraction keys: %v", err)
+	}
+	err := id.ReviewBinding("mallory", decision)
+	if err == nil {
+		t.Fatal("a binding with a forged decision was allowed")
+	}
+	for _, want := range []string{"nvidia.com/container.main.gpus.devices", api.GPUGroupsAnnotation, "mallory", DefaultSchedulerUser} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("denial %q does not name %q", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "team") {
+		t.Errorf("denial %q names a key that is not the scheduler's", err)
 	}
 }

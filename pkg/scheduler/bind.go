@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
@@ -80,6 +81,45 @@ func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuid
 		return fmt.Errorf("write GPU decision on pod %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
 	return nil
+}
+
+// decisionBinding is what Bind writes with a fractional pod's Binding:
+// the decision's annotations and its GPU-group label.
+type decisionBinding struct {
+	annotations, labels map[string]string
+}
+
+// Clone implements fwk.StateData; it is never changed once written.
+func (b *decisionBinding) Clone() fwk.StateData { return b }
+
+const bindKey fwk.StateKey = Name + "/binding"
+
+// bindingOf is the decision as a Binding's annotations and labels, or
+// false when it must remove a key the pod has (a Binding's annotations
+// can only add and overwrite): then PreBind patches the pod instead. The
+// label is copied by API servers with PodTopologyLabelsAdmission (beta,
+// on by default since Kubernetes 1.35); it is for people selecting the
+// pods of a GPU, and nothing of gpufrac's reads it from a tenant.
+func bindingOf(d Decision, uuids []string, cdiKind string, pod *corev1.Pod) (*decisionBinding, bool) {
+	b := &decisionBinding{annotations: map[string]string{}}
+	for k, v := range decisionPatch(d, uuids, cdiKind, pod.Annotations) {
+		s, isString := v.(string)
+		if !isString {
+			if _, present := pod.Annotations[k]; present {
+				return nil, false
+			}
+			continue
+		}
+		b.annotations[k] = s
+	}
+	for k, v := range decisionLabels(d) {
+		if s, isString := v.(string); isString {
+			b.labels = map[string]string{k: s}
+		} else if _, present := pod.Labels[k]; present {
+			return nil, false
+		}
+	}
+	return b, true
 }
 
 // assignment is the decision as the node side reads it, the devices named

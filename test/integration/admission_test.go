@@ -364,3 +364,35 @@ func TestFractionFixedOnceBound(t *testing.T) {
 	deniedWith(t, err, "pods.validate.gpufrac.io",
 		`gpu-fraction "0.75" cannot change: the pod is already scheduled to node gpu-node-1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
 }
+
+// A Binding's annotations land on the pod it binds: only the scheduler's
+// Binding may carry a GPU decision, and the API server copies it.
+func TestBindingCarriesOnlyTheSchedulersDecision(t *testing.T) {
+	ctx := context.Background()
+	devices := "nvidia.com/container.main.gpus.devices"
+	bind := func(c *kubernetes.Clientset, name string, annotations map[string]string) error {
+		return c.CoreV1().Pods("default").Bind(ctx, &corev1.Binding{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: annotations},
+			Target:     corev1.ObjectReference{Kind: "Node", Name: "gpu-node-1"},
+		}, metav1.CreateOptions{})
+	}
+	p, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(map[string]string{"gpu-fraction": "0.5"}), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// alice is a cluster admin here: RBAC lets her bind, the webhook does not.
+	err = bind(shared.alice, p.Name, map[string]string{devices: "GPU-aaaa"})
+	deniedWith(t, err, "bindings.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "GPU-aaaa" can be written by a Binding only by the scheduler (`+schedulerUser+`), not by alice`)
+	decision := map[string]string{devices: "GPU-aaaa", "nvidia.com/container.main.gpu-memory.request": "40448Mi", api.GPUGroupsAnnotation: "g1"}
+	if err := bind(shared.scheduler, p.Name, decision); err != nil {
+		t.Fatalf("the scheduler's binding was refused: %v", err)
+	}
+	got, err := shared.admin.CoreV1().Pods("default").Get(ctx, p.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Spec.NodeName != "gpu-node-1" || got.Annotations[devices] != "GPU-aaaa" || got.Annotations[api.GPUGroupsAnnotation] != "g1" {
+		t.Errorf("bound pod: node %q, annotations %v: want the binding's node and decision", got.Spec.NodeName, got.Annotations)
+	}
+}

@@ -369,7 +369,23 @@ func placed(t *testing.T, ns, name string) *corev1.Pod {
 	if err != nil {
 		t.Fatalf("pod %s/%s not bound: %v (annotations %v)", ns, name, err, pod.Annotations)
 	}
+	if len(devices(pod)) > 0 && !decidedByBinding(pod) {
+		t.Errorf("pod %s/%s: its GPU decision was not written by its Binding (managed fields %v)", ns, name, pod.ManagedFields)
+	}
 	return pod
+}
+
+// decidedByBinding says whether the pod's decision came with its Binding
+// (one write) rather than a patch before it: the API server's binding
+// path records no managed fields, a patch records its manager's.
+func decidedByBinding(pod *corev1.Pod) bool {
+	key := api.ContainerKey("main", api.SuffixDevices)
+	for _, m := range pod.ManagedFields {
+		if m.FieldsV1 != nil && strings.Contains(string(m.FieldsV1.Raw), key) {
+			return false
+		}
+	}
+	return true
 }
 
 // devices returns the GPUs written on a placed pod's container main.
