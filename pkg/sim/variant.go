@@ -29,7 +29,7 @@ var Variants = []Variant{
 	{Name: "multigpu50", Kind: func(p PodSpec) bool { return p.NumGPU > 1 }, Demand: PodSpec.GPURequest, Share: 0.5},
 	{Name: "multigpu70", Kind: func(p PodSpec) bool { return p.NumGPU > 1 }, Demand: PodSpec.GPURequest, Share: 0.7},
 	{Name: "cpuonly60", Kind: func(p PodSpec) bool { return p.NumGPU == 0 }, Demand: func(p PodSpec) int64 { return p.CPUMilli }, Share: 0.6},
-	{Name: "cpuonly75", Kind: func(p PodSpec) bool { return p.NumGPU == 0 }, Demand: func(p PodSpec) int64 { return p.CPUMilli }, Share: 0.75},
+	{Name: "cpuonly50", Kind: func(p PodSpec) bool { return p.NumGPU == 0 }, Demand: func(p PodSpec) int64 { return p.CPUMilli }, Share: 0.5},
 }
 
 // VariantNamed returns the variant of that name.
