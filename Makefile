@@ -200,11 +200,12 @@ tidy-check: ## go.mod and go.sum must already be tidy
 	$(GO) mod tidy -diff
 
 .PHONY: fuzz
-fuzz: ## fuzz the annotation parser, the manifest, trace and scheduler-args readers for FUZZTIME each (default 5m)
+fuzz: ## fuzz the annotation parser, the manifest, trace and scheduler-args readers and --simulate-gpus for FUZZTIME each (default 5m)
 	$(GO) test ./pkg/api -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/manifest -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/sim -run '^$$' -fuzz '^FuzzLoadPods$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/scheduler -run '^$$' -fuzz '^FuzzDecodeArgs$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./pkg/node/inventory -run '^$$' -fuzz '^FuzzSimulated$$' -fuzztime $(FUZZTIME)
 
 TRACES ?= $(CURDIR)/traces/alibaba-gpu-v2023
 
@@ -228,7 +229,7 @@ bench-webhook: $(KUBE_STAMP) ## admission latency: handler ns/op, and p50/p99 of
 	$(GO) test -run '^$$' -bench PodCreate -benchtime 1x ./test/integration/
 
 .PHONY: bench-scheduler
-bench-scheduler: $(KUBE_STAMP) $(BENCHSTAT) ## scheduler: Filter+Score ns/op per node, and pods/s of 2,000 fractional vs 2,000 whole-GPU pods on 1,000 nodes x 8 GPUs
+bench-scheduler: $(KUBE_STAMP) $(BENCHSTAT) ## scheduler: Filter+Score ns/op per node, and pods/s of 2,000 fractional vs 2,000 whole-GPU pods on 1,000 and 5,000 nodes x 8 GPUs
 	$(GO) test -run '^$$' -bench FilterScore -benchmem -count 6 ./pkg/scheduler/ | tee $(BIN)/bench-scheduler.txt
 	$(GO) test -run '^$$' -bench SchedulerThroughput -benchtime 1x -count 3 -timeout 60m ./test/integration/ | tee -a $(BIN)/bench-scheduler.txt
 	$(BENCHSTAT) $(BIN)/bench-scheduler.txt

@@ -41,6 +41,11 @@ func (s Shape) Key() Key {
 	return Key{CPU: s.CPU, NumGPU: s.NumGPU, Share: s.Share, Models: strings.Join(s.Models, "|")}
 }
 
+// Coverage is the share of a workload's tasks whose shapes make its
+// estimate: the "typical pods" threshold of Weng et al. (ATC '23), used by
+// the simulator and the scheduler alike.
+const Coverage = 0.95
+
 // Popular returns the most frequent shapes among keys (one per task) until
 // they cover the given share of the tasks, most frequent first, with P
 // renormalised over the kept shapes. This is the "typical pods" estimate

@@ -301,11 +301,6 @@ func (c *Cache) live(ns *nodeState, g string) bool {
 	return ok && ns.Ledger != nil && shared(ns.Ledger.Devices[slot])
 }
 
-// Coverage is the share of the workload's pods whose shapes the policies
-// weigh: the "typical pods" threshold of the FGD study, as the simulator
-// uses it.
-const Coverage = 0.95
-
 // Shapes returns the workload's typical shapes, as the FGD-like policies
 // weigh them: every live pod the cache has seen, bound or still pending
 // (the demand the policy plans for, as the simulator's estimate counts
@@ -349,5 +344,5 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
 		}
 		keys, mems = append(keys, key), append(mems, d.memoryMiB)
 	}
-	return placement.WithMemory(placement.Popular(keys, Coverage), keys, mems), capacity
+	return placement.WithMemory(placement.Popular(keys, placement.Coverage), keys, mems), capacity
 }

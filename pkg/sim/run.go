@@ -13,8 +13,8 @@ import (
 )
 
 // Coverage is the share of pods whose shapes make the workload estimate
-// (the study's "typical pods" threshold).
-const Coverage = 0.95
+// (the study's "typical pods" threshold), the scheduler's too.
+const Coverage = placement.Coverage
 
 // Config is one simulated run.
 type Config struct {

@@ -18,7 +18,7 @@ import (
 )
 
 // BenchmarkSchedulerThroughput runs the real scheduler binary against the
-// real API server with 1,000 nodes of 8 GPUs and measures how fast it
+// real API server with 1,000 and 5,000 nodes of 8 GPUs and measures how fast it
 // places 2,000 whole-GPU pods (the baseline: the default plugins plus our
 // Filter and Score) and 2,000 fractional pods (parse, ledger, policy,
 // reservation pods, decision write-back), in the same run. Each batch is
@@ -28,11 +28,17 @@ import (
 // Reported: pods/s of both, their ratio, and the scheduler's CPU per pod.
 // Run with -benchtime 1x.
 func BenchmarkSchedulerThroughput(b *testing.B) {
-	const nodes, gpus, pods = 1000, 8, 2000
+	for _, nodes := range []int{1000, 5000} {
+		b.Run(fmt.Sprintf("nodes=%d", nodes), func(b *testing.B) { benchmarkThroughput(b, nodes) })
+	}
+}
+
+func benchmarkThroughput(b *testing.B, nodes int) {
+	const gpus, pods = 8, 2000
 	e := schedulerEnv(b)
 	names := make([]string, nodes)
 	parallel(nodes, func(i int) {
-		names[i] = fmt.Sprintf("bench-%04d", i)
+		names[i] = fmt.Sprintf("bench-%05d", i)
 		if err := makeGPUNode(names[i], "bench", gpus, 81920, true); err != nil {
 			b.Error(err)
 		}

@@ -138,3 +138,24 @@ func TestSimulatedShape(t *testing.T) {
 		}
 	}
 }
+
+// --simulate-gpus never panics: a machine it accepts reads as an
+// inventory of that many GPUs, anything else is a one-line error.
+func FuzzSimulated(f *testing.F) {
+	for _, s := range []string{"dgxh100", "8xG2@32000Mi", "16xA@1Mi", "0xG@1Mi", "99999999999999999999xG@1Mi", "8xG2@99999999999999999999Mi"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, machine string) {
+		lib, err := Simulated(machine)
+		if err != nil {
+			if strings.Contains(err.Error(), "\n") {
+				t.Fatalf("a multi-line error: %q", err)
+			}
+			return
+		}
+		inv, err := Read(lib)
+		if err != nil || len(inv.GPUs) == 0 || len(inv.GPUs) > 16 {
+			t.Fatalf("Simulated(%q) accepted, read %d GPUs, %v", machine, len(inv.GPUs), err)
+		}
+	})
+}
