@@ -218,6 +218,11 @@ sim: build ## one seed of every policy on the default Alibaba trace (TRACES=dir)
 sim-table: build ## the README's table: every policy on every trace in TRACES, seeds 42-51 (about 40 min on 2 cores)
 	hack/sim-table.sh $(TRACES) _output/sim-table
 
+.PHONY: replay
+replay: build $(KUBE_STAMP) $(KWOK) ## live vs simulated placement, paired: a 32-node G2 slice of the default trace, seeds 42-46, gpufrac and fgd (about 30 min)
+	$(BIN)/gpufrac replay --nodes $(TRACES)/openb_node_list_gpu_node.csv --pods $(TRACES)/openb_pod_list_default.csv \
+		--model G2 --count 32 --seeds 42-46 --policy gpufrac,fgd --out _output/replay
+
 .PHONY: bench
 bench: $(BENCHSTAT) ## pure-code benchmarks, 10 runs, summarised by benchstat
 	$(GO) test -run '^$$' -bench . -benchmem -count 10 ./pkg/... | tee $(BIN)/bench.txt

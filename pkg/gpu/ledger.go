@@ -304,10 +304,16 @@ func (n *Node) Used() (cpu, memory int64) { return n.cpuUsed, n.memUsed }
 // can no longer feed. The copy shares n's GPUs and is for reading (Fit,
 // the policies' scores): booking on it panics rather than corrupt n.
 func (n *Node) WithHost(cpu, cpuUsed, memory, memUsed int64) *Node {
-	c := *n
-	c.CPU, c.cpuUsed, c.Memory, c.memUsed = cpu, cpuUsed, memory, memUsed
-	c.held = nil
-	return &c
+	return n.WithHostIn(new(Node), cpu, cpuUsed, memory, memUsed)
+}
+
+// WithHostIn is WithHost written into dst, which it returns: for callers
+// that rate many nodes and keep one view per node rather than allocate.
+func (n *Node) WithHostIn(dst *Node, cpu, cpuUsed, memory, memUsed int64) *Node {
+	*dst = *n
+	dst.CPU, dst.cpuUsed, dst.Memory, dst.memUsed = cpu, cpuUsed, memory, memUsed
+	dst.held = nil
+	return dst
 }
 
 // Record books the tenant on exactly the given devices as the cluster

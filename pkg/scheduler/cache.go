@@ -69,6 +69,12 @@ type nodeState struct {
 	// waiting are bound pods not yet turned into tenants: their node's
 	// inventory was unknown, or they did not fit. Each rebuild retries.
 	waiting map[types.UID]*corev1.Pod
+	// viewMu guards view, the node's ledger seen with its host's CPU and
+	// memory (gpu.Node.WithHostIn), kept so that rating a node allocates
+	// nothing; the cache's read lock alone lets two ratings of one node
+	// run at once.
+	viewMu sync.Mutex
+	view   gpu.Node
 }
 
 // reservation is a reservation pod.

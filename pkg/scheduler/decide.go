@@ -144,7 +144,14 @@ func (c *Cache) choose(node string, ask Ask, policy placement.Policy, host Host)
 	default:
 		r = gpu.Request{Tenant: string(ask.UID), CPU: ask.CPU, Memory: ask.MemoryMiB}
 	}
-	view := ledger.WithHost(host.CPU, host.CPUUsed, host.MemoryMiB, host.MemoryUsedMiB)
+	var view *gpu.Node
+	if ok {
+		ns.viewMu.Lock()
+		defer ns.viewMu.Unlock()
+		view = ledger.WithHostIn(&ns.view, host.CPU, host.CPUUsed, host.MemoryMiB, host.MemoryUsedMiB)
+	} else {
+		view = ledger.WithHost(host.CPU, host.CPUUsed, host.MemoryMiB, host.MemoryUsedMiB)
+	}
 	fit, unfit := view.Fit(r)
 	if unfit != nil {
 		return placement.Choice{}, false
