@@ -182,7 +182,7 @@ func thousandths(milli int64) string {
 func podName(name string) string {
 	b := []byte(strings.ToLower(name))
 	for i, c := range b {
-		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '.') {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '-' && c != '.' {
 			b[i] = '-'
 		}
 	}

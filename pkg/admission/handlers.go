@@ -37,7 +37,8 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 	}
 	var err error
 	var warnings []string
-	if req.Kind.Group == "" && req.Kind.Kind == "Pod" {
+	switch {
+	case req.Kind.Group == "" && req.Kind.Kind == "Pod":
 		var pod, old *corev1.Pod
 		if pod, err = decodePod(req.Object.Raw); err != nil {
 			return admission.Errored(http.StatusBadRequest, err)
@@ -48,13 +49,13 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 			}
 		}
 		warnings, err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
-	} else if req.Kind.Group == "" && req.Kind.Kind == "Binding" {
+	case req.Kind.Group == "" && req.Kind.Kind == "Binding":
 		var b corev1.Binding
 		if err := json.Unmarshal(req.Object.Raw, &b); err != nil {
 			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode binding: %w", err))
 		}
 		err = v.Identity.ReviewBinding(req.UserInfo.Username, b.Annotations)
-	} else {
+	default:
 		warnings, err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
 	}
 	if err != nil {

@@ -381,7 +381,7 @@ func placed(t *testing.T, ns, name string) *corev1.Pod {
 func decidedByBinding(pod *corev1.Pod) bool {
 	key := api.ContainerKey("main", api.SuffixDevices)
 	for _, m := range pod.ManagedFields {
-		if m.FieldsV1 != nil && strings.Contains(string(m.FieldsV1.Raw), key) {
+		if m.FieldsV1 != nil && strings.Contains(m.FieldsV1.GetRawString(), key) {
 			return false
 		}
 	}
