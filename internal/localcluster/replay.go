@@ -123,6 +123,21 @@ func (c *Cluster) Replay(ctx context.Context, pods []sim.PodSpec, progress func(
 	if progress != nil {
 		progress(len(pods), len(pods))
 	}
+	// A pod found unschedulable must still be pending: were one bound by a
+	// later retry, the replay would book less than the cluster holds.
+	list, err := client.CoreV1().Pods(ReplayNamespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	bound := map[string]string{}
+	for _, p := range list.Items {
+		bound[p.Name] = p.Spec.NodeName
+	}
+	for i, name := range names {
+		if placed[i].Node == "" && bound[name] != "" {
+			return nil, fmt.Errorf("pod %s (%d of %d) was found unschedulable, then bound to %s by a later retry: the replay no longer matches the cluster", name, i+1, len(pods), bound[name])
+		}
+	}
 	return placed, nil
 }
 

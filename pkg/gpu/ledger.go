@@ -226,6 +226,9 @@ func validate(r Request) *Unfit {
 // Assign gives the tenant the request on exactly the given devices, which
 // must be distinct, as many as asked, and each able to take it.
 func (n *Node) Assign(r Request, devices []int) error {
+	if n.held == nil {
+		return fmt.Errorf("node %s: a host view (WithHost) books nothing; assign on the ledger itself", n.Name)
+	}
 	if _, taken := n.held[r.Tenant]; taken {
 		return fmt.Errorf("tenant %s already holds resources on node %s", r.Tenant, n.Name)
 	}
@@ -302,7 +305,7 @@ func (n *Node) Used() (cpu, memory int64) { return n.cpuUsed, n.memUsed }
 // not. The scheduler's ledger books GPUs only, while kube-scheduler counts
 // every pod's CPU and memory; the policies need both to see GPUs the host
 // can no longer feed. The copy shares n's GPUs and is for reading (Fit,
-// the policies' scores): booking on it panics rather than corrupt n.
+// the policies' scores): Assign and Record refuse to book on it.
 func (n *Node) WithHost(cpu, cpuUsed, memory, memUsed int64) *Node {
 	return n.WithHostIn(new(Node), cpu, cpuUsed, memory, memUsed)
 }
@@ -322,6 +325,9 @@ func (n *Node) WithHostIn(dst *Node, cpu, cpuUsed, memory, memUsed int64) *Node 
 // booking breaks. Only the bookkeeping is checked (a valid request, a
 // tenant booked once, distinct devices of the node, as many as asked).
 func (n *Node) Record(r Request, devices []int) error {
+	if n.held == nil {
+		return fmt.Errorf("node %s: a host view (WithHost) books nothing; record on the ledger itself", n.Name)
+	}
 	if _, taken := n.held[r.Tenant]; taken {
 		return fmt.Errorf("tenant %s already holds resources on node %s", r.Tenant, n.Name)
 	}

@@ -243,3 +243,27 @@ func TestRecordKeepsWhatRunsAndViolationsSayWhatItBreaks(t *testing.T) {
 		t.Errorf("after release: %v, %v", v, n.Check())
 	}
 }
+
+// A host view rates like the ledger with the host's CPU and memory, and
+// books nothing: the ledger it was taken from stays as it was.
+func TestHostViewReadsAndNeverBooks(t *testing.T) {
+	n := NewNode("n", 0, 0, &Device{Index: 0, Total: 1000}, &Device{Index: 1, Total: 1000})
+	v := n.WithHost(4000, 3000, 1024, 0)
+	r := Request{Tenant: "t", Whole: 1, CPU: 2000}
+	if _, unfit := v.Fit(r); unfit == nil || unfit.Reason != ReasonCPU {
+		t.Errorf("Fit on a view with 1000m CPU free: %v, want %s", unfit, ReasonCPU)
+	}
+	r.CPU = 500
+	if err := v.Assign(r, []int{0}); err == nil {
+		t.Error("Assign booked on a host view")
+	}
+	if err := v.Record(r, []int{0}); err == nil {
+		t.Error("Record booked on a host view")
+	}
+	if !n.Devices[0].Idle() || n.Devices[0].Whole() != "" {
+		t.Error("booking on a view changed the ledger's GPU")
+	}
+	if cpu, _ := n.Used(); cpu != 0 || n.CPU != 0 {
+		t.Errorf("the ledger's CPU changed: used %d of %d", cpu, n.CPU)
+	}
+}

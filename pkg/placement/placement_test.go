@@ -202,3 +202,19 @@ func TestNewNamesTheKnownPolicies(t *testing.T) {
 		t.Errorf("the default policy is %s, want gpufrac", p.Name())
 	}
 }
+
+// Spread gives room to burst; a pod without GPUs keeps off the nodes whose
+// GPUs are idle, rather than crowd their hosts.
+func TestSpreadKeepsCPUOnlyPodsOffIdleGPUs(t *testing.T) {
+	busy := gpu.NewNode("busy", 0, 0, &gpu.Device{Index: 0, Total: 1000}, &gpu.Device{Index: 1, Total: 1000})
+	if err := busy.Assign(gpu.Request{Tenant: "w", Whole: 1}, []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	idle := gpu.NewNode("idle", 0, 0, &gpu.Device{Index: 0, Total: 1000}, &gpu.Device{Index: 1, Total: 1000})
+	none := gpu.NewNode("cpu", 0, 0)
+	cpuOnly := gpu.Request{Tenant: "c", CPU: 1000}
+	s := func(n *gpu.Node) float64 { return Spread{}.Score(n, cpuOnly, nil).Score }
+	if !(s(none) > s(busy) && s(busy) > s(idle)) {
+		t.Errorf("spread: no GPUs %v, one idle GPU %v, two idle GPUs %v: want them in that order", s(none), s(busy), s(idle))
+	}
+}

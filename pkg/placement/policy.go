@@ -334,7 +334,9 @@ func (Spread) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 	v := viewOf(n)
 	left := float64(v.idle() - requested(n, r))
 	if k == 0 {
-		return Choice{Score: left}
+		// A pod without GPUs keeps off the GPUs' hosts: the fewer idle
+		// GPUs its CPU and memory crowd, the better.
+		return Choice{Score: -left}
 	}
 	if r.Whole > 0 {
 		return Choice{Score: left, Devices: lowestIdle(fit, k)}

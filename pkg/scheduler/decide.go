@@ -152,6 +152,7 @@ func (c *Cache) choose(node string, ask Ask, policy placement.Policy, host Host)
 	} else {
 		view = ledger.WithHost(host.CPU, host.CPUUsed, host.MemoryMiB, host.MemoryUsedMiB)
 	}
+	view.Name = node // the policies' rank is the node's, not the stand-in's
 	fit, unfit := view.Fit(r)
 	if unfit != nil {
 		return placement.Choice{}, false

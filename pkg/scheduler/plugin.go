@@ -21,6 +21,7 @@ import (
 	resourcehelper "k8s.io/component-helpers/resource"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/placement"
@@ -41,6 +42,9 @@ type Plugin struct {
 	// synced says whether the cache has seen every pod and node the API
 	// held when the scheduler started.
 	synced []toolscache.InformerSynced
+	// bindOrder finds out once whether this plugin binds first (first).
+	bindOrder sync.Once
+	first     bool
 }
 
 var (
@@ -270,10 +274,15 @@ func (p *Plugin) Score(_ context.Context, state fwk.CycleState, _ *corev1.Pod, n
 	}
 	score, ok := p.cache.Score(nodeInfo.Node().Name, c.ask, c.policy, hostOf(nodeInfo))
 	if !ok {
-		return 0, nil
+		return unrated, nil
 	}
 	return rawScore(score), nil
 }
+
+// unrated is the raw score of a node the policy cannot rate (a whole-GPU
+// pod on a node whose GPUs gpufrac does not know): NormalizeScore gives it
+// 0, below every node the policy rated, whatever their raw scores.
+const unrated = math.MinInt64
 
 // rawScore is a policy's score as the framework's integer.
 func rawScore(score float64) int64 {
@@ -302,11 +311,15 @@ func (p *Plugin) NormalizeScore(_ context.Context, _ fwk.CycleState, _ *corev1.P
 }
 
 func normalize(scores fwk.NodeScoreList) {
-	if len(scores) == 0 {
-		return
-	}
-	lo, hi, best := scores[0].Score, scores[0].Score, 0
+	best := -1
+	var lo, hi int64
 	for i, s := range scores {
+		if s.Score == unrated {
+			continue
+		}
+		if best < 0 {
+			lo, hi, best = s.Score, s.Score, i
+		}
 		lo, hi = min(lo, s.Score), max(hi, s.Score)
 		if s.Score > scores[best].Score || (s.Score == scores[best].Score && s.Name < scores[best].Name) {
 			best = i
@@ -314,6 +327,8 @@ func normalize(scores fwk.NodeScoreList) {
 	}
 	for i := range scores {
 		switch {
+		case scores[i].Score == unrated:
+			scores[i].Score = 0
 		case i == best:
 			scores[i].Score = fwk.MaxScore
 		case hi == lo:
@@ -359,8 +374,10 @@ func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, _ *co
 }
 
 // PreBind makes the reservation pods exist and waits until each names its
-// GPU; the decision then goes onto the pod with its Binding (Bind). Only a
-// decision that must remove a key, which a Binding cannot, is patched here.
+// GPU; the decision then goes onto the pod with its Binding (Bind). It is
+// patched here instead when it must remove a key (a Binding cannot), or
+// when the profile does not run this plugin's Bind first: a DefaultBinder
+// ahead of it would bind the pod without its decision.
 func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
 	c, ok := readCycle(state)
 	if !ok || c.ask.Fraction == nil {
@@ -374,7 +391,7 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.
 	if err != nil {
 		return fwk.AsStatus(err)
 	}
-	if b, ok := bindingOf(d, uuids, p.args.CDIKind(), pod); ok {
+	if b, ok := bindingOf(d, uuids, p.args.CDIKind(), pod); ok && p.bindsFirst() {
 		state.Write(bindKey, b)
 		return nil
 	}
@@ -382,6 +399,27 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.
 		return fwk.AsStatus(err)
 	}
 	return nil
+}
+
+// bindsFirst says whether this plugin's Bind runs before any other bind
+// plugin in the profile, as deploy/scheduler/config.yaml configures it
+// (bind.enabled); asked of the framework once, at the first bind, when its
+// plugins are all known. A framework that cannot say is taken to run
+// DefaultBinder first.
+func (p *Plugin) bindsFirst() bool {
+	p.bindOrder.Do(func() {
+		lister, ok := p.handle.(interface{ ListPlugins() *schedconfig.Plugins })
+		if !ok {
+			return
+		}
+		if plugins := lister.ListPlugins(); plugins != nil && len(plugins.Bind.Enabled) > 0 {
+			p.first = plugins.Bind.Enabled[0].Name == Name
+		}
+		if !p.first {
+			klog.Background().Info("GPUFractions is not the first bind plugin of its profile: decisions are patched before DefaultBinder binds (one more write per pod); list it under bind.enabled as deploy/scheduler/config.yaml does")
+		}
+	})
+	return p.first
 }
 
 // Bind binds a fractional pod with a Binding that carries its decision,

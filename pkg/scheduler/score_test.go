@@ -27,6 +27,9 @@ func TestNormalizeKeepsThePolicysBestAlone(t *testing.T) {
 		{"exact tie", []int64{7, 7, 3}, []int64{100, 99, 0}},
 		{"all equal", []int64{5, 5, 5}, []int64{100, 99, 99}},
 		{"one node", []int64{-3}, []int64{100}},
+		// A node the policy cannot rate never outranks one it rated.
+		{"unrated", []int64{unrated, -5000, -7000}, []int64{0, 100, 0}},
+		{"only unrated", []int64{unrated, unrated}, []int64{0, 0}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			scores := make(fwk.NodeScoreList, len(tc.raw))
@@ -101,10 +104,8 @@ func TestShapesCountPendingAndCPUOnlyPods(t *testing.T) {
 	}
 	c.DeletePod(fractionPod("half-1", "", "0.5"))
 	shapes, _ = c.Shapes()
-	for _, s := range shapes {
-		if s.Share == 20000 && s.P != 0.5 {
-			t.Errorf("after a delete the share is at P %v, want 0.5", s.P)
-		}
+	if i := slices.IndexFunc(shapes, func(s placement.Shape) bool { return s.Share == 20000 }); i < 0 || shapes[i].P != 0.5 {
+		t.Errorf("after a delete: shapes %+v, want the half-GPU share at P 0.5", shapes)
 	}
 }
 
