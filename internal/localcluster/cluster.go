@@ -144,9 +144,12 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		opts.Shapes[i].gpus = machines[n.Machine]
 	}
 	c.opts = opts
-	what := fmt.Sprintf("%d nodes of %d simulated %s GPUs, one node agent each", len(opts.Shapes), opts.Shapes[0].gpus, opts.Shapes[0].Machine)
-	if len(machines) > 1 {
+	what := "no simulated nodes"
+	switch {
+	case len(machines) > 1:
 		what = fmt.Sprintf("%d nodes of %d kinds of simulated GPUs, one node agent each", len(opts.Shapes), len(machines))
+	case len(opts.Shapes) > 0:
+		what = fmt.Sprintf("%d nodes of %d simulated %s GPUs, one node agent each", len(opts.Shapes), opts.Shapes[0].gpus, opts.Shapes[0].Machine)
 	}
 	if err := c.ensureTools(); err != nil {
 		return nil, err
