@@ -408,12 +408,10 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.
 // DefaultBinder first.
 func (p *Plugin) bindsFirst() bool {
 	p.bindOrder.Do(func() {
-		lister, ok := p.handle.(interface{ ListPlugins() *schedconfig.Plugins })
-		if !ok {
-			return
-		}
-		if plugins := lister.ListPlugins(); plugins != nil && len(plugins.Bind.Enabled) > 0 {
-			p.first = plugins.Bind.Enabled[0].Name == Name
+		if lister, ok := p.handle.(interface{ ListPlugins() *schedconfig.Plugins }); ok {
+			if plugins := lister.ListPlugins(); plugins != nil && len(plugins.Bind.Enabled) > 0 {
+				p.first = plugins.Bind.Enabled[0].Name == Name
+			}
 		}
 		if !p.first {
 			klog.Background().Info("GPUFractions is not the first bind plugin of its profile: decisions are patched before DefaultBinder binds (one more write per pod); list it under bind.enabled as deploy/scheduler/config.yaml does")

@@ -8,6 +8,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	fwk "k8s.io/kube-scheduler/framework"
+	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/placement"
@@ -181,5 +182,38 @@ func TestBindingCarriesTheDecisionUnlessAKeyMustGo(t *testing.T) {
 	labelled.Labels = map[string]string{api.GPUGroupLabel: "old"}
 	if _, ok := bindingOf(two, []string{"GPU-1", "GPU-2"}, "", labelled); ok {
 		t.Error("a two-GPU decision that must remove a stale group label went with the Binding")
+	}
+}
+
+// listingHandle is a framework handle that lists its profile's plugins.
+type listingHandle struct {
+	fwk.Handle
+	bind []string
+}
+
+func (h listingHandle) ListPlugins() *schedconfig.Plugins {
+	var p schedconfig.Plugins
+	for _, name := range h.bind {
+		p.Bind.Enabled = append(p.Bind.Enabled, schedconfig.Plugin{Name: name})
+	}
+	return &p
+}
+
+// The decision rides on the Binding only when this plugin binds first: a
+// DefaultBinder ahead of it would bind the pod without the decision.
+func TestBindsFirstOnlyWhenFirst(t *testing.T) {
+	for _, tc := range []struct {
+		handle fwk.Handle
+		want   bool
+	}{
+		{listingHandle{bind: []string{Name, "DefaultBinder"}}, true},
+		{listingHandle{bind: []string{"DefaultBinder", Name}}, false},
+		{listingHandle{}, false},
+		{struct{ fwk.Handle }{}, false}, // a framework that cannot say
+	} {
+		p := &Plugin{handle: tc.handle}
+		if got := p.bindsFirst(); got != tc.want {
+			t.Errorf("%+v: bindsFirst %v, want %v", tc.handle, got, tc.want)
+		}
 	}
 }
