@@ -1,6 +1,7 @@
 package mps
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -226,6 +227,12 @@ func (d *Daemon) once(ctx context.Context, logger klog.Logger, args []string, st
 				if ctx.Err() != nil {
 					continue
 				}
+				if processGone(cmd.Process.Pid) {
+					// Dead, not wedged: its exit is on its way (a
+					// loaded node can reap it later than two probes).
+					err := <-exited
+					return fmt.Sprintf("exited: %v (its output is in %s)", errOrZero(err), filepath.Join(nodeapi.LogDir(d.Root), "daemon.out")), nil
+				}
 				missed++
 				logger.Info("MPS control daemon did not answer", "missed", missed, "err", err)
 				if missed >= 2 {
@@ -308,3 +315,15 @@ func (d *Daemon) writeStatus(logger klog.Logger, s Status) {
 
 // ErrNoDaemon is the reason when no supervisor has ever run.
 var ErrNoDaemon = errors.New("no MPS control daemon has been started on this node (is the node agent's mps container running?)")
+
+// processGone says whether a child has died: it is a zombie waiting to be
+// reaped, or no longer exists.
+func processGone(pid int) bool {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	// The state follows the command name, which is in parentheses.
+	i := bytes.LastIndexByte(raw, ')')
+	return i < 0 || i+2 >= len(raw) || raw[i+2] == 'Z' || raw[i+2] == 'X'
+}
