@@ -52,7 +52,7 @@ func (c *Cluster) Replay(ctx context.Context, pods []sim.PodSpec, progress func(
 		mu       sync.Mutex
 		firstErr error
 	)
-	parallelDo(len(pods), 16, func(i int) {
+	Parallel(len(pods), 16, func(i int) {
 		pod := replayPod(pods[i])
 		names[i] = pod.Name
 		if _, err := client.CoreV1().Pods(ReplayNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
@@ -204,8 +204,9 @@ func podName(name string) string {
 	return strings.Trim(string(b), "-.")
 }
 
-// parallelDo runs f(0..n-1) on workers goroutines.
-func parallelDo(n, workers int, f func(int)) {
+// Parallel runs f(0..n-1) on workers goroutines: for creating many API
+// objects at once (a replay's pods, a benchmark's nodes).
+func Parallel(n, workers int, f func(int)) {
 	work := make(chan int)
 	var wg sync.WaitGroup
 	for range workers {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
@@ -105,22 +105,7 @@ func benchmarkThroughput(b *testing.B, nodes int) {
 }
 
 // parallel runs f(0..n-1) on 16 goroutines.
-func parallel(n int, f func(int)) {
-	work := make(chan int)
-	var wg sync.WaitGroup
-	for range 16 {
-		wg.Go(func() {
-			for i := range work {
-				f(i)
-			}
-		})
-	}
-	for i := range n {
-		work <- i
-	}
-	close(work)
-	wg.Wait()
-}
+func parallel(n int, f func(int)) { localcluster.Parallel(n, 16, f) }
 
 // waitAllBound waits until the namespace holds exactly n pods, all bound
 // (n = 0: until it is empty).
