@@ -98,7 +98,7 @@ type replayRun struct {
 func runReplay(cmd *cobra.Command, o replayOptions) error {
 	policies := strings.Split(o.policies, ",")
 	for _, p := range policies {
-		if _, err := placement.New(p, nil, placement.StudyCapacity, nil); err != nil || p == "random" {
+		if _, err := placement.New(p, nil, placement.StudyCapacity, placement.Supply{}, nil); err != nil || p == "random" {
 			return fmt.Errorf("--policy %q: must be policies the scheduler runs, comma-separated: %s", p, strings.Join(placement.Names[:len(placement.Names)-1], ", "))
 		}
 	}

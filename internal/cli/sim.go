@@ -99,7 +99,7 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 	policies := []string{o.policy}
 	if o.policy == "all" {
 		policies = placement.Names
-	} else if _, err := placement.New(o.policy, nil, placement.StudyCapacity, nil); err != nil {
+	} else if _, err := placement.New(o.policy, nil, placement.StudyCapacity, placement.Supply{}, nil); err != nil {
 		return fmt.Errorf("--policy: %w", err)
 	}
 	seeds, err := sim.ParseSeeds(o.seeds)

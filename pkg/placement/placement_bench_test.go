@@ -68,4 +68,4 @@ func BenchmarkCycleFitOnly(b *testing.B) {
 
 func BenchmarkCycleBestFit(b *testing.B) { benchmarkCycle(b, BestFit{Max: StudyCapacity}) }
 func BenchmarkCycleFGD(b *testing.B)     { benchmarkCycle(b, FGD{Shapes: benchShapes}) }
-func BenchmarkCycleGpufrac(b *testing.B) { benchmarkCycle(b, NewOurs(benchShapes)) }
+func BenchmarkCycleGpufrac(b *testing.B) { benchmarkCycle(b, NewOurs(benchShapes, Supply{})) }

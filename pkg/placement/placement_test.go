@@ -144,7 +144,7 @@ func TestFGDScoresAsTheStudy(t *testing.T) {
 
 func TestOursKeepsIdleGPUsForWholeRequests(t *testing.T) {
 	shapes := []Shape{{CPU: 1000, NumGPU: 1, Share: 400, P: 0.5}, {CPU: 1000, NumGPU: 2, P: 0.5}}
-	p := NewOurs(shapes)
+	p := NewOurs(shapes, Supply{})
 	used := node(t, "used", 32000, "T4", 500, 0, 0)
 	idle := node(t, "idle", 32000, "T4", 0, 0)
 	idx, devices := Pick([]*gpu.Node{idle, used}, share("p", 400, 1000), p)
@@ -159,7 +159,7 @@ func TestPoliciesChooseWhatTheLedgerAccepts(t *testing.T) {
 	rng := rand.New(rand.NewSource(1))
 	shapes := []Shape{{CPU: 2000, NumGPU: 1, Share: 300, P: 0.4}, {CPU: 8000, NumGPU: 2, P: 0.3}, {CPU: 4000, P: 0.3}}
 	for _, name := range Names {
-		p, err := New(name, shapes, StudyCapacity, rng)
+		p, err := New(name, shapes, StudyCapacity, Supply{CPU: 128000, GPUs: 8, Unit: 1000}, rng)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -194,11 +194,11 @@ func TestPoliciesChooseWhatTheLedgerAccepts(t *testing.T) {
 }
 
 func TestNewNamesTheKnownPolicies(t *testing.T) {
-	_, err := New("tetris", nil, StudyCapacity, nil)
+	_, err := New("tetris", nil, StudyCapacity, Supply{}, nil)
 	if err == nil || !strings.Contains(err.Error(), `policy "tetris" is not known: use one of gpufrac, fgd, bestfit, gpupacking, dotprod, random`) {
 		t.Errorf("err = %v", err)
 	}
-	if p, _ := New("", nil, StudyCapacity, nil); p.Name() != "gpufrac" {
+	if p, _ := New("", nil, StudyCapacity, Supply{}, nil); p.Name() != "gpufrac" {
 		t.Errorf("the default policy is %s, want gpufrac", p.Name())
 	}
 }
@@ -216,5 +216,48 @@ func TestSpreadKeepsCPUOnlyPodsOffIdleGPUs(t *testing.T) {
 	s := func(n *gpu.Node) float64 { return Spread{}.Score(n, cpuOnly, nil).Score }
 	if !(s(none) > s(busy) && s(busy) > s(idle)) {
 		t.Errorf("spread: no GPUs %v, one idle GPU %v, two idle GPUs %v: want them in that order", s(none), s(busy), s(idle))
+	}
+}
+
+// The rank keeps its full weight while the workload asks for no more CPU
+// per GPU than the cluster offers, and falls to a tie-breaker once it asks
+// for 10% more: then CPU, not GPU fragmentation, limits what fits.
+func TestRankWeighsLessWhenCPURunsOutFirst(t *testing.T) {
+	cluster := Supply{CPU: 96000, GPUs: 8, Unit: 1000} // 12 CPUs per GPU
+	for _, c := range []struct {
+		name   string
+		shapes []Shape
+		supply Supply
+		want   float64
+	}{
+		{"as much CPU per GPU as the cluster", []Shape{{CPU: 12000, NumGPU: 1, P: 1}}, cluster, 1},
+		{"less", []Shape{{CPU: 4000, NumGPU: 2, P: 1}}, cluster, 1},
+		{"5% more", []Shape{{CPU: 12600, NumGPU: 1, P: 1}}, cluster, 0.5},
+		{"10% more", []Shape{{CPU: 13200, NumGPU: 1, P: 1}}, cluster, rankFloor},
+		{"shares, sized in the supply's unit", []Shape{{CPU: 6600, NumGPU: 1, Share: 500, P: 0.5}, {CPU: 8000, P: 0.5}}, cluster, rankFloor},
+		{"shares half as CPU-hungry", []Shape{{CPU: 3000, NumGPU: 1, Share: 500, P: 1}}, cluster, 1},
+		{"no supply known", []Shape{{CPU: 64000, NumGPU: 1, P: 1}}, Supply{}, 1},
+		{"no GPU demand", []Shape{{CPU: 8000, P: 1}}, cluster, 1},
+	} {
+		if got := rankScale(c.shapes, c.supply); math.Abs(got-c.want) > 1e-9 {
+			t.Errorf("%s: rank scale %v, want %v", c.name, got, c.want)
+		}
+	}
+	// The scale is what the rank adds to a score: two nodes in the same
+	// state differ by the scaled difference of their ranks.
+	gap := func(p Ours) float64 {
+		r := gpu.Request{Tenant: "w", Whole: 1, CPU: 1000}
+		a := p.Score(node(t, "a", 96000, "T4", 0, 0), r, []int{0, 1})
+		b := p.Score(node(t, "b", 96000, "T4", 0, 0), r, []int{0, 1})
+		return a.Score - b.Score
+	}
+	gpuBound := []Shape{{CPU: 6000, NumGPU: 1, P: 1}}
+	cpuBound := []Shape{{CPU: 24000, NumGPU: 1, P: 1}}
+	full, floor := gap(NewOurs(gpuBound, cluster)), gap(NewOurs(cpuBound, cluster))
+	if want := rankWeight * (rank("b") - rank("a")); math.Abs(full-want) > 1e-6 {
+		t.Errorf("GPU-bound workload: nodes a and b differ by %v, want the full rank difference %v", full, want)
+	}
+	if math.Abs(floor-rankFloor*full) > 1e-6 {
+		t.Errorf("CPU-bound workload: nodes a and b differ by %v, want a hundredth of %v", floor, full)
 	}
 }

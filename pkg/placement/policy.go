@@ -145,6 +145,15 @@ func (p Random) Score(n *gpu.Node, r gpu.Request, fit []int) Choice {
 // unit summed over the node's GPUs.
 type Capacity struct{ CPU, GPU int64 }
 
+// Supply is what a cluster's nodes offer in all, for gpufrac's policy to
+// tell whether the workload will run out of CPU before GPUs: CPU in
+// milli-CPU, GPUs counted whole, and Unit, a whole GPU in the unit that
+// shapes' shares are in (milli-GPU in the simulator, MiB in the
+// scheduler).
+type Supply struct {
+	CPU, GPUs, Unit int64
+}
+
 // StudyCapacity is the normalisation of the ATC '23 simulator: 128 CPUs
 // and 8 GPUs of 1000 milli-GPU.
 var StudyCapacity = Capacity{CPU: 128000, GPU: 8000}
@@ -301,11 +310,12 @@ var Names = []string{"gpufrac", "fgd", "bestfit", "gpupacking", "dotprod", "rand
 
 // New returns the named policy. shapes is the workload estimate for the
 // fragmentation-aware ones, capacity the normalisation for bestfit and
-// dotprod, rng the source of random's choices.
-func New(name string, shapes []Shape, capacity Capacity, rng *rand.Rand) (Policy, error) {
+// dotprod, supply the cluster's totals for gpufrac's, rng the source of
+// random's choices.
+func New(name string, shapes []Shape, capacity Capacity, supply Supply, rng *rand.Rand) (Policy, error) {
 	switch name {
 	case "gpufrac", "":
-		return NewOurs(shapes), nil
+		return NewOurs(shapes, supply), nil
 	case "fgd":
 		return FGD{Shapes: shapes}, nil
 	case "bestfit":

@@ -315,17 +315,21 @@ func (c *Cache) live(ns *nodeState, g string) bool {
 // every pod of its trace), with its CPU and, per shape, the mean memory.
 // A fraction is sized on the cluster's most common GPU. The capacity is
 // the largest node's CPU and summed GPU memory, for the policies that
-// normalise by it.
-func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
+// normalise by it; the supply is every node's CPU and GPUs in all, with
+// a whole GPU as that most common GPU.
+func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Supply) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	capacity := placement.Capacity{CPU: 1, GPU: 1}
+	var supply placement.Supply
 	usable := map[int64]int{}
 	for _, ns := range c.nodes {
 		capacity.CPU = max(capacity.CPU, ns.cpu)
+		supply.CPU += ns.cpu
 		if ns.Ledger == nil {
 			continue
 		}
+		supply.GPUs += int64(len(ns.Ledger.Devices))
 		var sum int64
 		for _, d := range ns.Ledger.Devices {
 			sum += d.Schedulable()
@@ -352,5 +356,6 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity) {
 		}
 		keys, mems = append(keys, key), append(mems, d.memoryMiB)
 	}
-	return placement.WithMemory(placement.Popular(keys, placement.Coverage), keys, mems), capacity
+	supply.Unit = common
+	return placement.WithMemory(placement.Popular(keys, placement.Coverage), keys, mems), capacity, supply
 }

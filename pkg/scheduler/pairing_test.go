@@ -115,8 +115,8 @@ func TestPluginPlacesASliceAsTheSimulator(t *testing.T) {
 
 func NewTestPolicyNamed(t *testing.T, c *Cache, name string) placement.Policy {
 	t.Helper()
-	shapes, capacity := c.Shapes()
-	p, err := placement.New(name, shapes, capacity, nil)
+	shapes, capacity, supply := c.Shapes()
+	p, err := placement.New(name, shapes, capacity, supply, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -233,8 +233,8 @@ func (p *Plugin) policy() (placement.Policy, error) {
 	if p.current != nil && time.Since(p.built) < policyTTL {
 		return p.current, nil
 	}
-	shapes, capacity := p.cache.Shapes()
-	policy, err := placement.New(p.args.Policy, shapes, capacity, nil)
+	shapes, capacity, supply := p.cache.Shapes()
+	policy, err := placement.New(p.args.Policy, shapes, capacity, supply, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -287,11 +287,13 @@ const unrated = math.MinInt64
 // rawScore is a policy's score as the framework's integer.
 func rawScore(score float64) int64 {
 	// Policies score in their own units, gpufrac's in GPUs of expected
-	// fragmentation plus a node's rank, and the ranks of names that
-	// differ in their last character are about 1e-7 apart: score to a
-	// billionth, so that rounding ties no two nodes the policy tells
-	// apart. (±1e9 units at that scale still fit an int64.)
-	return int64(math.Round(max(min(score, 1e9), -1e9) * 1e9))
+	// fragmentation plus a node's rank. The ranks of names that differ in
+	// their last character are about 1e-7 apart, and on a CPU-bound
+	// workload the rank is scaled down to a hundredth: score to 1e-11, so
+	// that rounding ties no two nodes the policy tells apart. (±9e7 units
+	// at that scale still fit an int64; the largest scores, spread's free
+	// MiB on a node, are below 2e7.)
+	return int64(math.Round(max(min(score, 9e7), -9e7) * 1e11))
 }
 
 // ScoreExtensions implements fwk.ScorePlugin.

@@ -61,9 +61,14 @@ func fractionPod(name, nodeName, fraction string) *corev1.Pod {
 
 func TestShapesCountPendingAndCPUOnlyPods(t *testing.T) {
 	c := NewCache(testArgs())
-	c.SetNode(node("n1", 8, 40000, true))
-	c.SetNode(node("n2", 8, 40000, true))
-	c.SetNode(node("odd", 8, 80000, true))
+	withCPU := func(n *corev1.Node, cpu string) *corev1.Node {
+		n.Status.Allocatable[corev1.ResourceCPU] = resource.MustParse(cpu)
+		return n
+	}
+	c.SetNode(withCPU(node("n1", 8, 40000, true), "96"))
+	c.SetNode(withCPU(node("n2", 8, 40000, true), "96"))
+	c.SetNode(withCPU(node("odd", 8, 80000, true), "128"))
+	c.SetNode(withCPU(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "cpu-node"}, Status: corev1.NodeStatus{Allocatable: corev1.ResourceList{}}}, "64"))
 	// The pending pods are demand too: a policy that saw only bound pods
 	// would plan for nothing on an empty cluster.
 	for _, p := range []*corev1.Pod{
@@ -83,7 +88,7 @@ func TestShapesCountPendingAndCPUOnlyPods(t *testing.T) {
 	for _, p := range []*corev1.Pod{daemon, done, pod("nothing", "n1", nil)} {
 		c.SetPod(p)
 	}
-	shapes, capacity := c.Shapes()
+	shapes, capacity, supply := c.Shapes()
 	got := map[placement.Key]placement.Shape{}
 	for _, s := range shapes {
 		got[s.Key()] = s
@@ -103,8 +108,13 @@ func TestShapesCountPendingAndCPUOnlyPods(t *testing.T) {
 	if capacity.GPU != 8*80000 {
 		t.Errorf("capacity %+v: want the largest node's 8 x 80000Mi", capacity)
 	}
+	// Every node's CPU, the CPU-only node's too, and a whole GPU as the
+	// GPU that shares were sized on.
+	if want := (placement.Supply{CPU: 384000, GPUs: 24, Unit: 40000}); supply != want {
+		t.Errorf("supply %+v, want %+v", supply, want)
+	}
 	c.DeletePod(fractionPod("half-1", "", "0.5"))
-	shapes, _ = c.Shapes()
+	shapes, _, _ = c.Shapes()
 	if i := slices.IndexFunc(shapes, func(s placement.Shape) bool { return s.Share == 20000 }); i < 0 || shapes[i].P != 0.5 {
 		t.Errorf("after a delete: shapes %+v, want the half-GPU share at P 0.5", shapes)
 	}
@@ -149,8 +159,8 @@ func TestScoreRatesCPUOnlyPodsByWhatTheyStrand(t *testing.T) {
 // NewTestPolicy is the default policy over the cache's workload.
 func NewTestPolicy(t *testing.T, c *Cache) placement.Policy {
 	t.Helper()
-	shapes, capacity := c.Shapes()
-	p, err := placement.New("gpufrac", shapes, capacity, nil)
+	shapes, capacity, supply := c.Shapes()
+	p, err := placement.New("gpufrac", shapes, capacity, supply, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -64,8 +64,11 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 	start := time.Now()
 	nodes := Cluster(nodeSpecs)
 	var capacity int64
+	supply := placement.Supply{Unit: MilliGPU}
 	for _, n := range nodes {
 		capacity += int64(len(n.Devices)) * MilliGPU
+		supply.CPU += n.CPU
+		supply.GPUs += int64(len(n.Devices))
 	}
 	if capacity == 0 {
 		return Result{}, fmt.Errorf("the node list has no GPU nodes")
@@ -84,7 +87,7 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 	// The study's shapes have no memory; gpufrac's policy also knows each
 	// shape's mean memory, so that it sees GPUs a node's memory strands.
 	shapes := placement.Popular(keys, Coverage)
-	policy, err := placement.New(cfg.Policy, placement.WithMemory(shapes, keys, mems), placement.StudyCapacity, rng)
+	policy, err := placement.New(cfg.Policy, placement.WithMemory(shapes, keys, mems), placement.StudyCapacity, supply, rng)
 	if err != nil {
 		return Result{}, err
 	}
