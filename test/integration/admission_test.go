@@ -21,6 +21,7 @@ import (
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/admission"
@@ -365,6 +366,30 @@ func TestFractionFixedOnceBound(t *testing.T) {
 		`gpu-fraction "0.75" cannot change: the pod is already scheduled to node gpu-node-1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
 }
 
+// validateCalls is how many reviews the webhook's /validate has served
+// in this process, from controller-runtime's request counter.
+func validateCalls(t *testing.T) float64 {
+	t.Helper()
+	families, err := ctrlmetrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, f := range families {
+		if f.GetName() != "controller_runtime_webhook_requests_total" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "webhook" && l.GetValue() == "/validate" {
+					n += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return n
+}
+
 // A Binding's annotations land on the pod it binds: only the scheduler's
 // Binding may carry a GPU decision, and the API server copies it.
 func TestBindingCarriesOnlyTheSchedulersDecision(t *testing.T) {
@@ -381,12 +406,22 @@ func TestBindingCarriesOnlyTheSchedulersDecision(t *testing.T) {
 		t.Fatal(err)
 	}
 	// alice is a cluster admin here: RBAC lets her bind, the webhook does not.
+	before := validateCalls(t)
 	err = bind(shared.alice, p.Name, map[string]string{devices: "GPU-aaaa"})
 	deniedWith(t, err, "bindings.validate.gpufrac.io",
 		`container "main": nvidia.com/container.main.gpus.devices "GPU-aaaa" can be written by a Binding only by the scheduler (`+schedulerUser+`), not by alice`)
+	if got := validateCalls(t); got != before+1 {
+		t.Errorf("alice's binding: %v calls to /validate, want 1", got-before)
+	}
+	// The scheduler's own Binding is admitted without a call to the
+	// webhook (the not-from-the-scheduler match condition).
 	decision := map[string]string{devices: "GPU-aaaa", "nvidia.com/container.main.gpu-memory.request": "40448Mi", api.GPUGroupsAnnotation: "g1"}
+	before = validateCalls(t)
 	if err := bind(shared.scheduler, p.Name, decision); err != nil {
 		t.Fatalf("the scheduler's binding was refused: %v", err)
+	}
+	if got := validateCalls(t); got != before {
+		t.Errorf("the scheduler's binding: %v calls to /validate, want none", got-before)
 	}
 	got, err := shared.admin.CoreV1().Pods("default").Get(ctx, p.Name, metav1.GetOptions{})
 	if err != nil {

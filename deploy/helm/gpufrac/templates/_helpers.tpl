@@ -14,6 +14,13 @@
 
 {{/* The service-account user names the API server sees. */}}
 {{- define "gpufrac.schedulerUser" -}}system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpufrac.scheduler" . }}{{- end -}}
+{{/* The webhook's --scheduler-user list, as a JSON (and CEL) list of strings. */}}
+{{- define "gpufrac.schedulerUsers" -}}
+{{- $users := list -}}
+{{- if .Values.scheduler.enabled -}}{{- $users = append $users (include "gpufrac.schedulerUser" .) -}}{{- end -}}
+{{- range .Values.webhook.extraSchedulerUsers -}}{{- $users = append $users . -}}{{- end -}}
+{{- toJson $users -}}
+{{- end -}}
 {{- define "gpufrac.nodeAgentUser" -}}system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpufrac.nodeAgent" . }}{{- end -}}
 
 {{- define "gpufrac.image" -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
