@@ -81,6 +81,11 @@ func benchmarkThroughput(b *testing.B, nodes int) {
 				b.ReportMetric(float64(strings.Count(string(raw), "Unable to schedule pod")), kind+"-retries")
 			}
 			waitAllBound(b, ns, pods)
+			// Reservation pods, one per shared GPU: the writes a fraction
+			// costs beyond its Binding (a create and the UUID annotation).
+			if held, err := shared.admin.CoreV1().Pods(reservationNS).List(context.Background(), metav1.ListOptions{ResourceVersion: "0"}); err == nil {
+				b.ReportMetric(float64(len(held.Items)), kind+"-reservations")
+			}
 			now := metav1.DeleteOptions{GracePeriodSeconds: new(int64)}
 			if err := shared.admin.CoreV1().Pods(ns).DeleteCollection(context.Background(), now, metav1.ListOptions{}); err != nil {
 				b.Fatal(err)
