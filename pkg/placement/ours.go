@@ -33,8 +33,9 @@ const (
 	// GPUs run out first, and consolidating keeps whole nodes for large
 	// requests. Past that the CPU runs out first, and a rank that
 	// overrides real differences in growth strands GPUs a better-balanced
-	// choice would have fed: its weight falls linearly to rankFloor (a
-	// tie-breaker only) at cpuBoundFull. Found on the CPU-heavy mixes
+	// choice would have fed: its weight falls linearly to rankFloor at
+	// cpuBoundFull, where it outweighs growth differences of a hundredth
+	// of a GPU at most (two hundredths for a share). Found on the CPU-heavy mixes
 	// (cpu300, and default with 50-60% CPU-only pods: +1.7 to +2.5
 	// points at 130%); every other shipped trace asks for less CPU per
 	// GPU than the cluster has, and is unchanged.

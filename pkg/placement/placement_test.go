@@ -238,6 +238,12 @@ func TestRankWeighsLessWhenCPURunsOutFirst(t *testing.T) {
 		{"shares half as CPU-hungry", []Shape{{CPU: 3000, NumGPU: 1, Share: 500, P: 1}}, cluster, 1},
 		{"no supply known", []Shape{{CPU: 64000, NumGPU: 1, P: 1}}, Supply{}, 1},
 		{"no GPU demand", []Shape{{CPU: 8000, P: 1}}, cluster, 1},
+		{"a share of two GPUs counts both", []Shape{{CPU: 13200, NumGPU: 2, Share: 500, P: 1}}, cluster, rankFloor},
+		// Weighted by pod count, as the workload asks: (24000 + 9000) CPU
+		// for 4.5 GPUs is 1.048 times the 7 CPUs per GPU offered. After
+		// the multi-GPU reweighting it would be 1.31, the floor.
+		{"pod-count weights, not the reweighted ones", []Shape{{CPU: 48000, NumGPU: 8, P: 0.5}, {CPU: 18000, NumGPU: 1, P: 0.5}},
+			Supply{CPU: 56000, GPUs: 8, Unit: 1000}, (cpuBoundFull - 33000.0/4.5/7000) / (cpuBoundFull - cpuBoundFrom)},
 	} {
 		if got := rankScale(c.shapes, c.supply); math.Abs(got-c.want) > 1e-9 {
 			t.Errorf("%s: rank scale %v, want %v", c.name, got, c.want)
@@ -254,10 +260,11 @@ func TestRankWeighsLessWhenCPURunsOutFirst(t *testing.T) {
 	gpuBound := []Shape{{CPU: 6000, NumGPU: 1, P: 1}}
 	cpuBound := []Shape{{CPU: 24000, NumGPU: 1, P: 1}}
 	full, floor := gap(NewOurs(gpuBound, cluster)), gap(NewOurs(cpuBound, cluster))
-	if want := rankWeight * (rank("b") - rank("a")); math.Abs(full-want) > 1e-6 {
+	want := rankWeight * (rank("b") - rank("a"))
+	if want == 0 || math.Abs(full/want-1) > 1e-6 {
 		t.Errorf("GPU-bound workload: nodes a and b differ by %v, want the full rank difference %v", full, want)
 	}
-	if math.Abs(floor-rankFloor*full) > 1e-6 {
-		t.Errorf("CPU-bound workload: nodes a and b differ by %v, want a hundredth of %v", floor, full)
+	if math.Abs(floor/want-rankFloor) > 1e-6 {
+		t.Errorf("CPU-bound workload: nodes a and b differ by %v, want %v of %v", floor, rankFloor, want)
 	}
 }

@@ -290,10 +290,14 @@ func rawScore(score float64) int64 {
 	// fragmentation plus a node's rank. The ranks of names that differ in
 	// their last character are about 1e-7 apart, and on a CPU-bound
 	// workload the rank is scaled down to a hundredth: score to 1e-11, so
-	// that rounding ties no two nodes the policy tells apart. (±9e7 units
-	// at that scale still fit an int64; the largest scores, spread's free
-	// MiB on a node, are below 2e7.)
-	return int64(math.Round(max(min(score, 9e7), -9e7) * 1e11))
+	// that rounding ties no two nodes the policy tells apart. (±4.5e7
+	// units at that scale keep NormalizeScore's differences within an
+	// int64; the largest scores, spread's free MiB on a node, are below
+	// 2e7.)
+	if math.IsNaN(score) {
+		score = math.Inf(-1) // no rating a policy means: the lowest
+	}
+	return int64(math.Round(max(min(score, 4.5e7), -4.5e7) * 1e11))
 }
 
 // ScoreExtensions implements fwk.ScorePlugin.

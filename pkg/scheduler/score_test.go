@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"math"
 	"slices"
 	"testing"
 
@@ -225,5 +226,28 @@ func TestBindsFirstOnlyWhenFirst(t *testing.T) {
 		if got := p.bindsFirst(); got != tc.want {
 			t.Errorf("%+v: bindsFirst %v, want %v", tc.handle, got, tc.want)
 		}
+	}
+}
+
+// Raw scores keep what a scaled-down rank tells apart, and the extremes
+// normalise without overflow: the best node alone at 100, the rest in
+// order below it.
+func TestRawScoresKeepSmallDifferencesAndNormaliseAtTheExtremes(t *testing.T) {
+	if a, b := rawScore(-0.5), rawScore(-0.5+2e-9); a >= b {
+		t.Errorf("scores 2e-9 apart got raw %d and %d: want them ordered", a, b)
+	}
+	scores := fwk.NodeScoreList{
+		{Name: "worst", Score: rawScore(math.Inf(-1))},
+		{Name: "nan", Score: rawScore(math.NaN())},
+		{Name: "mid", Score: rawScore(-3)},
+		{Name: "best", Score: rawScore(math.Inf(1))},
+	}
+	normalize(scores)
+	got := map[string]int64{}
+	for _, s := range scores {
+		got[s.Name] = s.Score
+	}
+	if got["best"] != fwk.MaxScore || got["mid"] >= fwk.MaxScore || got["mid"] < got["worst"] || got["worst"] < 0 || got["nan"] != got["worst"] {
+		t.Errorf("normalised %v: want best 100, mid below it, worst and nan lowest, none negative", got)
 	}
 }

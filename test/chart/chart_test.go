@@ -10,6 +10,7 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/base64"
+	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -372,6 +373,60 @@ func TestChartWithoutScheduler(t *testing.T) {
 	if slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "--scheduler-name") }) ||
 		!slices.Contains(args, "--scheduler-user=system:serviceaccount:kai-scheduler:kai-scheduler") {
 		t.Errorf("webhook args: %v", args)
+	}
+	schedulerUsersAgree(t, objs, "chart without the scheduler")
+}
+
+// The users whose Bindings skip the webhook are exactly the webhook's
+// --scheduler-user list: in deploy/, and in the chart with its defaults.
+func TestBindingGuardSkipsOnlyTheWebhooksSchedulerUsers(t *testing.T) {
+	schedulerUsersAgree(t, readManifests(t, "webhook/server.yaml", "webhook/configurations.yaml"), "deploy/")
+	schedulerUsersAgree(t, mustRender(t), "chart")
+}
+
+// schedulerUsersAgree checks that the Binding webhook's match condition
+// not-from-the-scheduler names the users the webhook's Deployment passes
+// as --scheduler-user, in the same order: a user the condition trusts but
+// the webhook does not would get decisions past the guard.
+func schedulerUsersAgree(t *testing.T, objs []*unstructured.Unstructured, where string) {
+	t.Helper()
+	dep := find(objs, "Deployment", namespace, "gpufrac-webhook")
+	if dep == nil {
+		t.Fatalf("%s: no webhook Deployment", where)
+	}
+	containers, _, _ := unstructured.NestedSlice(dep.Object, "spec", "template", "spec", "containers")
+	args, _, _ := unstructured.NestedStringSlice(containers[0].(map[string]any), "args")
+	users := []string{}
+	for _, a := range args {
+		if u, ok := strings.CutPrefix(a, "--scheduler-user="); ok {
+			users = append(users, u)
+		}
+	}
+	list, err := json.Marshal(users)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "!(request.userInfo.username in " + string(list) + ")"
+	var got []string
+	for _, o := range objs {
+		if o.GetKind() != "ValidatingWebhookConfiguration" {
+			continue
+		}
+		for _, w := range webhooks(t, o) {
+			w := w.(map[string]any)
+			if w["name"] != "bindings.validate.gpufrac.io" {
+				continue
+			}
+			conds, _, _ := unstructured.NestedSlice(w, "matchConditions")
+			for _, c := range conds {
+				if c := c.(map[string]any); c["name"] == "not-from-the-scheduler" {
+					got = append(got, c["expression"].(string))
+				}
+			}
+		}
+	}
+	if len(got) != 1 || got[0] != want {
+		t.Errorf("%s: the Binding webhook's not-from-the-scheduler conditions are %q, want exactly %q (the webhook's --scheduler-user list)", where, got, want)
 	}
 }
 
