@@ -35,10 +35,11 @@ const (
 	// overrides real differences in growth strands GPUs a better-balanced
 	// choice would have fed: its weight falls linearly to rankFloor at
 	// cpuBoundFull, where it outweighs growth differences of a hundredth
-	// of a GPU at most (two hundredths for a share). Found on the CPU-heavy mixes
-	// (cpu300, and default with 50-60% CPU-only pods: +1.7 to +2.5
-	// points at 130%); every other shipped trace asks for less CPU per
-	// GPU than the cluster has, and is unchanged.
+	// of a GPU at most (two hundredths for a share). Found on the
+	// CPU-heavy mixes (cpu300, and default with 50-60% CPU-only pods:
+	// about 2 points more at 130% each); every other shipped trace but
+	// cpu235 asks for less CPU per GPU than the cluster has, and is
+	// unchanged.
 	cpuBoundFrom = 1.0
 	cpuBoundFull = 1.1
 	rankFloor    = 0.01
