@@ -1,0 +1,354 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
+
+	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/node/dra"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+)
+
+// deviceClass applies the shipped DeviceClass.
+func deviceClass(t *testing.T) {
+	t.Helper()
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(filepath.Join(root, "deploy", "dra", "deviceclass.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, doc := range strings.Split(string(raw), "\n---\n") {
+		var dc resourceapi.DeviceClass
+		if err := yaml.UnmarshalStrict([]byte(doc), &dc); err != nil {
+			t.Fatalf("deploy/dra/deviceclass.yaml, object %d: %v", i+1, err)
+		}
+		if _, err := shared.admin.ResourceV1().DeviceClasses().Create(context.Background(), &dc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
+	}
+}
+
+// publishSlices runs the driver's ResourceSlice controller for node, as the node
+// agent would, over the devices of a go-nvml mock machine, and waits until
+// the API server holds the slice.
+func publishSlices(t *testing.T, node, machine string, reserveMiB int64) (inventory.Inventory, []resourceapi.Device) {
+	t.Helper()
+	lib, err := inventory.Simulated(machine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	devices := dra.Devices(inv, reserveMiB)
+	resources := dra.Resources(node, inv, reserveMiB)
+	ctx, cancel := context.WithCancel(context.Background())
+	errs := make(chan error, 10)
+	c, err := resourceslice.StartController(ctx, resourceslice.Options{
+		DriverName: dra.DriverName,
+		KubeClient: shared.admin,
+		Owner:      &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: node},
+		Resources:  &resources,
+		ErrorHandler: func(_ context.Context, err error, msg string) {
+			select {
+			case errs <- fmt.Errorf("%s: %w", msg, err):
+			default:
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cancel()
+		c.Stop()
+		_ = shared.admin.ResourceV1().ResourceSlices().DeleteCollection(context.Background(), metav1.DeleteOptions{},
+			metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+	})
+	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		select {
+		case err := <-errs:
+			return false, err // the API server refused the slice: the device model is invalid
+		default:
+		}
+		list, err := shared.admin.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+		if err != nil {
+			return false, err
+		}
+		published := 0
+		for _, sl := range list.Items {
+			published += len(sl.Spec.Devices)
+		}
+		return len(list.Items) == len(resources.Pools[node].Slices) && published == len(devices), nil
+	})
+	if err != nil {
+		t.Fatalf("node %s: its ResourceSlice was not published: %v", node, err)
+	}
+	return inv, devices
+}
+
+func memoryClaim(ns, name, memory, compute string) *resourceapi.ResourceClaim {
+	req := resourceapi.ExactDeviceRequest{DeviceClassName: dra.DriverName}
+	if compute != "" {
+		req.DeviceClassName = "sm-sharing." + dra.DriverName
+	}
+	if memory != "" || compute != "" {
+		req.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{}}
+		if memory != "" {
+			req.Capacity.Requests[dra.CapacityMemory] = resource.MustParse(memory)
+		}
+		if compute != "" {
+			req.Capacity.Requests[dra.CapacityCompute] = resource.MustParse(compute)
+		}
+	}
+	return &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &req}},
+		}},
+	}
+}
+
+func claimPod(ns, name, scheduler, scenario, claim string) *corev1.Pod {
+	p := workload(ns, name, scheduler, scenario, nil)
+	p.Spec.ResourceClaims = []corev1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}}
+	p.Spec.Containers[0].Resources.Claims = []corev1.ResourceClaim{{Name: "gpu"}}
+	return p
+}
+
+// allocation waits until the claim is allocated and returns its one
+// device result.
+func allocation(t *testing.T, ns, name string) resourceapi.DeviceRequestAllocationResult {
+	t.Helper()
+	var claim *resourceapi.ResourceClaim
+	err := wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		c, err := shared.admin.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		claim = c
+		return c.Status.Allocation != nil, nil
+	})
+	if err != nil {
+		t.Fatalf("claim %s/%s not allocated: %v", ns, name, err)
+	}
+	results := claim.Status.Allocation.Devices.Results
+	if len(results) != 1 {
+		t.Fatalf("claim %s: want one device result, got %+v", name, results)
+	}
+	return results[0]
+}
+
+// kube-scheduler's own allocator hands out shares of the driver's devices:
+// the API server accepts the device model (multi-allocatable GPUs with a
+// memory and a compute capacity), claims that fit share a GPU and carry
+// the share they consume, the request policy raises a tiny request to the
+// minimum, and a claim that fits no GPU's remaining memory stays pending.
+func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, "gpufrac-dra", nil)
+	deviceClass(t)
+	ns := namespace(t, "dra-share")
+	const node = "dra-0"
+	// One GPU of the mock H100 machine is enough to show sharing; the
+	// node has eight, so the slice lists eight devices.
+	gpuNode(t, node, "dra", 8, 81920, true)
+	cleanUp(t, ns, node)
+	inv, devices := publishSlices(t, node, "dgxh100", 1024)
+	if len(devices) != 16 {
+		t.Fatalf("want 16 devices for the mock H100 machine (a device per mode per GPU), got %d", len(devices))
+	}
+	schedulable := devices[0].Capacity[dra.CapacityMemory].Value
+	if want := resource.MustParse(fmt.Sprintf("%dMi", inv.GPUs[0].MemoryMiB-1024)); schedulable.Cmp(want) != 0 {
+		t.Fatalf("device memory %s: want the GPU's memory less the reserve, %s", schedulable.String(), want.String())
+	}
+
+	claims := shared.admin.ResourceV1().ResourceClaims(ns)
+	ctx := context.Background()
+	// 40Gi + 38Gi fit one GPU's 79 GiB (the mock H100's 80 GiB less the
+	// reserve), 40Gi + 40Gi do not; eight GPUs hold eight such pairs,
+	// so an eighteenth 40Gi claim finds no room.
+	var names []string
+	for i := range 8 {
+		for j, size := range []string{"40Gi", "38Gi"} {
+			name := fmt.Sprintf("c-%d-%d", i, j)
+			if _, err := claims.Create(ctx, memoryClaim(ns, name, size, ""), metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			create(t, claimPod(ns, "p-"+name, "gpufrac-dra", "dra", name))
+			names = append(names, name)
+		}
+	}
+	used := map[string]int64{}
+	for _, name := range names {
+		placed(t, ns, "p-"+name)
+		r := allocation(t, ns, name)
+		if r.Driver != dra.DriverName || r.Pool != node {
+			t.Fatalf("claim %s allocated %s/%s, want driver %s pool %s", name, r.Driver, r.Pool, dra.DriverName, node)
+		}
+		if r.ShareID == nil || *r.ShareID == "" {
+			t.Errorf("claim %s: a share of a multi-allocatable device has no shareID", name)
+		}
+		mem := r.ConsumedCapacity[dra.CapacityMemory]
+		used[r.Device] += mem.Value()
+		if compute := r.ConsumedCapacity[dra.CapacityCompute]; !compute.IsZero() {
+			t.Errorf("claim %s (time-slicing, no compute asked) consumed compute %s", name, compute.String())
+		}
+	}
+	for device, bytes := range used {
+		if bytes > schedulable.Value() {
+			t.Errorf("device %s: claims consume %d bytes of its %d", device, bytes, schedulable.Value())
+		}
+	}
+	if len(used) != 8 {
+		t.Errorf("claims used %d GPUs, want all 8 (two shares each): %v", len(used), used)
+	}
+
+	if _, err := claims.Create(ctx, memoryClaim(ns, "too-much", "40Gi", ""), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	create(t, claimPod(ns, "p-too-much", "gpufrac-dra", "dra", "too-much"))
+	pending(t, ns, "p-too-much")
+
+	// Freeing a share makes room: the pending claim lands where it was.
+	if err := shared.admin.CoreV1().Pods(ns).Delete(ctx, "p-c-3-0", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	// No controller-manager runs here to drop the deleted pod from the
+	// claim's reservedFor and deallocate it: do what it does.
+	freed, err := claims.Get(ctx, "c-3-0", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	freed.Status = resourceapi.ResourceClaimStatus{}
+	if _, err := claims.UpdateStatus(ctx, freed, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	placed(t, ns, "p-too-much")
+
+	// A request below the minimum is raised to it.
+	if _, err := claims.Create(ctx, memoryClaim(ns, "tiny", "100Mi", ""), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	create(t, claimPod(ns, "p-tiny", "gpufrac-dra", "dra", "tiny"))
+	placed(t, ns, "p-tiny")
+	got := allocation(t, ns, "tiny").ConsumedCapacity[dra.CapacityMemory]
+	if want := resource.MustParse(fmt.Sprintf("%dMi", dra.MinMemoryMiB)); got.Cmp(want) != 0 {
+		t.Errorf("a 100Mi claim consumed %s, want the minimum %s", got.String(), want.String())
+	}
+}
+
+// A GPU runs one compute mode: once a time-slicing claim holds a GPU, no
+// sm-sharing claim is given it (and the other way round), while claims of
+// one mode share their GPUs; sm-sharing claims split a GPU's compute, at
+// most 100 percent.
+func TestDRAClaimsNeverMixModesOnAGPU(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, "gpufrac-dra-modes", nil)
+	deviceClass(t)
+	ns := namespace(t, "dra-modes")
+	const node = "dra-modes-0"
+	gpuNode(t, node, "dra-modes", 8, 81920, true)
+	cleanUp(t, ns, node)
+	publishSlices(t, node, "dgxh100", 0)
+	claims := shared.admin.ResourceV1().ResourceClaims(ns)
+	ctx := context.Background()
+	type share struct{ memory, compute string }
+	// Interleaved, so that each mode's claims arrive while the other's
+	// hold GPUs: the allocator tries devices first fit, in the slice's
+	// order (gpu-0-time-slicing, gpu-0-sm-sharing, gpu-1-…), so the first
+	// sm-sharing claim would take GPU 0 beside the time-slicing one, and
+	// the last time-slicing claim (GPU 0 full) GPU 1, were the modes not
+	// exclusive.
+	shares := []share{{"20Gi", ""}, {"10Gi", "50"}, {"20Gi", ""}, {"10Gi", "50"}, {"20Gi", ""}, {"10Gi", "30"}, {"20Gi", ""}, {"10Gi", "30"}, {"10Gi", "30"},
+		{"20Gi", ""}}
+	var last string
+	modes := map[string]map[string]bool{} // GPU (counter set) → modes held
+	compute := map[string]int64{}
+	for i, sh := range shares {
+		name := fmt.Sprintf("c-%d", i)
+		if _, err := claims.Create(ctx, memoryClaim(ns, name, sh.memory, sh.compute), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		create(t, claimPod(ns, "p-"+name, "gpufrac-dra-modes", "dra-modes", name))
+		placed(t, ns, "p-"+name)
+		r := allocation(t, ns, name)
+		gpu, mode, ok := strings.Cut(strings.TrimPrefix(r.Device, "gpu-"), "-")
+		if !ok {
+			t.Fatalf("claim %s: device %q is not gpu-<index>-<mode>", name, r.Device)
+		}
+		if want := map[bool]string{true: "sm-sharing", false: "time-slicing"}[sh.compute != ""]; mode != want {
+			t.Errorf("claim %s asked for %s, got device %s", name, want, r.Device)
+		}
+		if modes[gpu] == nil {
+			modes[gpu] = map[string]bool{}
+		}
+		modes[gpu][mode] = true
+		last = r.Device
+		c := r.ConsumedCapacity[dra.CapacityCompute]
+		compute[gpu] += c.Value()
+	}
+	for gpu, m := range modes {
+		if len(m) > 1 {
+			t.Errorf("GPU %s holds claims of both modes: %v", gpu, m)
+		}
+		if compute[gpu] > 100 {
+			t.Errorf("GPU %s: sm-sharing claims hold %d%% of its compute", gpu, compute[gpu])
+		}
+	}
+	// 20Gi × 4 fills GPU 0's memory; 50+50 GPU 1's compute, 30×3 most of
+	// GPU 2's; the fifth 20Gi claim skips both sm-sharing GPUs for GPU 3.
+	if len(modes) != 4 || last != dra.DeviceName(3, "time-slicing") {
+		t.Errorf("claims on %d GPUs (%v), the last on %s: want 4, the last on GPU 3 (each mode packing its own GPUs)", len(modes), modes, last)
+	}
+}
+
+// The API server accepts the slices of a node with more GPUs than one
+// slice may describe (counter sets and shared devices are capped per
+// slice): a dry run of each, as the ResourceSlice controller writes them.
+func TestDRASlicesOfALargeNodeAreValid(t *testing.T) {
+	inv := inventory.Inventory{DriverVersion: "615.43.02"}
+	for i := range 40 {
+		inv.GPUs = append(inv.GPUs, inventory.GPU{Index: i, UUID: fmt.Sprintf("GPU-%d", i), Product: "NVIDIA H100 80GB HBM3", MemoryMiB: 81920})
+	}
+	const node = "dra-large-0"
+	gpuNode(t, node, "dra-large", 40, 81920, true)
+	pool := dra.Resources(node, inv, 0).Pools[node]
+	for i, s := range pool.Slices {
+		slice := &resourceapi.ResourceSlice{
+			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", node, i)},
+			Spec: resourceapi.ResourceSliceSpec{
+				Driver:         dra.DriverName,
+				Pool:           resourceapi.ResourcePool{Name: node, ResourceSliceCount: int64(len(pool.Slices))},
+				NodeName:       ptr.To(node),
+				Devices:        s.Devices,
+				SharedCounters: s.SharedCounters,
+			},
+		}
+		if _, err := shared.admin.ResourceV1().ResourceSlices().Create(context.Background(), slice, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+			t.Errorf("slice %d of %d (%d counter sets, %d devices): %v", i+1, len(pool.Slices), len(s.SharedCounters), len(s.Devices), err)
+		}
+	}
+	if len(pool.Slices) != 7 {
+		t.Errorf("40 GPUs in %d slices, want 5 of counter sets (8 each) and 2 of devices (32 GPUs each)", len(pool.Slices))
+	}
+}
