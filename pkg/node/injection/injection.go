@@ -291,19 +291,48 @@ func hideGPUs(adj *nriapi.ContainerAdjustment) {
 	}
 }
 
+// edits is what an injection writes: the NRI plugin's container
+// adjustment, or the container edits of the CDI spec the DRA driver hands
+// the runtime (cdi.go), so that both front doors inject the very same
+// environment, mounts and hook for the same share.
+type edits interface {
+	setEnv(key, value string)
+	removeEnv(key string)
+	addMount(source, destination string, options []string)
+	addCreateRuntimeHook(path string, args, env []string)
+}
+
+type nriEdits struct{ adj *nriapi.ContainerAdjustment }
+
+func (e nriEdits) setEnv(key, value string) { setEnv(e.adj, key, value) }
+func (e nriEdits) removeEnv(key string)     { e.adj.RemoveEnv(key) }
+func (e nriEdits) addMount(source, destination string, options []string) {
+	e.adj.AddMount(&nriapi.Mount{Source: source, Destination: destination, Type: "bind", Options: options})
+}
+
+func (e nriEdits) addCreateRuntimeHook(path string, args, env []string) {
+	e.adj.AddHooks(&nriapi.Hooks{CreateRuntime: []*nriapi.Hook{{Path: path, Args: args, Env: env}}})
+}
+
 func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, namespace string, env []string, cfg Config) {
+	injectInto(nriEdits{adj}, a, namespace, env, cfg)
+}
+
+// injectInto writes a's share into e. env is the container's environment
+// as the image and pod set it, where known (NRI); nil otherwise (CDI).
+func injectInto(e edits, a api.Assignment, namespace string, env []string, cfg Config) {
 	request, limit := strconv.FormatInt(a.RequestMiB, 10), strconv.FormatInt(a.LimitMiB, 10)
 	// As the scheduler named them: a CDI name is what makes NVIDIA's
 	// runtime apply that device's CDI spec (and its memory-limit hook).
-	setEnv(adj, nodeapi.EnvVisibleDevices, strings.Join(a.DeviceNames(), ","))
-	setEnv(adj, nodeapi.EnvMemoryRequest, request)
-	setEnv(adj, nodeapi.EnvMemoryLimit, limit)
+	e.setEnv(nodeapi.EnvVisibleDevices, strings.Join(a.DeviceNames(), ","))
+	e.setEnv(nodeapi.EnvMemoryRequest, request)
+	e.setEnv(nodeapi.EnvMemoryLimit, limit)
 	// The devices appear in the container as ordinals 0..n-1.
 	pinned := make([]string, len(a.Devices))
 	for i := range a.Devices {
 		pinned[i] = fmt.Sprintf("%d=%sM", i, limit)
 	}
-	setEnv(adj, nodeapi.EnvMPSPinnedLimit, strings.Join(pinned, ","))
+	e.setEnv(nodeapi.EnvMPSPinnedLimit, strings.Join(pinned, ","))
 
 	// Every fractional container is an MPS client, and sees only its own
 	// way in (NVIDIA MPS, "MPS v3 Namespaces", Namespace Routing):
@@ -315,39 +344,31 @@ func inject(adj *nriapi.ContainerAdjustment, a api.Assignment, namespace string,
 	//     default_socket off its clients keep contexts of their own;
 	//   - under the legacy v2 interface there are no namespaces: the
 	//     daemon's pipe directory, for the pinned limit.
-	setEnv(adj, nodeapi.EnvMPSPipeDirectory, nodeapi.ContainerPipeDir)
+	e.setEnv(nodeapi.EnvMPSPipeDirectory, nodeapi.ContainerPipeDir)
 	switch {
 	case namespace != "":
-		setEnv(adj, nodeapi.EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
-		adj.AddMount(&nriapi.Mount{Source: nodeapi.NamespaceDir(cfg.MPSRoot, namespace), Destination: nodeapi.ContainerPipeDir,
-			Type: "bind", Options: []string{"rbind", "rw"}})
+		e.setEnv(nodeapi.EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
+		e.addMount(nodeapi.NamespaceDir(cfg.MPSRoot, namespace), nodeapi.ContainerPipeDir, []string{"rbind", "rw"})
 	case cfg.MPS == nodeapi.MPSv3:
-		adj.RemoveEnv(nodeapi.EnvMPSThreads)
-		adj.AddMount(&nriapi.Mount{Source: filepath.Join(nodeapi.PipeDir(cfg.MPSRoot), "control"), Destination: filepath.Join(nodeapi.ContainerPipeDir, "control"),
-			Type: "bind", Options: []string{"bind", "rw"}})
+		e.removeEnv(nodeapi.EnvMPSThreads)
+		e.addMount(filepath.Join(nodeapi.PipeDir(cfg.MPSRoot), "control"), filepath.Join(nodeapi.ContainerPipeDir, "control"), []string{"bind", "rw"})
 	default:
-		adj.RemoveEnv(nodeapi.EnvMPSThreads)
-		adj.AddMount(&nriapi.Mount{Source: nodeapi.PipeDir(cfg.MPSRoot), Destination: nodeapi.ContainerPipeDir,
-			Type: "bind", Options: []string{"rbind", "rw"}})
+		e.removeEnv(nodeapi.EnvMPSThreads)
+		e.addMount(nodeapi.PipeDir(cfg.MPSRoot), nodeapi.ContainerPipeDir, []string{"rbind", "rw"})
 	}
 
 	if cfg.ShimDir != "" {
-		adj.AddMount(&nriapi.Mount{Source: cfg.ShimDir, Destination: nodeapi.ContainerShimDir, Type: "bind",
-			Options: []string{"rbind", "ro"}})
-		setEnv(adj, nodeapi.EnvLibraryPath, mergePath(nodeapi.ContainerShimDir, lookup(env, nodeapi.EnvLibraryPath)))
+		e.addMount(cfg.ShimDir, nodeapi.ContainerShimDir, []string{"rbind", "ro"})
+		e.setEnv(nodeapi.EnvLibraryPath, mergePath(nodeapi.ContainerShimDir, lookup(env, nodeapi.EnvLibraryPath)))
 	}
 
 	if cfg.Backend == nodeapi.BackendDriver {
-		adj.AddHooks(&nriapi.Hooks{CreateRuntime: []*nriapi.Hook{{
-			Path: cfg.HookPath,
-			Args: append([]string{cfg.HookPath}, HookCommand...),
-			Env: []string{
-				nodeapi.EnvHookContainer + "=" + a.Container,
-				nodeapi.EnvHookDevices + "=" + strings.Join(a.Devices, ","),
-				nodeapi.EnvHookRequestMiB + "=" + request,
-				nodeapi.EnvHookLimitMiB + "=" + limit,
-			},
-		}}})
+		e.addCreateRuntimeHook(cfg.HookPath, append([]string{cfg.HookPath}, HookCommand...), []string{
+			nodeapi.EnvHookContainer + "=" + a.Container,
+			nodeapi.EnvHookDevices + "=" + strings.Join(a.Devices, ","),
+			nodeapi.EnvHookRequestMiB + "=" + request,
+			nodeapi.EnvHookLimitMiB + "=" + limit,
+		})
 	}
 }
 
