@@ -2,26 +2,41 @@ package integration
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
+	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // deviceClass applies the shipped DeviceClass.
@@ -351,4 +366,215 @@ func TestDRASlicesOfALargeNodeAreValid(t *testing.T) {
 	if len(pool.Slices) != 7 {
 		t.Errorf("40 GPUs in %d slices, want 5 of counter sets (8 each) and 2 of devices (32 GPUs each)", len(pool.Slices))
 	}
+}
+
+// The driver's kubelet plugin, over its real gRPC API as the kubelet calls
+// it: preparing claims the real allocator gave this node writes CDI
+// specs whose edits are what the NRI plugin injects for an annotated
+// container with the same share (the claim's opaque memoryLimit as the
+// hard limit), creates an sm-sharing share's MPS namespace with its
+// compute ceiling first; a restarted agent finds what it prepared and
+// prepares again alike; unpreparing removes both.
+func TestDRAKubeletPluginPreparesShares(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, "gpufrac-dra-prep", nil)
+	deviceClass(t)
+	ns := namespace(t, "dra-prep")
+	const node = "dra-prep-0"
+	gpuNode(t, node, "dra-prep", 8, 81920, true)
+	cleanUp(t, ns, node)
+	t.Cleanup(func() {
+		_ = shared.admin.ResourceV1().ResourceSlices().DeleteCollection(context.Background(), metav1.DeleteOptions{},
+			metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+	})
+
+	root := mpstest.ShortRoot(t)
+	control, _ := mpstest.StartDaemon(t, root, 615)
+	openMPS := func() *mps.Manager {
+		m, err := mps.OpenManager(control, filepath.Join(root, "namespaces.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	lib, err := inventory.Simulated("dgxh100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: root, MPS: nodeapi.MPSv3,
+		ShimDir: "/opt/gpufrac/lib", GPUMemoryMiB: inv.GPUs[0].MemoryMiB}
+	cdiDir := t.TempDir()
+	newDriver := func() *dra.Driver {
+		return &dra.Driver{NodeName: node, CDIDir: cdiDir, MPS: openMPS(),
+			Node: func() (inventory.Inventory, injection.Config) { return inv, cfg }}
+	}
+	pluginDir, registrarDir := mpstest.ShortRoot(t), mpstest.ShortRoot(t)
+	ctx := context.Background()
+	h, err := dra.Serve(ctx, newDriver(), shared.admin, pluginDir, registrarDir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.Stop)
+
+	claims := shared.admin.ResourceV1().ResourceClaims(ns)
+	ts := memoryClaim(ns, "ts", "20Gi", "")
+	ts.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{DeviceConfiguration: resourceapi.DeviceConfiguration{
+		Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: dra.DriverName,
+			Parameters: runtime.RawExtension{Raw: []byte(`{"apiVersion":"gpu.gpufrac.io/v1alpha1","kind":"ShareConfig","memoryLimit":"30Gi"}`)}},
+	}}}
+	sm := memoryClaim(ns, "sm", "10Gi", "25")
+	uids := map[string]types.UID{}
+	for _, c := range []*resourceapi.ResourceClaim{ts, sm} {
+		created, err := claims.Create(ctx, c, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		uids[c.Name] = created.UID
+		create(t, claimPod(ns, "p-"+c.Name, "gpufrac-dra-prep", "dra-prep", c.Name))
+		placed(t, ns, "p-"+c.Name)
+	}
+	results := map[string]resourceapi.DeviceRequestAllocationResult{"ts": allocation(t, ns, "ts"), "sm": allocation(t, ns, "sm")}
+
+	conn, err := grpc.NewClient("unix://"+filepath.Join(pluginDir, "dra.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	kubelet := drapb.NewDRAPluginClient(conn)
+	request := func() []*drapb.Claim {
+		return []*drapb.Claim{{Namespace: ns, Name: "ts", Uid: string(uids["ts"])}, {Namespace: ns, Name: "sm", Uid: string(uids["sm"])}}
+	}
+	prepare := func() map[string][]string {
+		t.Helper()
+		resp, err := kubelet.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: request()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string][]string{}
+		for name, uid := range uids {
+			r := resp.Claims[string(uid)]
+			if r == nil || r.Error != "" || len(r.Devices) != 1 {
+				t.Fatalf("claim %s: prepare answered %v", name, r)
+			}
+			out[name] = r.Devices[0].CdiDeviceIds
+		}
+		return out
+	}
+	ids := prepare()
+
+	for name, uid := range uids {
+		if want := []string{dra.CDIKind + "=" + string(uid) + "-gpu"}; !slices.Equal(ids[name], want) {
+			t.Errorf("claim %s: CDI devices %v, want %v", name, ids[name], want)
+		}
+		var spec cdispec.Spec
+		raw, err := os.ReadFile(filepath.Join(cdiDir, "gpu.gpufrac.io-"+string(uid)+".json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := json.Unmarshal(raw, &spec); err != nil || len(spec.Devices) != 1 || spec.Kind != dra.CDIKind {
+			t.Fatalf("claim %s: CDI spec %s: %v", name, raw, err)
+		}
+		// What the NRI plugin injects for the same share on an annotated pod.
+		r := results[name]
+		mem := r.ConsumedCapacity[dra.CapacityMemory]
+		a := api.Assignment{Container: "main", RequestMiB: mem.Value() >> 20, Mode: api.TimeSlicing}
+		index, _ := strconv.Atoi(strings.Split(r.Device, "-")[1])
+		a.Devices = []string{inv.GPUs[index].UUID}
+		a.LimitMiB = map[string]int64{"ts": 30720, "sm": 10240}[name]
+		namespace := ""
+		if name == "sm" {
+			a.Mode, a.Portion = api.SMSharing, mustFraction(t, "0.25")
+			namespace = nodeapi.NamespaceName(string(uid), "gpu")
+		}
+		d := injection.Decide(injection.Pod{UID: "pod-of-" + string(uid), Annotations: a.Annotations()}, "main", []string{nodeapi.EnvLibraryPath + "=" + injection.ImageLibraryPath}, cfg)
+		if d.Verdict != injection.Run {
+			t.Fatalf("the NRI path refuses %s's share: %v", name, d.Reason)
+		}
+		want := injection.OutcomeOfNRI(nil, d.Adjustment)
+		got := injection.OutcomeOfCDI(nil, &spec.Devices[0].ContainerEdits)
+		// The two differ by design in what names the tenant: the hook's
+		// container label, and the namespace (the pod's UID and container
+		// for NRI, the claim's UID and request for DRA).
+		fixNames := func(o injection.Outcome, who, pipe string) string {
+			b, _ := json.Marshal(o)
+			s := strings.ReplaceAll(string(b), who, "<tenant>")
+			if pipe != "" {
+				s = strings.ReplaceAll(s, pipe, "<namespace>")
+			}
+			return s
+		}
+		nriNS := ""
+		if namespace != "" {
+			nriNS = nodeapi.NamespaceName("pod-of-"+string(uid), "main")
+		}
+		if w, g := fixNames(want, nodeapi.EnvHookContainer+"=main", nriNS), fixNames(got, nodeapi.EnvHookContainer+"="+ns+"/"+name+"/gpu", namespace); w != g {
+			t.Errorf("claim %s: CDI edits differ from the NRI injection:\nNRI %s\nCDI %s", name, w, g)
+		}
+		if name == "sm" {
+			if c := namespaceCeiling(t, root, namespace); c != 25 {
+				t.Errorf("sm-sharing claim: MPS namespace %s has ceiling %d, want 25", namespace, c)
+			}
+		}
+	}
+
+	// A restarted agent: a new driver over the same directory and MPS
+	// table knows both claims, and the kubelet's repeated call is answered
+	// alike.
+	h.Stop()
+	d2 := newDriver()
+	prepared, err := d2.Prepared()
+	if err != nil || len(prepared) != 2 || len(prepared[uids["sm"]]) != 1 {
+		t.Fatalf("after a restart the driver knows %v (%v), want both claims, the sm-sharing one with its namespace", prepared, err)
+	}
+	h2, err := dra.Serve(ctx, d2, shared.admin, pluginDir, registrarDir, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h2.Stop)
+	if again := prepare(); !maps.EqualFunc(again, ids, slices.Equal) {
+		t.Errorf("prepared again: %v, want %v", again, ids)
+	}
+
+	resp, err := kubelet.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: request()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, uid := range uids {
+		if r := resp.Claims[string(uid)]; r == nil || r.Error != "" {
+			t.Errorf("claim %s: unprepare answered %v", name, r)
+		}
+		if _, err := os.Stat(filepath.Join(cdiDir, "gpu.gpufrac.io-"+string(uid)+".json")); !os.IsNotExist(err) {
+			t.Errorf("claim %s: its CDI spec is still there after unprepare (%v)", name, err)
+		}
+	}
+	if c := namespaceCeiling(t, root, nodeapi.NamespaceName(string(uids["sm"]), "gpu")); c != -1 {
+		t.Errorf("the sm-sharing claim's MPS namespace is still there after unprepare (ceiling %d)", c)
+	}
+}
+
+func mustFraction(t *testing.T, s string) api.Fraction {
+	t.Helper()
+	f, err := api.ParseFraction(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// namespaceCeiling is the active-thread ceiling the MPS stand-in has for a
+// namespace of the shared server, -1 if it has none.
+func namespaceCeiling(t *testing.T, root, name string) int {
+	t.Helper()
+	st, err := mpstest.ReadState(nodeapi.LogDir(root))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := st.Namespaces[nodeapi.SharedServer+"/"+name]; ok {
+		return v
+	}
+	return -1
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 
+	nriapi "github.com/containerd/nri/pkg/api"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -99,4 +100,46 @@ func (e cdiEdits) addMount(source, destination string, options []string) {
 
 func (e cdiEdits) addCreateRuntimeHook(path string, args, env []string) {
 	e.edits.Hooks = append(e.edits.Hooks, &cdispec.Hook{HookName: "createRuntime", Path: path, Args: args, Env: env})
+}
+
+// Outcome is what a runtime ends up with for a container, in one form for
+// both front doors, so that they can be compared: the environment after
+// the edits, the mounts and the createRuntime hooks.
+type Outcome struct {
+	Env    map[string]string
+	Mounts []string
+	Hooks  []string
+}
+
+// OutcomeOfNRI is the outcome of an NRI adjustment on a container whose
+// environment was env.
+func OutcomeOfNRI(env []string, adj *nriapi.ContainerAdjustment) Outcome {
+	out := Outcome{Env: ApplyEnv(env, adj)}
+	for _, m := range adj.GetMounts() {
+		out.Mounts = append(out.Mounts, m.Source+" -> "+m.Destination+" "+m.Type+" "+strings.Join(m.Options, ","))
+	}
+	for _, h := range adj.GetHooks().GetCreateRuntime() {
+		out.Hooks = append(out.Hooks, h.Path+" "+strings.Join(h.Args, " ")+" env "+strings.Join(h.Env, " "))
+	}
+	return out
+}
+
+// OutcomeOfCDI is the outcome of CDI container edits on a container whose
+// environment was env, applied as CDI's ContainerEdits.Apply does: an
+// environment entry replaces the container's of the same key.
+func OutcomeOfCDI(env []string, e *cdispec.ContainerEdits) Outcome {
+	out := Outcome{Env: ApplyEnv(env, &nriapi.ContainerAdjustment{})}
+	for _, kv := range e.Env {
+		k, v, _ := strings.Cut(kv, "=")
+		out.Env[k] = v
+	}
+	for _, m := range e.Mounts {
+		out.Mounts = append(out.Mounts, m.HostPath+" -> "+m.ContainerPath+" "+m.Type+" "+strings.Join(m.Options, ","))
+	}
+	for _, h := range e.Hooks {
+		if h.HookName == "createRuntime" {
+			out.Hooks = append(out.Hooks, h.Path+" "+strings.Join(h.Args, " ")+" env "+strings.Join(h.Env, " "))
+		}
+	}
+	return out
 }

@@ -4,51 +4,11 @@ import (
 	"strings"
 	"testing"
 
-	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/google/go-cmp/cmp"
-	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
-
-// What a runtime ends up with, in one form for both front doors: the
-// environment after the edits, the mounts and the createRuntime hooks.
-type applied struct {
-	Env    map[string]string
-	Mounts []string
-	Hooks  []string
-}
-
-func appliedNRI(env []string, adj *nriapi.ContainerAdjustment) applied {
-	out := applied{Env: ApplyEnv(env, adj)}
-	for _, m := range adj.GetMounts() {
-		out.Mounts = append(out.Mounts, m.Source+" -> "+m.Destination+" "+m.Type+" "+strings.Join(m.Options, ","))
-	}
-	for _, h := range adj.GetHooks().GetCreateRuntime() {
-		out.Hooks = append(out.Hooks, h.Path+" "+strings.Join(h.Args, " ")+" env "+strings.Join(h.Env, " "))
-	}
-	return out
-}
-
-// appliedCDI applies edits as a runtime does (CDI's ContainerEdits.Apply:
-// an environment entry replaces the container's of the same key).
-func appliedCDI(env []string, e *cdispec.ContainerEdits) applied {
-	out := applied{Env: ApplyEnv(env, &nriapi.ContainerAdjustment{})}
-	for _, kv := range e.Env {
-		k, v, _ := strings.Cut(kv, "=")
-		out.Env[k] = v
-	}
-	for _, m := range e.Mounts {
-		out.Mounts = append(out.Mounts, m.HostPath+" -> "+m.ContainerPath+" "+m.Type+" "+strings.Join(m.Options, ","))
-	}
-	for _, h := range e.Hooks {
-		if h.HookName == "createRuntime" {
-			out.Hooks = append(out.Hooks, h.Path+" "+strings.Join(h.Args, " ")+" env "+strings.Join(h.Env, " "))
-		}
-	}
-	return out
-}
 
 // A claim's share is enforced exactly as an annotated container's with the
 // same share: the same environment, mounts and hook, on every backend and
@@ -88,7 +48,7 @@ func TestShareEditsMatchTheNRIInjection(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if diff := cmp.Diff(appliedNRI(env, d.Adjustment), appliedCDI(env, edits)); diff != "" {
+			if diff := cmp.Diff(OutcomeOfNRI(env, d.Adjustment), OutcomeOfCDI(env, edits)); diff != "" {
 				t.Errorf("NRI (-) and CDI (+) differ:\n%s", diff)
 			}
 		})

@@ -1,0 +1,377 @@
+package dra
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
+
+	"github.com/gpufrac/gpufrac/internal/statefile"
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+)
+
+// CDIKind is the CDI kind of the driver's prepared shares: the kubelet
+// hands the runtime gpu.gpufrac.io/share=<claim UID>-<request>, and the
+// runtime applies that device's edits from the claim's spec file.
+const CDIKind = DriverName + "/share"
+
+// Driver is the node side of gpu.gpufrac.io, the kubelet plugin: it
+// prepares an allocated claim by writing a CDI spec whose container edits
+// enforce the share exactly as the NRI plugin enforces an annotated
+// container's (injection.ShareEdits), creating the share's MPS namespace
+// first for sm-sharing, and unprepares it by removing both.
+//
+// The spec files are the driver's checkpoint: one per prepared claim,
+// named after its UID, holding what the claim was prepared with, so a
+// restarted agent knows what it prepared (Prepared) and the kubelet's
+// repeated calls are idempotent.
+type Driver struct {
+	NodeName string
+	// CDIDir is where the runtime reads CDI specs (/var/run/cdi).
+	CDIDir string
+	// Node returns the node's inventory and injection configuration as
+	// they are now (the NRI plugin's, so both front doors enforce alike).
+	Node func() (inventory.Inventory, injection.Config)
+	// MPS keeps the node's MPS namespaces; nil: sm-sharing claims fail.
+	MPS *mps.Manager
+}
+
+var _ kubeletplugin.DRAPlugin = (*Driver)(nil)
+
+// PrepareResourceClaims implements kubeletplugin.DRAPlugin.
+func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
+	for _, c := range claims {
+		devices, err := d.prepare(ctx, c)
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot prepare the claim", "claim", klog.KObj(c))
+		}
+		out[c.UID] = kubeletplugin.PrepareResult{Devices: devices, Err: err}
+	}
+	return out, nil
+}
+
+// UnprepareResourceClaims implements kubeletplugin.DRAPlugin.
+func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	out := make(map[types.UID]error, len(claims))
+	for _, c := range claims {
+		out[c.UID] = d.Unprepare(ctx, c.UID)
+	}
+	return out, nil
+}
+
+// HandleError implements kubeletplugin.DRAPlugin: the helper's background
+// errors (publishing ResourceSlices) are logged; it retries them itself.
+func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
+	klog.FromContext(ctx).Error(err, msg)
+}
+
+// WatchHealthStatus implements kubeletplugin.DRAPlugin: device health is
+// the node's condition (FractioningReady), not reported per device yet.
+func (d *Driver) WatchHealthStatus(context.Context, chan<- kubeletplugin.DeviceHealthReport) error {
+	return kubeletplugin.ErrHealthNotSupported
+}
+
+// share is one prepared device result of a claim, as its spec file keeps
+// it (in the spec's annotations), so that Unprepare and a restarted agent
+// know which MPS namespace to remove.
+type share struct {
+	Request   string `json:"request"`
+	Namespace string `json:"mpsNamespace,omitempty"`
+}
+
+const annotationShares = DriverName + "/shares"
+
+func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) ([]kubeletplugin.Device, error) {
+	if claim.Status.Allocation == nil {
+		return nil, fmt.Errorf("claim %s/%s is not allocated", claim.Namespace, claim.Name)
+	}
+	inv, cfg := d.Node()
+	spec := cdispec.Spec{Kind: CDIKind}
+	var devices []kubeletplugin.Device
+	var shares []share
+	var errs []error
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if r.Driver != DriverName {
+			continue
+		}
+		a, err := d.assignment(claim, r, inv)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		namespace := ""
+		if a.Mode == api.SMSharing {
+			namespace = nodeapi.NamespaceName(string(claim.UID), r.Request)
+		}
+		edits, err := injection.ShareEdits(a, namespace, cfg)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if namespace != "" {
+			if d.MPS == nil {
+				errs = append(errs, fmt.Errorf("claim share %q: sm-sharing needs MPS namespaces, and this node agent keeps none", a.Container))
+				continue
+			}
+			ns := mps.Namespace{Name: namespace, Threads: a.ActiveThreadPercentage(), Pod: claim.Namespace + "/" + claim.Name,
+				PodUID: string(claim.UID), Container: r.Request}
+			if err := d.MPS.Ensure(ctx, ns); err != nil {
+				errs = append(errs, fmt.Errorf("claim share %q: %w", a.Container, err))
+				continue
+			}
+		}
+		name := string(claim.UID) + "-" + r.Request
+		spec.Devices = append(spec.Devices, cdispec.Device{Name: name, ContainerEdits: *edits})
+		shares = append(shares, share{Request: r.Request, Namespace: namespace})
+		devices = append(devices, kubeletplugin.Device{Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
+			CDIDeviceIDs: []string{CDIKind + "=" + name}, ShareID: r.ShareID})
+	}
+	if err := errors.Join(errs...); err != nil {
+		// Nothing half-prepared stays behind: the namespaces made for the
+		// claim's other requests go too (or the agent's MPS reconciliation
+		// deletes them, as no prepared claim holds them), and the kubelet
+		// retries.
+		return nil, errors.Join(err, d.removeNamespaces(ctx, shares))
+	}
+	if len(devices) == 0 {
+		return nil, fmt.Errorf("claim %s/%s has no device of driver %s", claim.Namespace, claim.Name, DriverName)
+	}
+	raw, err := json.Marshal(shares)
+	if err != nil {
+		return nil, err
+	}
+	spec.Annotations = map[string]string{annotationShares: string(raw)}
+	if spec.Version, err = cdispec.MinimumRequiredVersion(&spec); err != nil {
+		return nil, fmt.Errorf("claim %s/%s: CDI spec: %w", claim.Namespace, claim.Name, err)
+	}
+	body, err := json.MarshalIndent(spec, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	if err := statefile.Write(d.specPath(claim.UID), body); err != nil {
+		return nil, errors.Join(fmt.Errorf("claim %s/%s: writing its CDI spec: %w", claim.Namespace, claim.Name, err), d.removeNamespaces(ctx, shares))
+	}
+	return devices, nil
+}
+
+// assignment is the share the allocator gave one request of claim, in the
+// terms both front doors enforce: the GPU, the memory (consumedCapacity,
+// the allocator's rounding included), the limit from the claim's opaque
+// config, the mode of the device and, for sm-sharing, the compute portion.
+func (d *Driver) assignment(claim *resourceapi.ResourceClaim, r resourceapi.DeviceRequestAllocationResult, inv inventory.Inventory) (api.Assignment, error) {
+	who := claim.Namespace + "/" + claim.Name + "/" + r.Request
+	a := api.Assignment{Container: who}
+	if r.Pool != d.NodeName {
+		return a, fmt.Errorf("claim share %q: allocated from pool %q, not this node's (%s)", who, r.Pool, d.NodeName)
+	}
+	index, mode, ok := parseDeviceName(r.Device)
+	if !ok {
+		return a, fmt.Errorf("claim share %q: device %q is not one this driver publishes (gpu-<index>-<mode>)", who, r.Device)
+	}
+	i := slices.IndexFunc(inv.GPUs, func(g inventory.GPU) bool { return g.Index == index })
+	if i < 0 {
+		return a, fmt.Errorf("claim share %q: device %q: the node has no GPU %d now", who, r.Device, index)
+	}
+	gpu := inv.GPUs[i]
+	memory, ok := r.ConsumedCapacity[CapacityMemory]
+	if !ok {
+		// Allocated without consumable capacity (a cluster with
+		// DRAConsumableCapacity off): the share is unknown, so nothing
+		// could be enforced.
+		return a, fmt.Errorf("claim share %q: the allocation records no consumed memory; the cluster needs the DRAConsumableCapacity feature (on by default since Kubernetes 1.36)", who)
+	}
+	a.Devices, a.Mode = []string{gpu.UUID}, mode
+	a.RequestMiB = memory.Value() >> 20
+	a.LimitMiB = a.RequestMiB
+	limit, err := configuredLimit(claim.Status.Allocation.Devices.Config, r.Request)
+	if err != nil {
+		return a, fmt.Errorf("claim share %q: %w", who, err)
+	}
+	if limit > 0 {
+		if limit < a.RequestMiB || limit > gpu.MemoryMiB {
+			return a, fmt.Errorf("claim share %q: memoryLimit %dMi: must be at least the request (%dMi) and at most the GPU's memory (%dMi)", who, limit, a.RequestMiB, gpu.MemoryMiB)
+		}
+		a.LimitMiB = limit
+	}
+	if mode == api.SMSharing {
+		compute := r.ConsumedCapacity[CapacityCompute]
+		portion, err := api.ParseFraction(strconv.FormatFloat(float64(compute.Value())/100, 'f', -1, 64))
+		if err != nil || compute.Value() < 1 || compute.Value() > 100 {
+			return a, fmt.Errorf("claim share %q: consumed compute %s: must be 1 to 100 percent", who, compute.String())
+		}
+		a.Portion = portion
+	}
+	return a, nil
+}
+
+// configuredLimit is the memory limit the allocation's opaque configs of
+// this driver give request: the claim's own over its class's, the last of
+// each (as the allocator lists them: class entries first).
+func configuredLimit(configs []resourceapi.DeviceAllocationConfiguration, request string) (int64, error) {
+	var limit int64
+	for _, c := range configs {
+		if c.Opaque == nil || c.Opaque.Driver != DriverName {
+			continue
+		}
+		if len(c.Requests) > 0 && !slices.Contains(c.Requests, request) {
+			continue
+		}
+		l, err := api.ParseShareConfig(c.Opaque.Parameters.Raw)
+		if err != nil {
+			return 0, err
+		}
+		if l > 0 {
+			limit = l
+		}
+	}
+	return limit, nil
+}
+
+func parseDeviceName(name string) (int, api.ComputeMode, bool) {
+	rest, ok := strings.CutPrefix(name, "gpu-")
+	if !ok {
+		return 0, "", false
+	}
+	index, mode, ok := strings.Cut(rest, "-")
+	i, err := strconv.Atoi(index)
+	if !ok || err != nil || i < 0 || (mode != string(api.TimeSlicing) && mode != string(api.SMSharing)) {
+		return 0, "", false
+	}
+	return i, api.ComputeMode(mode), true
+}
+
+// Unprepare removes what preparing claim uid made: its MPS namespaces,
+// then its CDI spec. A claim never prepared here is no error.
+func (d *Driver) Unprepare(ctx context.Context, uid types.UID) error {
+	raw, err := os.ReadFile(d.specPath(uid))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var spec cdispec.Spec
+	var shares []share
+	if err := json.Unmarshal(raw, &spec); err == nil {
+		_ = json.Unmarshal([]byte(spec.Annotations[annotationShares]), &shares)
+	}
+	if err := d.removeNamespaces(ctx, shares); err != nil {
+		return err // the spec stays, so the kubelet's retry finds the namespaces again
+	}
+	if err := os.Remove(d.specPath(uid)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+func (d *Driver) removeNamespaces(ctx context.Context, shares []share) error {
+	var errs []error
+	for _, s := range shares {
+		if s.Namespace != "" && d.MPS != nil {
+			errs = append(errs, d.MPS.Remove(ctx, s.Namespace, ""))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Prepared lists the claims this node has prepared (their spec files), for
+// a restarted agent to reconcile, and the MPS namespaces they hold.
+func (d *Driver) Prepared() (map[types.UID][]string, error) {
+	entries, err := os.ReadDir(d.CDIDir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := map[types.UID][]string{}
+	for _, e := range entries {
+		uid, ok := strings.CutPrefix(strings.TrimSuffix(e.Name(), ".json"), specPrefix)
+		if !ok || !strings.HasSuffix(e.Name(), ".json") {
+			continue
+		}
+		raw, err := os.ReadFile(filepath.Join(d.CDIDir, e.Name()))
+		if err != nil {
+			return nil, err
+		}
+		var spec cdispec.Spec
+		var shares []share
+		if err := json.Unmarshal(raw, &spec); err == nil {
+			_ = json.Unmarshal([]byte(spec.Annotations[annotationShares]), &shares)
+		}
+		var namespaces []string
+		for _, s := range shares {
+			if s.Namespace != "" {
+				namespaces = append(namespaces, s.Namespace)
+			}
+		}
+		out[types.UID(uid)] = namespaces
+	}
+	return out, nil
+}
+
+const specPrefix = "gpu.gpufrac.io-"
+
+func (d *Driver) specPath(uid types.UID) string {
+	return filepath.Join(d.CDIDir, specPrefix+string(uid)+".json")
+}
+
+// Enforceable says whether the node can enforce a DRA share now: a memory
+// backend that binds a share that is not NVIDIA's device-plugin device
+// (driver limits, or MPS pinned limits) and a running MPS daemon. While it
+// cannot, the node publishes no device, so no claim is allocated here.
+func Enforceable(cfg injection.Config) bool {
+	return (cfg.Backend == nodeapi.BackendDriver || cfg.Backend == nodeapi.BackendMPSPinned) && cfg.MPS != nodeapi.MPSNone && cfg.MPSRoot != ""
+}
+
+// Serve starts the driver's kubelet plugin: its gRPC service in
+// pluginDir, its registration with the kubelet in registrarDir, and the
+// node's ResourceSlices (Publish). Stop it with the helper's Stop.
+func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDir, registrarDir string, reserveMiB int64) (*kubeletplugin.Helper, error) {
+	h, err := kubeletplugin.Start(ctx, d,
+		kubeletplugin.DriverName(DriverName),
+		kubeletplugin.KubeClient(client),
+		kubeletplugin.NodeName(d.NodeName),
+		kubeletplugin.PluginDataDirectoryPath(pluginDir),
+		kubeletplugin.RegistrarDirectoryPath(registrarDir),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("DRA driver %s: %w", DriverName, err)
+	}
+	if err := Publish(ctx, h, d, reserveMiB); err != nil {
+		h.Stop()
+		return nil, err
+	}
+	return h, nil
+}
+
+// Publish (re)publishes the node's devices as they are now: every GPU it
+// can enforce a share of, none while it cannot (Enforceable). The helper
+// writes only what changed.
+func Publish(ctx context.Context, h *kubeletplugin.Helper, d *Driver, reserveMiB int64) error {
+	inv, cfg := d.Node()
+	if !Enforceable(cfg) {
+		inv.GPUs = nil
+	}
+	if err := h.PublishResources(ctx, Resources(d.NodeName, inv, reserveMiB)); err != nil {
+		return fmt.Errorf("DRA driver %s: publishing the node's devices: %w", DriverName, err)
+	}
+	return nil
+}
