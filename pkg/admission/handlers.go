@@ -3,14 +3,19 @@ package admission
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"gomodules.xyz/jsonpatch/v2"
 	admissionv1 "k8s.io/api/admission/v1"
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 // Paths the webhook server serves; deploy/webhook names them.
@@ -19,8 +24,9 @@ const (
 	MutatePath   = "/mutate"
 )
 
-// Validator is the validating webhook: pods (create and update) and the
-// pod templates of workloads.
+// Validator is the validating webhook: pods (create and update), the pod
+// templates of workloads, and the ResourceClaims (and templates) that ask
+// gpufrac's DRA driver for a share.
 type Validator struct {
 	Identity Identity
 }
@@ -55,6 +61,21 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode binding: %w", err))
 		}
 		err = v.Identity.ReviewBinding(req.UserInfo.Username, b.Annotations)
+	case req.Kind.Group == "resource.k8s.io" && req.Kind.Kind == "ResourceClaim":
+		var c resourceapi.ResourceClaim
+		if err := json.Unmarshal(req.Object.Raw, &c); err != nil {
+			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode ResourceClaim: %w", err))
+		}
+		err = api.ValidateClaim(c.Spec)
+	case req.Kind.Group == "resource.k8s.io" && req.Kind.Kind == "ResourceClaimTemplate":
+		var c resourceapi.ResourceClaimTemplate
+		if err := json.Unmarshal(req.Object.Raw, &c); err != nil {
+			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode ResourceClaimTemplate: %w", err))
+		}
+		if err = api.ValidateClaim(c.Spec.Spec); err != nil {
+			// The claim's spec is the template's spec.spec.
+			err = errors.New(strings.ReplaceAll(err.Error(), "spec.devices", "spec.spec.devices"))
+		}
 	default:
 		warnings, err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
 	}

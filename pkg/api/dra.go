@@ -3,8 +3,10 @@ package api
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	kjson "sigs.k8s.io/json"
 )
@@ -51,4 +53,90 @@ func ParseShareConfig(raw []byte) (limitMiB int64, err error) {
 		return 0, fmt.Errorf("opaque parameters of driver gpu.gpufrac.io: memoryLimit %q: must be a quantity of at least 1Mi (20Gi, 30720Mi)", c.MemoryLimit)
 	}
 	return q.Value() >> 20, nil
+}
+
+// The DRA driver, its DeviceClasses (deploy/dra) and its devices'
+// capacities: one for each compute mode, since a GPU runs one mode.
+const (
+	DRADriver           = "gpu.gpufrac.io"
+	DRAClassTimeSlicing = DRADriver
+	DRAClassSMSharing   = "sm-sharing." + DRADriver
+	DRACapacityMemory   = "memory"
+	DRACapacityCompute  = "compute"
+)
+
+// ValidateClaim checks what a ResourceClaim's spec asks of gpufrac's DRA
+// driver (SPEC §5), so that a claim the node could not enforce fails at
+// creation, not at the pod's start: each request of one of its classes
+// asks for one device with its memory (and, for sm-sharing, compute as a
+// whole percent from 1 to 100; for time-slicing none), and the driver's
+// opaque config is a valid ShareConfig whose limit is at least the memory
+// of every request it applies to. Requests of other classes are not its
+// business. Errors name the field, the value and the rule.
+func ValidateClaim(spec resourceapi.ResourceClaimSpec) error {
+	var errs []error
+	memory := map[string]int64{} // gpufrac requests → memory asked, MiB
+	check := func(path, name string, r resourceapi.ExactDeviceRequest) {
+		sm := r.DeviceClassName == DRAClassSMSharing
+		if !sm && r.DeviceClassName != DRAClassTimeSlicing {
+			return
+		}
+		if r.AllocationMode == resourceapi.DeviceAllocationModeAll || r.Count > 1 {
+			errs = append(errs, fmt.Errorf("%s: allocationMode %q, count %d: a request of %s is one share of one GPU; ask for more GPUs with more requests", path, r.AllocationMode, r.Count, r.DeviceClassName))
+		}
+		var req map[resourceapi.QualifiedName]resource.Quantity
+		if r.Capacity != nil {
+			req = r.Capacity.Requests
+		}
+		mem, ok := req[DRACapacityMemory]
+		if !ok || mem.Value()>>20 <= 0 {
+			errs = append(errs, fmt.Errorf("%s.capacity.requests.memory %q: a share of %s must name its memory, at least 1Mi (20Gi)", path, quantityString(req, DRACapacityMemory), r.DeviceClassName))
+		} else {
+			memory[name] = mem.Value() >> 20
+		}
+		compute, hasCompute := req[DRACapacityCompute]
+		switch {
+		case sm && (!hasCompute || compute.Cmp(*resource.NewQuantity(compute.Value(), resource.DecimalSI)) != 0 || compute.Value() < 1 || compute.Value() > 100):
+			errs = append(errs, fmt.Errorf("%s.capacity.requests.compute %q: an sm-sharing share must name its compute as a whole percent from 1 to 100", path, quantityString(req, DRACapacityCompute)))
+		case !sm && hasCompute:
+			errs = append(errs, fmt.Errorf("%s.capacity.requests.compute %q: a time-slicing share has no compute portion; use the %s class for sm-sharing", path, compute.String(), DRAClassSMSharing))
+		}
+		for k := range req {
+			if k != DRACapacityMemory && k != DRACapacityCompute {
+				errs = append(errs, fmt.Errorf("%s.capacity.requests.%s: not a capacity of %s (memory, compute)", path, k, DRADriver))
+			}
+		}
+	}
+	for i, r := range spec.Devices.Requests {
+		if r.Exactly != nil {
+			check(fmt.Sprintf("spec.devices.requests[%d](%s)", i, r.Name), r.Name, *r.Exactly)
+		}
+		for j, s := range r.FirstAvailable {
+			check(fmt.Sprintf("spec.devices.requests[%d].firstAvailable[%d](%s/%s)", i, j, r.Name, s.Name), r.Name, resourceapi.ExactDeviceRequest{
+				DeviceClassName: s.DeviceClassName, AllocationMode: s.AllocationMode, Count: s.Count, Capacity: s.Capacity})
+		}
+	}
+	for i, c := range spec.Devices.Config {
+		if c.Opaque == nil || c.Opaque.Driver != DRADriver {
+			continue
+		}
+		limit, err := ParseShareConfig(c.Opaque.Parameters.Raw)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("spec.devices.config[%d]: %w", i, err))
+			continue
+		}
+		for name, mem := range memory {
+			if limit > 0 && limit < mem && (len(c.Requests) == 0 || slices.ContainsFunc(c.Requests, func(n string) bool { return n == name || strings.HasPrefix(n, name+"/") })) {
+				errs = append(errs, fmt.Errorf("spec.devices.config[%d]: memoryLimit %dMi is below request %s's memory %dMi: the limit must be at least the request", i, limit, name, mem))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func quantityString(req map[resourceapi.QualifiedName]resource.Quantity, k resourceapi.QualifiedName) string {
+	if q, ok := req[k]; ok {
+		return q.String()
+	}
+	return ""
 }

@@ -3,6 +3,10 @@ package api
 import (
 	"strings"
 	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/runtime"
 )
 
 func TestParseShareConfig(t *testing.T) {
@@ -48,4 +52,58 @@ func FuzzParseShareConfig(f *testing.F) {
 			t.Fatalf("%q: error %q is not one line naming the parameters", raw, err)
 		}
 	})
+}
+
+func claimSpec(class string, caps map[string]string, config string) resourceapi.ResourceClaimSpec {
+	r := resourceapi.ExactDeviceRequest{DeviceClassName: class}
+	if caps != nil {
+		r.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{}}
+		for k, v := range caps {
+			r.Capacity.Requests[resourceapi.QualifiedName(k)] = resource.MustParse(v)
+		}
+	}
+	spec := resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &r}}}}
+	if config != "" {
+		spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{DeviceConfiguration: resourceapi.DeviceConfiguration{
+			Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: DRADriver, Parameters: runtime.RawExtension{Raw: []byte(config)}}}}}
+	}
+	return spec
+}
+
+func TestValidateClaim(t *testing.T) {
+	limit := func(l string) string {
+		return `{"apiVersion":"gpu.gpufrac.io/v1alpha1","kind":"ShareConfig","memoryLimit":"` + l + `"}`
+	}
+	for name, spec := range map[string]resourceapi.ResourceClaimSpec{
+		"time-slicing":           claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "20Gi"}, ""),
+		"time-slicing, burst":    claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "20Gi"}, limit("30Gi")),
+		"sm-sharing":             claimSpec(DRAClassSMSharing, map[string]string{"memory": "10Gi", "compute": "25"}, ""),
+		"another driver's class": claimSpec("gpu.nvidia.com", nil, ""),
+	} {
+		if err := ValidateClaim(spec); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	many := claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "1Gi"}, "")
+	many.Devices.Requests[0].Exactly.Count = 2
+	for name, tc := range map[string]struct {
+		spec resourceapi.ResourceClaimSpec
+		want string
+	}{
+		"no memory":              {claimSpec(DRAClassTimeSlicing, nil, ""), "capacity.requests.memory \"\": a share"},
+		"sm-sharing, no compute": {claimSpec(DRAClassSMSharing, map[string]string{"memory": "1Gi"}, ""), "compute \"\": an sm-sharing share"},
+		"compute 0.5":            {claimSpec(DRAClassSMSharing, map[string]string{"memory": "1Gi", "compute": "500m"}, ""), "whole percent"},
+		"compute 150":            {claimSpec(DRAClassSMSharing, map[string]string{"memory": "1Gi", "compute": "150"}, ""), "from 1 to 100"},
+		"compute on time-slicing": {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "1Gi", "compute": "10"}, ""),
+			"has no compute portion"},
+		"another capacity": {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "1Gi", "cores": "2"}, ""), "requests.cores: not a capacity"},
+		"two devices":      {many, "one share of one GPU"},
+		"bad config":       {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "1Gi"}, `{"kind":"x"}`), "spec.devices.config[0]: opaque parameters"},
+		"limit below":      {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "20Gi"}, limit("10Gi")), "memoryLimit 10240Mi is below request gpu's memory 20480Mi"},
+	} {
+		err := ValidateClaim(tc.spec)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want one saying %q", name, err, tc.want)
+		}
+	}
 }

@@ -578,3 +578,36 @@ func namespaceCeiling(t *testing.T, root, name string) int {
 	}
 	return -1
 }
+
+// The webhook refuses, at creation, a claim or claim template for
+// gpufrac's classes that a node could not enforce, with the field, the
+// value and the rule; claims for other drivers pass unread.
+func TestDRAWebhookRefusesClaimsTheNodeCannotEnforce(t *testing.T) {
+	ns := namespace(t, "dra-webhook")
+	ctx := context.Background()
+	noCompute := memoryClaim(ns, "no-compute", "10Gi", "")
+	noCompute.Spec.Devices.Requests[0].Exactly.DeviceClassName = "sm-sharing." + dra.DriverName
+	_, err := shared.alice.ResourceV1().ResourceClaims(ns).Create(ctx, noCompute, metav1.CreateOptions{})
+	if err == nil || !strings.Contains(err.Error(), `spec.devices.requests[0](gpu).capacity.requests.compute "": an sm-sharing share must name its compute`) {
+		t.Errorf("an sm-sharing claim without compute: %v", err)
+	}
+	low := memoryClaim(ns, "", "20Gi", "")
+	low.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{DeviceConfiguration: resourceapi.DeviceConfiguration{
+		Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: dra.DriverName,
+			Parameters: runtime.RawExtension{Raw: []byte(`{"apiVersion":"gpu.gpufrac.io/v1alpha1","kind":"ShareConfig","memoryLimit":"10Gi"}`)}},
+	}}}
+	tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: "low-limit", Namespace: ns},
+		Spec: resourceapi.ResourceClaimTemplateSpec{Spec: low.Spec}}
+	_, err = shared.alice.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, tmpl, metav1.CreateOptions{})
+	if err == nil || !strings.Contains(err.Error(), "spec.spec.devices.config[0]: memoryLimit 10240Mi is below request gpu's memory 20480Mi") {
+		t.Errorf("a template whose limit is below its request: %v", err)
+	}
+	if _, err := shared.alice.ResourceV1().ResourceClaims(ns).Create(ctx, memoryClaim(ns, "ok", "20Gi", ""), metav1.CreateOptions{}); err != nil {
+		t.Errorf("a valid claim: %v", err)
+	}
+	other := memoryClaim(ns, "other", "", "")
+	other.Spec.Devices.Requests[0].Exactly.DeviceClassName = "gpu.example.com"
+	if _, err := shared.alice.ResourceV1().ResourceClaims(ns).Create(ctx, other, metav1.CreateOptions{}); err != nil {
+		t.Errorf("another driver's claim: %v", err)
+	}
+}

@@ -25,17 +25,17 @@ import (
 
 // DriverName is the driver's name, the DeviceClass's and the opaque
 // config's.
-const DriverName = "gpu.gpufrac.io"
+const DriverName = api.DRADriver
 
 // The device's capacities: a claim asks for them in
 // spec.devices.requests[].exactly.capacity.requests.
 const (
 	// CapacityMemory is the GPU's schedulable memory (total less the
 	// node's per-GPU reserve), the share a claim is guaranteed.
-	CapacityMemory resourceapi.QualifiedName = "memory"
+	CapacityMemory resourceapi.QualifiedName = api.DRACapacityMemory
 	// CapacityCompute is the GPU's compute in percent. Only sm-sharing
 	// claims ask for it; a time-slicing claim consumes none.
-	CapacityCompute resourceapi.QualifiedName = "compute"
+	CapacityCompute resourceapi.QualifiedName = api.DRACapacityCompute
 )
 
 // The device's attributes, for a claim's or a DeviceClass's CEL
