@@ -3,6 +3,7 @@ package api
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
@@ -37,7 +38,7 @@ func ParseShareConfig(raw []byte) (limitMiB int64, err error) {
 	// and duplicate fields refused.
 	strict, err := kjson.UnmarshalStrict(raw, &c, kjson.DisallowUnknownFields, kjson.DisallowDuplicateFields)
 	if err == nil {
-		err = errors.Join(strict...)
+		err = JoinLine(strict...)
 	}
 	if err != nil {
 		return 0, fmt.Errorf("opaque parameters of driver gpu.gpufrac.io: %s", strings.ReplaceAll(strings.TrimPrefix(err.Error(), "json: "), "\n", "; "))
@@ -63,7 +64,27 @@ const (
 	DRAClassSMSharing   = "sm-sharing." + DRADriver
 	DRACapacityMemory   = "memory"
 	DRACapacityCompute  = "compute"
+	// DRAMinMemoryMiB is the smallest share the driver's devices give: the
+	// allocator raises a smaller request to it (their request policy). A
+	// CUDA context alone takes a few hundred MiB; a smaller share only
+	// fails later, inside the container.
+	DRAMinMemoryMiB = 256
 )
+
+// JoinLine joins errs (nils skipped) into one error whose message is one
+// line, the messages separated by "; "; nil if there are none.
+func JoinLine(errs ...error) error {
+	var msgs []string
+	for _, e := range errs {
+		if e != nil {
+			msgs = append(msgs, e.Error())
+		}
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	return errors.New(strings.Join(msgs, "; "))
+}
 
 // ValidateClaim checks what a ResourceClaim's spec asks of gpufrac's DRA
 // driver (SPEC §5), so that a claim the node could not enforce fails at
@@ -75,7 +96,12 @@ const (
 // business. Errors name the field, the value and the rule.
 func ValidateClaim(spec resourceapi.ResourceClaimSpec) error {
 	var errs []error
-	memory := map[string]int64{} // gpufrac requests → memory asked, MiB
+	// The gpufrac requests, request or request/subrequest as a config's
+	// requests name them, and the memory each is given in MiB: what it
+	// asks, rounded up to a MiB and to the devices' minimum, as the
+	// allocator rounds it.
+	var names []string
+	memory := map[string]int64{}
 	check := func(path, name string, r resourceapi.ExactDeviceRequest) {
 		sm := r.DeviceClassName == DRAClassSMSharing
 		if !sm && r.DeviceClassName != DRAClassTimeSlicing {
@@ -92,7 +118,8 @@ func ValidateClaim(spec resourceapi.ResourceClaimSpec) error {
 		if !ok || mem.Value()>>20 <= 0 {
 			errs = append(errs, fmt.Errorf("%s.capacity.requests.memory %q: a share of %s must name its memory, at least 1Mi (20Gi)", path, quantityString(req, DRACapacityMemory), r.DeviceClassName))
 		} else {
-			memory[name] = mem.Value() >> 20
+			names = append(names, name)
+			memory[name] = max((mem.Value()+1<<20-1)>>20, DRAMinMemoryMiB)
 		}
 		compute, hasCompute := req[DRACapacityCompute]
 		switch {
@@ -101,7 +128,7 @@ func ValidateClaim(spec resourceapi.ResourceClaimSpec) error {
 		case !sm && hasCompute:
 			errs = append(errs, fmt.Errorf("%s.capacity.requests.compute %q: a time-slicing share has no compute portion; use the %s class for sm-sharing", path, compute.String(), DRAClassSMSharing))
 		}
-		for k := range req {
+		for _, k := range slices.Sorted(maps.Keys(req)) {
 			if k != DRACapacityMemory && k != DRACapacityCompute {
 				errs = append(errs, fmt.Errorf("%s.capacity.requests.%s: not a capacity of %s (memory, compute)", path, k, DRADriver))
 			}
@@ -112,7 +139,7 @@ func ValidateClaim(spec resourceapi.ResourceClaimSpec) error {
 			check(fmt.Sprintf("spec.devices.requests[%d](%s)", i, r.Name), r.Name, *r.Exactly)
 		}
 		for j, s := range r.FirstAvailable {
-			check(fmt.Sprintf("spec.devices.requests[%d].firstAvailable[%d](%s/%s)", i, j, r.Name, s.Name), r.Name, resourceapi.ExactDeviceRequest{
+			check(fmt.Sprintf("spec.devices.requests[%d].firstAvailable[%d](%s/%s)", i, j, r.Name, s.Name), r.Name+"/"+s.Name, resourceapi.ExactDeviceRequest{
 				DeviceClassName: s.DeviceClassName, AllocationMode: s.AllocationMode, Count: s.Count, Capacity: s.Capacity})
 		}
 	}
@@ -125,13 +152,22 @@ func ValidateClaim(spec resourceapi.ResourceClaimSpec) error {
 			errs = append(errs, fmt.Errorf("spec.devices.config[%d]: %w", i, err))
 			continue
 		}
-		for name, mem := range memory {
-			if limit > 0 && limit < mem && (len(c.Requests) == 0 || slices.ContainsFunc(c.Requests, func(n string) bool { return n == name || strings.HasPrefix(n, name+"/") })) {
+		for _, name := range names {
+			mem := memory[name]
+			if limit > 0 && limit < mem && (len(c.Requests) == 0 || AppliesTo(c.Requests, name)) {
 				errs = append(errs, fmt.Errorf("spec.devices.config[%d]: memoryLimit %dMi is below request %s's memory %dMi: the limit must be at least the request", i, limit, name, mem))
 			}
 		}
 	}
-	return errors.Join(errs...)
+	return JoinLine(errs...)
+}
+
+// AppliesTo says whether a config whose requests are names applies to
+// request (request or request/subrequest): a main request's name covers
+// its subrequests (resource.k8s.io/v1, DeviceClaimConfiguration.Requests).
+func AppliesTo(names []string, request string) bool {
+	main, _, _ := strings.Cut(request, "/")
+	return slices.ContainsFunc(names, func(n string) bool { return n == request || n == main })
 }
 
 func quantityString(req map[resourceapi.QualifiedName]resource.Quantity, k resourceapi.QualifiedName) string {

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
@@ -84,6 +85,9 @@ func TestValidateClaim(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
+	if err := ValidateClaim(firstAvailable(limit("10Gi"), "gpu/small")); err != nil {
+		t.Errorf("a limit for the small alternative only: %v", err)
+	}
 	many := claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "1Gi"}, "")
 	many.Devices.Requests[0].Exactly.Count = 2
 	for name, tc := range map[string]struct {
@@ -100,10 +104,37 @@ func TestValidateClaim(t *testing.T) {
 		"two devices":      {many, "one share of one GPU"},
 		"bad config":       {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "1Gi"}, `{"kind":"x"}`), "spec.devices.config[0]: opaque parameters"},
 		"limit below":      {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "20Gi"}, limit("10Gi")), "memoryLimit 10240Mi is below request gpu's memory 20480Mi"},
+		"limit below the minimum share": {claimSpec(DRAClassTimeSlicing, map[string]string{"memory": "100Mi"}, limit("200Mi")),
+			"memoryLimit 200Mi is below request gpu's memory 256Mi"},
+		"subrequest limit below": {firstAvailable(limit("10Gi"), "gpu/big"), "below request gpu/big's memory 20480Mi"},
+		"main request's limit":   {firstAvailable(limit("10Gi"), "gpu"), "below request gpu/big's memory 20480Mi"},
 	} {
 		err := ValidateClaim(tc.spec)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: error %v, want one saying %q", name, err, tc.want)
 		}
+	}
+}
+
+// firstAvailable is a claim with two alternatives, gpu/big (20Gi) and
+// gpu/small (5Gi), and a config for the named requests.
+func firstAvailable(config, requests string) resourceapi.ResourceClaimSpec {
+	sub := func(name, mem string) resourceapi.DeviceSubRequest {
+		return resourceapi.DeviceSubRequest{Name: name, DeviceClassName: DRAClassTimeSlicing,
+			Capacity: &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{DRACapacityMemory: resource.MustParse(mem)}}}
+	}
+	spec := resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu",
+		FirstAvailable: []resourceapi.DeviceSubRequest{sub("big", "20Gi"), sub("small", "5Gi")}}}}}
+	spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{Requests: []string{requests}, DeviceConfiguration: resourceapi.DeviceConfiguration{
+		Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: DRADriver, Parameters: runtime.RawExtension{Raw: []byte(config)}}}}}
+	return spec
+}
+
+func TestJoinLine(t *testing.T) {
+	if JoinLine(nil, nil) != nil {
+		t.Error("JoinLine of nothing is not nil")
+	}
+	if got := JoinLine(errors.New("a"), nil, errors.New("b")).Error(); got != "a; b" {
+		t.Errorf("JoinLine = %q", got)
 	}
 }

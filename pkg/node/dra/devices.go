@@ -50,9 +50,8 @@ const (
 
 // MinMemoryMiB is the smallest memory a claim is given: a request below it
 // is raised to it (the allocator's validRange), as is a claim that names
-// no memory at all. A CUDA context alone takes a few hundred MiB; a share
-// smaller than that only fails later, inside the container.
-const MinMemoryMiB = 256
+// no memory at all.
+const MinMemoryMiB = api.DRAMinMemoryMiB
 
 // AttrMode is the device's compute mode, api.TimeSlicing or api.SMSharing.
 const AttrMode resourceapi.QualifiedName = "computeMode"

@@ -10,11 +10,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
@@ -50,6 +52,9 @@ type Driver struct {
 	Node func() (inventory.Inventory, injection.Config)
 	// MPS keeps the node's MPS namespaces; nil: sm-sharing claims fail.
 	MPS *mps.Manager
+
+	helper  atomic.Pointer[kubeletplugin.Helper]
+	dropped atomic.Bool // the API server dropped slice fields (HandleError)
 }
 
 var _ kubeletplugin.DRAPlugin = (*Driver)(nil)
@@ -77,9 +82,23 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: the helper's background
-// errors (publishing ResourceSlices) are logged; it retries them itself.
+// errors (publishing ResourceSlices) are logged, and it retries them. One
+// is not retried: an API server that dropped fields of the slices, the
+// counters that keep a GPU's modes apart among them (DRAPartitionableDevices
+// off). Then the node fails closed: it publishes no device and prepares no
+// claim, for the modes could mix on a GPU.
 func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
 	klog.FromContext(ctx).Error(err, msg)
+	var dropped *resourceslice.DroppedFieldsError
+	if errors.As(err, &dropped) && !d.dropped.Swap(true) {
+		if h := d.helper.Load(); h != nil {
+			go func() {
+				if err := h.PublishResources(ctx, Resources(d.NodeName, inventory.Inventory{}, 0)); err != nil {
+					klog.FromContext(ctx).Error(err, "Cannot withdraw the node's DRA devices")
+				}
+			}()
+		}
+	}
 }
 
 // WatchHealthStatus implements kubeletplugin.DRAPlugin: device health is
@@ -102,15 +121,30 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	if claim.Status.Allocation == nil {
 		return nil, fmt.Errorf("claim %s/%s is not allocated", claim.Namespace, claim.Name)
 	}
+	if d.dropped.Load() {
+		return nil, fmt.Errorf("claim %s/%s: the API server dropped fields of this node's ResourceSlices (the counters that keep a GPU's compute modes apart: is DRAPartitionableDevices on?), so no share is prepared here", claim.Namespace, claim.Name)
+	}
+	if n := len(claim.Status.ReservedFor); n > 1 {
+		// Each consumer would get the whole share's limits and ceiling,
+		// while the allocator counted the share once.
+		return nil, fmt.Errorf("claim %s/%s: reserved for %d consumers: a gpufrac share is for one pod; give each pod a claim of its own (a ResourceClaimTemplate)", claim.Namespace, claim.Name, n)
+	}
 	inv, cfg := d.Node()
+	before := d.preparedShares(claim.UID) // a repeated call: these are in use
 	spec := cdispec.Spec{Kind: CDIKind}
 	var devices []kubeletplugin.Device
 	var shares []share
 	var errs []error
+	seen := map[string]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		if r.Driver != DriverName {
 			continue
 		}
+		if seen[r.Request] {
+			errs = append(errs, fmt.Errorf("claim share %q: more than one device for one request: a gpufrac request is one share of one GPU", claim.Namespace+"/"+claim.Name+"/"+r.Request))
+			continue
+		}
+		seen[r.Request] = true
 		a, err := d.assignment(claim, r, inv)
 		if err != nil {
 			errs = append(errs, err)
@@ -137,18 +171,19 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 				continue
 			}
 		}
-		name := string(claim.UID) + "-" + r.Request
+		// A subrequest's result is named request/subrequest; CDI device
+		// names allow no '/', and a request name (a DNS label) no '.'.
+		name := string(claim.UID) + "-" + strings.ReplaceAll(r.Request, "/", ".")
 		spec.Devices = append(spec.Devices, cdispec.Device{Name: name, ContainerEdits: *edits})
 		shares = append(shares, share{Request: r.Request, Namespace: namespace})
 		devices = append(devices, kubeletplugin.Device{Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
 			CDIDeviceIDs: []string{CDIKind + "=" + name}, ShareID: r.ShareID})
 	}
-	if err := errors.Join(errs...); err != nil {
-		// Nothing half-prepared stays behind: the namespaces made for the
-		// claim's other requests go too (or the agent's MPS reconciliation
-		// deletes them, as no prepared claim holds them), and the kubelet
-		// retries.
-		return nil, errors.Join(err, d.removeNamespaces(ctx, shares))
+	if err := api.JoinLine(errs...); err != nil {
+		// Nothing half-prepared stays behind: the namespaces this call made
+		// for the claim's other requests go too (not those an earlier
+		// preparation made, which may be in use), and the kubelet retries.
+		return nil, api.JoinLine(err, d.removeNamespaces(ctx, newShares(shares, before)))
 	}
 	if len(devices) == 0 {
 		return nil, fmt.Errorf("claim %s/%s has no device of driver %s", claim.Namespace, claim.Name, DriverName)
@@ -166,7 +201,7 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 		return nil, err
 	}
 	if err := statefile.Write(d.specPath(claim.UID), body); err != nil {
-		return nil, errors.Join(fmt.Errorf("claim %s/%s: writing its CDI spec: %w", claim.Namespace, claim.Name, err), d.removeNamespaces(ctx, shares))
+		return nil, api.JoinLine(fmt.Errorf("claim %s/%s: writing its CDI spec: %w", claim.Namespace, claim.Name, err), d.removeNamespaces(ctx, newShares(shares, before)))
 	}
 	return devices, nil
 }
@@ -230,7 +265,7 @@ func configuredLimit(configs []resourceapi.DeviceAllocationConfiguration, reques
 		if c.Opaque == nil || c.Opaque.Driver != DriverName {
 			continue
 		}
-		if len(c.Requests) > 0 && !slices.Contains(c.Requests, request) {
+		if len(c.Requests) > 0 && !api.AppliesTo(c.Requests, request) {
 			continue
 		}
 		l, err := api.ParseShareConfig(c.Opaque.Parameters.Raw)
@@ -267,10 +302,11 @@ func (d *Driver) Unprepare(ctx context.Context, uid types.UID) error {
 	if err != nil {
 		return err
 	}
-	var spec cdispec.Spec
-	var shares []share
-	if err := json.Unmarshal(raw, &spec); err == nil {
-		_ = json.Unmarshal([]byte(spec.Annotations[annotationShares]), &shares)
+	shares, err := sharesOf(raw)
+	if err != nil {
+		// Its namespaces are unknown; the agent's MPS reconciliation
+		// deletes those no prepared claim holds.
+		klog.FromContext(ctx).Error(err, "A prepared claim's CDI spec is corrupt; removing it", "path", d.specPath(uid))
 	}
 	if err := d.removeNamespaces(ctx, shares); err != nil {
 		return err // the spec stays, so the kubelet's retry finds the namespaces again
@@ -288,7 +324,42 @@ func (d *Driver) removeNamespaces(ctx context.Context, shares []share) error {
 			errs = append(errs, d.MPS.Remove(ctx, s.Namespace, ""))
 		}
 	}
-	return errors.Join(errs...)
+	return api.JoinLine(errs...)
+}
+
+// sharesOf reads the shares a prepared claim's spec records.
+func sharesOf(raw []byte) ([]share, error) {
+	var spec cdispec.Spec
+	var shares []share
+	if err := json.Unmarshal(raw, &spec); err != nil {
+		return nil, fmt.Errorf("CDI spec: %w", err)
+	}
+	if err := json.Unmarshal([]byte(spec.Annotations[annotationShares]), &shares); err != nil {
+		return nil, fmt.Errorf("CDI spec annotation %s: %w", annotationShares, err)
+	}
+	return shares, nil
+}
+
+// preparedShares are the shares an earlier preparation of the claim
+// recorded; none if it was not prepared (or its spec is unreadable).
+func (d *Driver) preparedShares(uid types.UID) []share {
+	raw, err := os.ReadFile(d.specPath(uid))
+	if err != nil {
+		return nil
+	}
+	shares, _ := sharesOf(raw)
+	return shares
+}
+
+// newShares are the shares of now that were not in before.
+func newShares(now, before []share) []share {
+	var out []share
+	for _, s := range now {
+		if !slices.Contains(before, s) {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 // Prepared lists the claims this node has prepared (their spec files), for
@@ -311,10 +382,9 @@ func (d *Driver) Prepared() (map[types.UID][]string, error) {
 		if err != nil {
 			return nil, err
 		}
-		var spec cdispec.Spec
-		var shares []share
-		if err := json.Unmarshal(raw, &spec); err == nil {
-			_ = json.Unmarshal([]byte(spec.Annotations[annotationShares]), &shares)
+		shares, err := sharesOf(raw)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", e.Name(), err)
 		}
 		var namespaces []string
 		for _, s := range shares {
@@ -355,6 +425,7 @@ func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDi
 	if err != nil {
 		return nil, fmt.Errorf("DRA driver %s: %w", DriverName, err)
 	}
+	d.helper.Store(h)
 	if err := Publish(ctx, h, d, reserveMiB); err != nil {
 		h.Stop()
 		return nil, err
@@ -367,7 +438,7 @@ func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDi
 // writes only what changed.
 func Publish(ctx context.Context, h *kubeletplugin.Helper, d *Driver, reserveMiB int64) error {
 	inv, cfg := d.Node()
-	if !Enforceable(cfg) {
+	if !Enforceable(cfg) || d.dropped.Load() {
 		inv.GPUs = nil
 	}
 	if err := h.PublishResources(ctx, Resources(d.NodeName, inv, reserveMiB)); err != nil {

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
 
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -88,5 +89,56 @@ func TestEnforceable(t *testing.T) {
 		if got := Enforceable(*cfg); got != want {
 			t.Errorf("Enforceable(%+v) = %v, want %v", *cfg, got, want)
 		}
+	}
+}
+
+// A subrequest's share is prepared under a valid CDI name, with the limit
+// a config for its main request gives.
+func TestPrepareSubrequestTakesItsMainRequestsConfig(t *testing.T) {
+	c := claimOn("n", "gpu-0-time-slicing", map[resourceapi.QualifiedName]string{CapacityMemory: "20Gi"},
+		`{"apiVersion":"gpu.gpufrac.io/v1alpha1","kind":"ShareConfig","memoryLimit":"30Gi"}`)
+	c.Status.Allocation.Devices.Results[0].Request = "gpu/small"
+	c.Status.Allocation.Devices.Config[0].Requests = []string{"gpu"}
+	d := &Driver{NodeName: "n", CDIDir: t.TempDir(), Node: func() (inventory.Inventory, injection.Config) { return machine(1), nodeCfg }}
+	res, _ := d.PrepareResourceClaims(context.Background(), []*resourceapi.ResourceClaim{c})
+	got := res[c.UID]
+	if got.Err != nil || len(got.Devices) != 1 || got.Devices[0].CDIDeviceIDs[0] != CDIKind+"=uid-1-gpu.small" {
+		t.Fatalf("prepare: %+v", got)
+	}
+	raw, err := os.ReadFile(d.specPath(c.UID))
+	if err != nil || !strings.Contains(string(raw), nodeapi.EnvHookLimitMiB+"=30720") {
+		t.Errorf("spec %s (%v): want the hook's limit 30720 MiB", raw, err)
+	}
+}
+
+// What would multiply a share, or mix modes, is refused.
+func TestPrepareRefusesSharesItCannotKeepApart(t *testing.T) {
+	mem := map[resourceapi.QualifiedName]string{CapacityMemory: "1Gi"}
+	shared := claimOn("n", "gpu-0-time-slicing", mem, "")
+	shared.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "a", UID: "a"}, {Resource: "pods", Name: "b", UID: "b"}}
+	twice := claimOn("n", "gpu-0-time-slicing", mem, "")
+	r := twice.Status.Allocation.Devices.Results[0]
+	r.Device = "gpu-1-time-slicing"
+	twice.Status.Allocation.Devices.Results = append(twice.Status.Allocation.Devices.Results, r)
+	for name, tc := range map[string]struct {
+		claim *resourceapi.ResourceClaim
+		want  string
+	}{
+		"two consumers":            {shared, "reserved for 2 consumers"},
+		"two devices, one request": {twice, "more than one device for one request"},
+	} {
+		d := &Driver{NodeName: "n", CDIDir: t.TempDir(), Node: func() (inventory.Inventory, injection.Config) { return machine(2), nodeCfg }}
+		res, _ := d.PrepareResourceClaims(context.Background(), []*resourceapi.ResourceClaim{tc.claim})
+		if err := res[tc.claim.UID].Err; err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want one saying %q", name, err, tc.want)
+		}
+	}
+	// The API server dropped the counters: the node fails closed.
+	d := &Driver{NodeName: "n", CDIDir: t.TempDir(), Node: func() (inventory.Inventory, injection.Config) { return machine(1), nodeCfg }}
+	d.HandleError(context.Background(), &resourceslice.DroppedFieldsError{}, "publishing")
+	ok := claimOn("n", "gpu-0-time-slicing", mem, "")
+	res, _ := d.PrepareResourceClaims(context.Background(), []*resourceapi.ResourceClaim{ok})
+	if err := res[ok.UID].Err; err == nil || !strings.Contains(err.Error(), "DRAPartitionableDevices") {
+		t.Errorf("after dropped fields: error %v, want a refusal naming DRAPartitionableDevices", err)
 	}
 }

@@ -1,7 +1,6 @@
 package injection
 
 import (
-	"errors"
 	"fmt"
 	"strings"
 
@@ -68,7 +67,7 @@ func checkShare(a api.Assignment, namespace string, cfg Config) error {
 			errs = append(errs, fmt.Errorf("claim share %q: sm-sharing without a compute portion", a.Container))
 		}
 	}
-	return errors.Join(errs...)
+	return api.JoinLine(errs...)
 }
 
 // cdiEdits writes an injection as CDI container edits. A CDI spec can add
