@@ -199,12 +199,12 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 
 	claims := shared.admin.ResourceV1().ResourceClaims(ns)
 	ctx := context.Background()
-	// 40Gi + 38Gi fit one GPU's 79 GiB (the mock H100's 80 GiB less the
-	// reserve), 40Gi + 40Gi do not; eight GPUs hold eight such pairs,
-	// so an eighteenth 40Gi claim finds no room.
+	// Two 39Gi shares fit one GPU's 79 GiB (the mock H100's 80 GiB less
+	// the reserve), three do not, whatever order the scheduler takes the
+	// pods in: eight GPUs hold sixteen, and a seventeenth finds no room.
 	var names []string
 	for i := range 8 {
-		for j, size := range []string{"40Gi", "38Gi"} {
+		for j, size := range []string{"39Gi", "39Gi"} {
 			name := fmt.Sprintf("c-%d-%d", i, j)
 			if _, err := claims.Create(ctx, memoryClaim(ns, name, size, ""), metav1.CreateOptions{}); err != nil {
 				t.Fatal(err)
@@ -238,7 +238,7 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 		t.Errorf("claims used %d GPUs, want all 8 (two shares each): %v", len(used), used)
 	}
 
-	if _, err := claims.Create(ctx, memoryClaim(ns, "too-much", "40Gi", ""), metav1.CreateOptions{}); err != nil {
+	if _, err := claims.Create(ctx, memoryClaim(ns, "too-much", "39Gi", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	create(t, claimPod(ns, "p-too-much", "gpufrac-dra", "dra", "too-much"))
