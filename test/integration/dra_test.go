@@ -66,14 +66,7 @@ func deviceClass(t *testing.T) {
 // the API server holds the slice.
 func publishSlices(t *testing.T, node, machine string, reserveMiB int64) (inventory.Inventory, []resourceapi.Device) {
 	t.Helper()
-	lib, err := inventory.Simulated(machine)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inv, err := inventory.Read(lib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	inv := simulatedInventory(t, machine)
 	devices := dra.Devices(inv, reserveMiB)
 	resources := dra.Resources(node, inv, reserveMiB)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -119,6 +112,35 @@ func publishSlices(t *testing.T, node, machine string, reserveMiB int64) (invent
 		t.Fatalf("node %s: its ResourceSlice was not published: %v", node, err)
 	}
 	return inv, devices
+}
+
+// simulatedInventory is what the node agent reads from a go-nvml mock
+// machine.
+func simulatedInventory(t testing.TB, machine string) inventory.Inventory {
+	t.Helper()
+	lib, err := inventory.Simulated(machine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return inv
+}
+
+// draScenario runs a scheduler of its own (gpufrac-<name>) with the
+// DeviceClasses applied, and makes the scenario's namespace and its one
+// 8-GPU node, <name>-0, labelled scenario=<name>.
+func draScenario(t *testing.T, name string) (ns, node string) {
+	t.Helper()
+	e := schedulerEnv(t)
+	e.startScheduler(t, "gpufrac-"+name, nil)
+	deviceClass(t)
+	ns, node = namespace(t, name), name+"-0"
+	gpuNode(t, node, name, 8, 81920, true)
+	cleanUp(t, ns, node)
+	return ns, node
 }
 
 func memoryClaim(ns, name, memory, compute string) *resourceapi.ResourceClaim {
@@ -179,15 +201,7 @@ func allocation(t *testing.T, ns, name string) resourceapi.DeviceRequestAllocati
 // the share they consume, the request policy raises a tiny request to the
 // minimum, and a claim that fits no GPU's remaining memory stays pending.
 func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
-	e := schedulerEnv(t)
-	e.startScheduler(t, "gpufrac-dra", nil)
-	deviceClass(t)
-	ns := namespace(t, "dra-share")
-	const node = "dra-0"
-	// One GPU of the mock H100 machine is enough to show sharing; the
-	// node has eight, so the slice lists eight devices.
-	gpuNode(t, node, "dra", 8, 81920, true)
-	cleanUp(t, ns, node)
+	ns, node := draScenario(t, "dra-share")
 	inv, devices := publishSlices(t, node, "dgxh100", 1024)
 	if len(devices) != 16 {
 		t.Fatalf("want 16 devices for the mock H100 machine (a device per mode per GPU), got %d", len(devices))
@@ -209,7 +223,7 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 			if _, err := claims.Create(ctx, memoryClaim(ns, name, size, ""), metav1.CreateOptions{}); err != nil {
 				t.Fatal(err)
 			}
-			create(t, claimPod(ns, "p-"+name, "gpufrac-dra", "dra", name))
+			create(t, claimPod(ns, "p-"+name, "gpufrac-dra-share", "dra-share", name))
 			names = append(names, name)
 		}
 	}
@@ -241,7 +255,7 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 	if _, err := claims.Create(ctx, memoryClaim(ns, "too-much", "39Gi", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	create(t, claimPod(ns, "p-too-much", "gpufrac-dra", "dra", "too-much"))
+	create(t, claimPod(ns, "p-too-much", "gpufrac-dra-share", "dra-share", "too-much"))
 	pending(t, ns, "p-too-much")
 
 	// Freeing a share makes room: the pending claim lands where it was.
@@ -264,7 +278,7 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 	if _, err := claims.Create(ctx, memoryClaim(ns, "tiny", "100Mi", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	create(t, claimPod(ns, "p-tiny", "gpufrac-dra", "dra", "tiny"))
+	create(t, claimPod(ns, "p-tiny", "gpufrac-dra-share", "dra-share", "tiny"))
 	placed(t, ns, "p-tiny")
 	got := allocation(t, ns, "tiny").ConsumedCapacity[dra.CapacityMemory]
 	if want := resource.MustParse(fmt.Sprintf("%dMi", dra.MinMemoryMiB)); got.Cmp(want) != 0 {
@@ -277,13 +291,7 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 // one mode share their GPUs; sm-sharing claims split a GPU's compute, at
 // most 100 percent.
 func TestDRAClaimsNeverMixModesOnAGPU(t *testing.T) {
-	e := schedulerEnv(t)
-	e.startScheduler(t, "gpufrac-dra-modes", nil)
-	deviceClass(t)
-	ns := namespace(t, "dra-modes")
-	const node = "dra-modes-0"
-	gpuNode(t, node, "dra-modes", 8, 81920, true)
-	cleanUp(t, ns, node)
+	ns, node := draScenario(t, "dra-modes")
 	publishSlices(t, node, "dgxh100", 0)
 	claims := shared.admin.ResourceV1().ResourceClaims(ns)
 	ctx := context.Background()
@@ -376,13 +384,7 @@ func TestDRASlicesOfALargeNodeAreValid(t *testing.T) {
 // compute ceiling first; a restarted agent finds what it prepared and
 // prepares again alike; unpreparing removes both.
 func TestDRAKubeletPluginPreparesShares(t *testing.T) {
-	e := schedulerEnv(t)
-	e.startScheduler(t, "gpufrac-dra-prep", nil)
-	deviceClass(t)
-	ns := namespace(t, "dra-prep")
-	const node = "dra-prep-0"
-	gpuNode(t, node, "dra-prep", 8, 81920, true)
-	cleanUp(t, ns, node)
+	ns, node := draScenario(t, "dra-prep")
 	t.Cleanup(func() {
 		_ = shared.admin.ResourceV1().ResourceSlices().DeleteCollection(context.Background(), metav1.DeleteOptions{},
 			metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
@@ -397,14 +399,7 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 		}
 		return m
 	}
-	lib, err := inventory.Simulated("dgxh100")
-	if err != nil {
-		t.Fatal(err)
-	}
-	inv, err := inventory.Read(lib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	inv := simulatedInventory(t, "dgxh100")
 	cfg := injection.Config{Backend: nodeapi.BackendDriver, HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: root, MPS: nodeapi.MPSv3,
 		ShimDir: "/opt/gpufrac/lib", GPUMemoryMiB: inv.GPUs[0].MemoryMiB}
 	cdiDir := t.TempDir()
@@ -515,7 +510,7 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 			t.Errorf("claim %s: CDI edits differ from the NRI injection:\nNRI %s\nCDI %s", name, w, g)
 		}
 		if name == "sm" {
-			if c := namespaceCeiling(t, root, namespace); c != 25 {
+			if c := mpstest.Ceiling(t, root, namespace); c != 25 {
 				t.Errorf("sm-sharing claim: MPS namespace %s has ceiling %d, want 25", namespace, c)
 			}
 		}
@@ -551,7 +546,7 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 			t.Errorf("claim %s: its CDI spec is still there after unprepare (%v)", name, err)
 		}
 	}
-	if c := namespaceCeiling(t, root, nodeapi.NamespaceName(string(uids["sm"]), "gpu")); c != -1 {
+	if c := mpstest.Ceiling(t, root, nodeapi.NamespaceName(string(uids["sm"]), "gpu")); c != -1 {
 		t.Errorf("the sm-sharing claim's MPS namespace is still there after unprepare (ceiling %d)", c)
 	}
 }
@@ -563,20 +558,6 @@ func mustFraction(t *testing.T, s string) api.Fraction {
 		t.Fatal(err)
 	}
 	return f
-}
-
-// namespaceCeiling is the active-thread ceiling the MPS stand-in has for a
-// namespace of the shared server, -1 if it has none.
-func namespaceCeiling(t *testing.T, root, name string) int {
-	t.Helper()
-	st, err := mpstest.ReadState(nodeapi.LogDir(root))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if v, ok := st.Namespaces[nodeapi.SharedServer+"/"+name]; ok {
-		return v
-	}
-	return -1
 }
 
 // The webhook refuses, at creation, a claim or claim template for

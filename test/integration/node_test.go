@@ -143,14 +143,7 @@ func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
 func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
 	ctx := context.Background()
 	ns := createNamespace(t, "gpufrac-reserve-b")
-	lib, err := inventory.Simulated("dgxh100")
-	if err != nil {
-		t.Fatal(err)
-	}
-	inv, err := inventory.Read(lib)
-	if err != nil {
-		t.Fatal(err)
-	}
+	inv := simulatedInventory(t, "dgxh100")
 	var uuids []string
 	for _, g := range inv.GPUs {
 		uuids = append(uuids, g.UUID)

@@ -165,20 +165,6 @@ func startMPS(t *testing.T) (string, *mps.Manager) {
 	return root, m
 }
 
-// namespaceCeiling is the active-thread ceiling the daemon has for a
-// namespace of the shared server, -1 if it has no such namespace.
-func namespaceCeiling(t *testing.T, root, name string) int {
-	t.Helper()
-	st, err := mpstest.ReadState(nodeapi.LogDir(root))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if v, ok := st.Namespaces[nodeapi.SharedServer+"/"+name]; ok {
-		return v
-	}
-	return -1
-}
-
 func sandbox(id, name string, annotations map[string]string) *nriapi.PodSandbox {
 	return &nriapi.PodSandbox{Id: id, Name: name, Namespace: "ml", Uid: "uid-" + id, Annotations: annotations}
 }
@@ -637,7 +623,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(source, "control")); err != nil {
 		t.Errorf("the namespace's socket is not there when the container starts: %v", err)
 	}
-	if got := namespaceCeiling(t, root, name); got != 25 {
+	if got := mpstest.Ceiling(t, root, name); got != 25 {
 		t.Errorf("namespace ceiling = %d, want 25", got)
 	}
 
@@ -665,12 +651,12 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	}); err != nil {
 		t.Fatal("no second daemon")
 	}
-	if got := namespaceCeiling(t, root, name); got != -1 {
+	if got := mpstest.Ceiling(t, root, name); got != -1 {
 		t.Fatalf("a new daemon kept namespace %s", name)
 	}
 	live := p.LiveNamespaces()
 	p.ReconcileMPS(ctx, func(n string) bool { return live[n] })
-	if got := namespaceCeiling(t, root, name); got != 25 {
+	if got := mpstest.Ceiling(t, root, name); got != 25 {
 		t.Errorf("after the restart the namespace's ceiling is %d, want 25", got)
 	}
 	// Their mounts name the old daemon's sockets: both pods are evicted,
@@ -732,7 +718,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	if err := p.RemoveContainer(ctx, pod, ctr); err != nil {
 		t.Fatal(err)
 	}
-	if got := namespaceCeiling(t, root, name); got != -1 {
+	if got := mpstest.Ceiling(t, root, name); got != -1 {
 		t.Errorf("namespace %s still exists after the container's removal", name)
 	}
 	if got := m.List(); len(got) != 0 {
@@ -898,7 +884,7 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 			t.Errorf("%s = %q, want %q", k, env[k], want)
 		}
 	}
-	if got := namespaceCeiling(t, root, nodeapi.NamespaceName(pod.GetUid(), "setup")); got != 25 {
+	if got := mpstest.Ceiling(t, root, nodeapi.NamespaceName(pod.GetUid(), "setup")); got != 25 {
 		t.Errorf("namespace ceiling = %d, want 25", got)
 	}
 	if got := rec.get(&rec.enforced); !slices.ContainsFunc(got, func(e string) bool {

@@ -49,6 +49,7 @@ import (
 	"github.com/BurntSushi/toml"
 
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // Env is the variable that, set to 1, makes the test binary act as the
@@ -489,4 +490,18 @@ func StartDaemon(t *testing.T, root string, release int, configure ...func(*mps.
 		}
 	}
 	return c, stop
+}
+
+// Ceiling is the active-thread ceiling the stand-in daemon under root has
+// for a namespace of the shared server, -1 if it has no such namespace.
+func Ceiling(t testing.TB, root, name string) int {
+	t.Helper()
+	st, err := ReadState(nodeapi.LogDir(root))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := st.Namespaces[nodeapi.SharedServer+"/"+name]; ok {
+		return v
+	}
+	return -1
 }
