@@ -61,7 +61,11 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 			if selector != "" {
 				pods.Items = audit.OnNodes(pods.Items, nodes.Items)
 			}
-			found := audit.Check(nodes.Items, pods.Items, audit.Options{
+			claims, err := listClaims(ctx, client)
+			if err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("audit: %w", err)}
+			}
+			found := audit.Check(nodes.Items, pods.Items, claims, audit.Options{
 				ReservationNamespace: namespace,
 				ReserveMiB:           func(string) int64 { return reserve },
 				OrphanGrace:          orphanGrace,

@@ -57,6 +57,9 @@ with no GPU, kubelet or container runtime.`,
 			if err := nodeapi.CheckBackendFlag(opts.MemoryLimits); err != nil {
 				return err
 			}
+			if opts.DRA.StandingGPUs < -1 {
+				return fmt.Errorf("--dra-standing-gpus %d: must be -1 (all GPUs) or a count", opts.DRA.StandingGPUs)
+			}
 			if opts.ResyncPeriod < time.Second {
 				return fmt.Errorf("--resync-period %s must be at least 1s", opts.ResyncPeriod)
 			}
@@ -93,5 +96,10 @@ with no GPU, kubelet or container runtime.`,
 	f.Int64Var(&opts.Injection.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "MiB the scheduler keeps back on each GPU (its gpuMemoryReserveMiB; keep them equal): an sm-sharing pod placed without a compute portion, as released KAI places them, gets request ÷ (GPU memory − reserve)")
 	f.StringVar(&opts.HealthAddr, "health-addr", ":8082", "address of /healthz and /readyz; empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", 30*time.Second, "how often to re-read the GPUs, republish and annotate reservation pods")
+	f.BoolVar(&opts.DRA.Enabled, "dra", false, "also serve GPU shares through Dynamic Resource Allocation (driver gpu.gpufrac.io): publish the node's shared GPUs as ResourceSlices and prepare claims as the NRI plugin injects annotated containers (Kubernetes 1.36+)")
+	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", -1, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")
+	f.StringVar(&opts.DRA.PluginDir, "dra-plugin-dir", "/var/lib/kubelet/plugins/"+api.DRADriver, "with --dra, the kubelet plugin's directory (its gRPC socket)")
+	f.StringVar(&opts.DRA.RegistrarDir, "dra-registrar-dir", "/var/lib/kubelet/plugins_registry", "with --dra, the kubelet's plugin registration directory")
+	f.StringVar(&opts.DRA.CDIDir, "dra-cdi-dir", "/var/run/cdi", "with --dra, where the container runtime reads CDI specs: prepared claims' specs go there")
 	return cmd
 }

@@ -50,7 +50,11 @@ PATH, then run "kubectl gpufrac top".`,
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("top: list pods: %w", err)}
 			}
-			view := clusterview.Build(nodes.Items, pods.Items, namespace, func(string) int64 { return reserve })
+			claims, err := listClaims(ctx, client)
+			if err != nil {
+				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
+			}
+			view := clusterview.Build(nodes.Items, pods.Items, claims, namespace, func(string) int64 { return reserve })
 			if output == "json" {
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")

@@ -173,7 +173,7 @@ func (s *Server) view() (clusterview.View, error) {
 	}
 	// `gpufrac top`'s view, with reasons from events where a pending pod
 	// has no condition that says why.
-	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), s.opts.ReservationNamespace, s.opts.Reserve), deref(events)), nil
+	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), nil, s.opts.ReservationNamespace, s.opts.Reserve), deref(events)), nil
 }
 
 func deref[T any](in []*T) []T {

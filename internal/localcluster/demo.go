@@ -95,7 +95,7 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		return err
 	}
 	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
-	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, scheduler.DefaultReservationNamespace, nil)); err != nil {
+	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace, nil)); err != nil {
 		return err
 	}
 	bad := &corev1.Pod{

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -175,4 +176,147 @@ func quantityString(req map[resourceapi.QualifiedName]resource.Quantity, k resou
 		return q.String()
 	}
 	return ""
+}
+
+// DRADeviceName is the name of the driver's device for mode on the GPU of
+// that UUID: the UUID lower-cased (a device name is a DNS label, and
+// NVIDIA's UUIDs differ only by case from one: GPU-<hex with dashes>),
+// then the mode. The name is what an allocation records, so naming the
+// device by UUID, not index, keeps an allocation on its physical GPU when
+// the node's indices change (a reboot that loses a GPU). ok is false for
+// a UUID that cannot be a device name.
+func DRADeviceName(uuid string, mode ComputeMode) (name string, ok bool) {
+	name = strings.ToLower(uuid) + "-" + string(mode)
+	if len(name) > 63 || !strings.HasPrefix(name, "gpu-") {
+		return "", false
+	}
+	for _, r := range name {
+		if (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '-' {
+			return "", false
+		}
+	}
+	return name, true
+}
+
+// ParseDRADevice is DRADeviceName's inverse: the GPU's UUID (lower-cased;
+// compare it with strings.EqualFold) and the mode.
+func ParseDRADevice(name string) (uuid string, mode ComputeMode, ok bool) {
+	for _, m := range []ComputeMode{TimeSlicing, SMSharing} {
+		if u, found := strings.CutSuffix(name, "-"+string(m)); found && strings.HasPrefix(u, "gpu-") && len(u) > len("gpu-") {
+			return u, m, true
+		}
+	}
+	return "", "", false
+}
+
+// ClaimShare is one share a ResourceClaim's allocation gives on a device
+// of gpufrac's driver: the one reading of an allocation, for the node
+// (which enforces it), the scheduler and the audit (which book it beside
+// annotation shares on the same GPU).
+type ClaimShare struct {
+	// Node is the node whose pool the device is in (the driver names its
+	// pool after the node).
+	Node string
+	// Request is the claim's request (request or request/subrequest).
+	Request string
+	// Assignment is the share: Devices holds the GPU's UUID as the device
+	// name gives it (lower-cased), Container the request.
+	Assignment Assignment
+}
+
+// ClaimShares reads the shares of gpufrac's driver in a claim's
+// allocation: the GPU from the device name, the memory from
+// consumedCapacity (the allocator's rounding included), the hard limit
+// from the claim's ShareConfig (at least the request; the node checks it
+// against the GPU), the mode from the device and, for sm-sharing, the
+// portion from the consumed compute. A claim with no allocation gives
+// none. An error names the share and what is wrong; the caller decides
+// whether the rest still counts.
+func ClaimShares(claim *resourceapi.ResourceClaim) ([]ClaimShare, error) {
+	alloc := claim.Status.Allocation
+	if alloc == nil {
+		return nil, nil
+	}
+	var out []ClaimShare
+	var errs []error
+	for _, r := range alloc.Devices.Results {
+		if r.Driver != DRADriver {
+			continue
+		}
+		who := claim.Namespace + "/" + claim.Name + "/" + r.Request
+		s, err := ClaimShareOf(r, alloc.Devices.Config)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("claim share %q: %w", who, err))
+			continue
+		}
+		out = append(out, s)
+	}
+	return out, errors.Join(errs...)
+}
+
+// ClaimShareOf reads one allocation result of the driver, with the
+// allocation's configs (ClaimShares reads them all).
+func ClaimShareOf(r resourceapi.DeviceRequestAllocationResult, configs []resourceapi.DeviceAllocationConfiguration) (ClaimShare, error) {
+	s := ClaimShare{Node: r.Pool, Request: r.Request}
+	uuid, mode, ok := ParseDRADevice(r.Device)
+	if !ok {
+		return s, fmt.Errorf("device %q is not one %s publishes (<GPU UUID>-<mode>)", r.Device, DRADriver)
+	}
+	memory, ok := r.ConsumedCapacity[DRACapacityMemory]
+	if !ok {
+		// Allocated without consumable capacity (DRAConsumableCapacity
+		// off): the share is unknown, so nothing could enforce it.
+		return s, errors.New("the allocation records no consumed memory; the cluster needs the DRAConsumableCapacity feature (on by default since Kubernetes 1.36)")
+	}
+	a := Assignment{Container: r.Request, Devices: []string{uuid}, Mode: mode}
+	a.RequestMiB = (memory.Value() + 1<<20 - 1) >> 20
+	if a.RequestMiB <= 0 {
+		return s, fmt.Errorf("consumed memory %s: must be positive", memory.String())
+	}
+	a.LimitMiB = a.RequestMiB
+	limit, err := configuredLimit(configs, r.Request)
+	if err != nil {
+		return s, err
+	}
+	if limit > 0 {
+		if limit < a.RequestMiB {
+			return s, fmt.Errorf("memoryLimit %dMi: must be at least the request (%dMi)", limit, a.RequestMiB)
+		}
+		a.LimitMiB = limit
+	}
+	if mode == SMSharing {
+		compute := r.ConsumedCapacity[DRACapacityCompute]
+		pct := compute.Value()
+		if compute.MilliValue() != pct*1000 || pct < 1 || pct > 100 {
+			return s, fmt.Errorf("consumed compute %s: must be a whole percent from 1 to 100", compute.String())
+		}
+		if a.Portion, err = ParseFraction(strconv.FormatFloat(float64(pct)/100, 'f', -1, 64)); err != nil {
+			return s, fmt.Errorf("consumed compute %s: %w", compute.String(), err)
+		}
+	}
+	s.Assignment = a
+	return s, nil
+}
+
+// configuredLimit is the memory limit the allocation's opaque configs of
+// the driver give request: the claim's own over its class's, the last of
+// each (the allocator lists class entries first).
+func configuredLimit(configs []resourceapi.DeviceAllocationConfiguration, request string) (int64, error) {
+	var limit int64
+	for _, c := range configs {
+		if c.Opaque == nil || c.Opaque.Driver != DRADriver {
+			continue
+		}
+		if len(c.Requests) > 0 && !AppliesTo(c.Requests, request) {
+			continue
+		}
+		l, err := ParseShareConfig(c.Opaque.Parameters.Raw)
+		if err != nil {
+			return 0, err
+		}
+		if l > 0 {
+			limit = l
+		}
+	}
+	return limit, nil
 }

@@ -60,3 +60,15 @@ func InventoryOf(node *corev1.Node) (inv Inventory, ready bool, why string) {
 	}
 	return inv, false, fmt.Sprintf("node does not report the condition %s (is the gpufrac node agent running?)", ConditionFractioningReady)
 }
+
+// StandingGPUs is how many GPUs a node asks to have held for shares
+// (LabelStandingGPUs): at most its count of GPUs; 0 when the label is
+// absent or not a count (a label the scheduler cannot read holds nothing:
+// the node's driver then offers no GPU, so nothing is over-committed).
+func StandingGPUs(node *corev1.Node, count int) int {
+	n, err := strconv.Atoi(node.Labels[LabelStandingGPUs])
+	if err != nil || n < 0 {
+		return 0
+	}
+	return min(n, max(count, 0))
+}

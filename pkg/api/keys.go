@@ -97,6 +97,11 @@ const (
 	// LabelMemoryEnforcement is the memory-limit backend the node agent
 	// has in effect: driver, toolkit, mps-pinned or none.
 	LabelMemoryEnforcement = "gpufrac.io/memory-enforcement"
+	// LabelStandingGPUs is how many of its GPUs a node asks to have held
+	// for shares at all times: its DRA driver offers claims only GPUs the
+	// device plugin cannot give a whole-GPU pod, so the scheduler keeps a
+	// standing reservation pod on each (see StandingGPUs).
+	LabelStandingGPUs = "gpufrac.io/standing-gpus"
 )
 
 // userSuffixes are the canonical suffixes a manifest may set, in the order

@@ -12,9 +12,11 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
@@ -73,12 +75,15 @@ var ledgerKinds = map[gpu.ViolationKind]Kind{
 // Check returns every violation, sorted. The GPU invariants are the
 // ledger's own (gpu.Node.Violations, on ledgers recorded from the pods as
 // they are); the rest are about reservation pods and decisions.
-func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
+//
+// claims are the cluster's ResourceClaims: DRA shares of gpufrac's driver
+// are tenants of the same GPUs as the pods' (nil: none).
+func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, o Options) []Violation {
 	var out []Violation
 	add := func(kind Kind, object, format string, args ...any) {
 		out = append(out, Violation{Kind: kind, Object: object, Message: fmt.Sprintf(format, args...)})
 	}
-	cluster := ledgers.Build(nodes, pods, ledgers.Options{ReservationNamespace: o.ReservationNamespace, Reserve: o.ReserveMiB})
+	cluster := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: o.ReservationNamespace, Reserve: o.ReserveMiB})
 	for _, p := range cluster.Problems {
 		if p.NoDecision {
 			add(NoDevices, p.Pod, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", p.Node, api.SuffixDevices)
@@ -118,7 +123,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 		reservedUUIDs := map[string]bool{}
 		for _, r := range n.Reservations {
 			if r.UUID != "" {
-				reservedUUIDs[r.UUID] = true
+				reservedUUIDs[strings.ToLower(r.UUID)] = true // DRA devices name GPUs lower-cased
 			}
 		}
 		for _, key := range slices.Sorted(maps.Keys(n.Tenants)) {
@@ -127,15 +132,17 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, o Options) []Violation {
 				usedGroups[g] = true
 			}
 			for _, uuid := range t.UUIDs {
-				usedUUIDs[uuid] = true
-				if !reservedUUIDs[uuid] {
+				usedUUIDs[strings.ToLower(uuid)] = true
+				if !reservedUUIDs[strings.ToLower(uuid)] {
 					add(NoReservation, t.Pod, "uses GPU %s on %s, which no reservation pod on that node holds: the device plugin may give it to another pod", uuid, name)
 				}
 			}
 		}
 		for _, g := range slices.Sorted(maps.Keys(n.Reservations)) {
 			r := n.Reservations[g]
-			if usedGroups[g] || (r.UUID != "" && usedUUIDs[r.UUID]) || o.Now.Sub(r.Created) < o.OrphanGrace {
+			// A standing reservation pod holds its GPU for shares on
+			// purpose, tenants or not (ledgers.StandingGroup).
+			if usedGroups[g] || (r.UUID != "" && usedUUIDs[strings.ToLower(r.UUID)]) || o.Now.Sub(r.Created) < o.OrphanGrace || ledgers.IsStanding(g) {
 				continue
 			}
 			if r.UUID != "" {

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/ledgers"
@@ -82,9 +83,11 @@ type GPU struct {
 
 // Tenant is a fractional pod on a GPU.
 type Tenant struct {
-	Pod        string `json:"pod"` // namespace/name
-	RequestMiB int64  `json:"requestMiB"`
-	LimitMiB   int64  `json:"limitMiB"`
+	Pod string `json:"pod"` // namespace/name; a claim's namespace/name/request
+	// Claim is set for a share a ResourceClaim holds (DRA).
+	Claim      bool  `json:"claim,omitempty"`
+	RequestMiB int64 `json:"requestMiB"`
+	LimitMiB   int64 `json:"limitMiB"`
 	// Portion is the sm-sharing compute share ("" for time-slicing).
 	Portion string `json:"portion,omitempty"`
 	// Annotations are the pod's GPU-fraction annotations: what it asked
@@ -122,10 +125,11 @@ type Summary struct {
 // scheduler reads them (package ledgers): reservationNamespace holds the
 // reservation pods, which tell which GPU a group shares, and reserve is
 // the per-GPU memory the scheduler keeps back (by model; nil for none), so
-// that free memory is what the scheduler would still place.
-func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, reserve func(model string) int64) View {
+// that free memory is what the scheduler would still place. claims are
+// the cluster's ResourceClaims, whose DRA shares sit beside the pods'.
+func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, reservationNamespace string, reserve func(model string) int64) View {
 	v := View{Pending: []PendingPod{}}
-	c := ledgers.Build(nodes, pods, ledgers.Options{ReservationNamespace: reservationNamespace, Reserve: reserve})
+	c := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: reservationNamespace, Reserve: reserve})
 	annotations := map[string]map[string]string{} // namespace/name → GPU-fraction annotations
 	for i := range pods {
 		p := &pods[i]
@@ -177,7 +181,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, reservationNamespace string, 
 					}
 					for key := range shares {
 						t := ln.Tenants[key]
-						tenant := Tenant{Pod: t.Pod, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
+						tenant := Tenant{Pod: t.Pod, Claim: t.Claim, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
 						if a := t.Assignment; a != nil && a.Mode == api.SMSharing && !a.Portion.IsZero() {
 							tenant.Portion = a.Portion.String()
 						}
@@ -293,7 +297,11 @@ func Render(w io.Writer, v View) error {
 				if t.Portion != "" {
 					portion = "compute " + t.Portion
 				}
-				fmt.Fprintf(&b, "    %-38s %8s %8s  %s\n", clip(t.Pod, 38), mib(t.RequestMiB), mib(t.LimitMiB), portion)
+				who := t.Pod
+				if t.Claim {
+					who = "claim " + who
+				}
+				fmt.Fprintf(&b, "    %-38s %8s %8s  %s\n", clip(who, 38), mib(t.RequestMiB), mib(t.LimitMiB), portion)
 			}
 		}
 		for _, p := range n.Whole {

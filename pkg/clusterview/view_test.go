@@ -71,7 +71,7 @@ func clusterWithReserve(reserve func(string) int64) View {
 			whole("trainer", "n1", 1),
 			pending,
 		},
-		"gpufrac-reservations", reserve)
+		nil, "gpufrac-reservations", reserve)
 }
 
 // Free memory is what the scheduler would still place: the reserve it
@@ -164,7 +164,7 @@ func TestPendingReasonFromTheCondition(t *testing.T) {
 	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	p.Spec.Containers = []corev1.Container{{Name: "main"}}
 	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: "Unschedulable", Message: "0/1 nodes are available: 1 no GPU"}}
-	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, "gpufrac-reservations", nil)
+	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, nil, "gpufrac-reservations", nil)
 	if len(v.Pending) != 1 || v.Pending[0].Reason != "0/1 nodes are available: 1 no GPU" {
 		t.Errorf("pending: %+v", v.Pending)
 	}

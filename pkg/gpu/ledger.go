@@ -40,6 +40,11 @@ type Device struct {
 	Model   string
 	Total   int64
 	Reserve int64
+	// SharedOnly marks a GPU held for sharing at all times: a standing
+	// reservation pod holds it against the device plugin, so that shares
+	// from either front door (annotations, DRA claims) can land on it
+	// while no whole-GPU pod can. Shares may use it; whole GPUs may not.
+	SharedOnly bool
 
 	whole   string           // the whole-GPU tenant, if any
 	shares  map[string]Share // fractional tenants
@@ -167,7 +172,7 @@ func (n *Node) Fit(r Request) ([]int, *Unfit) {
 		}
 		modelOK++
 		if r.Whole > 0 {
-			if d.Idle() {
+			if d.Idle() && !d.SharedOnly {
 				fit = append(fit, i)
 			}
 			continue

@@ -96,6 +96,23 @@ func TestWholeGPUsAndFractionsNeverShare(t *testing.T) {
 	}
 }
 
+func TestSharedOnlyGPUsTakeSharesNeverWholePods(t *testing.T) {
+	n := node(2, "H100")
+	n.Devices[0].SharedOnly = true
+	if fit, _ := n.Fit(Request{Tenant: "w", Whole: 1}); !slices.Equal(fit, []int{1}) {
+		t.Errorf("whole GPUs fit %v, want only GPU 1 (GPU 0 is held for sharing)", fit)
+	}
+	if _, unfit := n.Fit(Request{Tenant: "w", Whole: 2}); unfit == nil || unfit.Reason != ReasonWhole {
+		t.Errorf("two whole GPUs with one held for sharing: %v, want %s", unfit, ReasonWhole)
+	}
+	if err := n.Assign(Request{Tenant: "w", Whole: 1}, []int{0}); err == nil {
+		t.Error("a whole-GPU pod was assigned a GPU held for sharing")
+	}
+	if fit, _ := n.Fit(Request{Tenant: "f", Devices: 2, Share: share(1024, api.TimeSlicing, 0)}); !slices.Equal(fit, []int{0, 1}) {
+		t.Errorf("shares fit %v, want both GPUs", fit)
+	}
+}
+
 // dump renders the whole ledger, to compare states exactly.
 func dump(n *Node) string {
 	var b strings.Builder

@@ -16,10 +16,12 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
@@ -38,6 +40,9 @@ type Tenant struct {
 	Pod string
 	// Assignment is a share tenant's decision; nil for whole GPUs.
 	Assignment *api.Assignment
+	// Claim is set for a share a ResourceClaim holds (DRA), whose Pod
+	// is then the claim's namespace/name/request.
+	Claim bool
 }
 
 // Placeholder is the ledger tenant that holds a reservation pod's GPU
@@ -55,6 +60,23 @@ func IsPlaceholder(tenant string) bool { return strings.HasPrefix(tenant, placeh
 // by another scheduler (KAI writes no groups of ours), whose GPU no
 // reservation pod of ours names.
 func UUIDGroup(uuid string) string { return "uuid-" + strings.ToLower(uuid) }
+
+// StandingGroup names the i-th GPU group a node holds for sharing at all
+// times: a node that serves DRA claims asks (api.LabelStandingGPUs) for
+// that many GPUs held against the device plugin, so that claims, which
+// name physical GPUs the device plugin knows nothing of, land only on
+// GPUs no whole-GPU pod can be given. Annotation shares join them too:
+// one GPU, one ledger, both front doors. Random group names (the
+// scheduler's) never hold a '-', so neither this nor UUIDGroup can
+// collide with one.
+func StandingGroup(i int) string { return standingPrefix + strconv.Itoa(i) }
+
+const standingPrefix = "standing-"
+
+// IsStanding reports whether a group is a standing one (StandingGroup):
+// its slot is held for shares even while it has none, and its
+// reservation pod outlives its tenants.
+func IsStanding(group string) bool { return strings.HasPrefix(group, standingPrefix) }
 
 // TenantOf reads what a bound pod holds: whole GPUs, or the shares its
 // scheduler wrote, on the GPU groups it names (gpufrac's scheduler) or on
@@ -96,6 +118,33 @@ func TenantOf(pod *corev1.Pod, groupOf func(uuid string) string, schedulableMiB 
 		t.Groups = append(t.Groups, groupOf(uuid))
 	}
 	return t, true, nil
+}
+
+// ClaimTenant is one share a ResourceClaim holds, on its node.
+type ClaimTenant struct {
+	Node string
+	// Tenant is keyed <claim UID>/<request>; its one UUID is the GPU's as
+	// the device names it, and its group is the caller's to name
+	// (groupOf(uuid) on the node), as for a pod of another scheduler.
+	Tenant Tenant
+}
+
+// ClaimTenants reads the shares a claim's allocation holds on gpufrac's
+// DRA devices (api.ClaimShares), pending allocations included when the
+// caller passes the scheduler's in-flight view of the claim. A share that
+// cannot be read is an error, and the rest still count.
+func ClaimTenants(claim *resourceapi.ResourceClaim) ([]ClaimTenant, error) {
+	shares, err := api.ClaimShares(claim)
+	out := make([]ClaimTenant, 0, len(shares))
+	for _, s := range shares {
+		a := s.Assignment
+		key := string(claim.UID) + "/" + s.Request
+		out = append(out, ClaimTenant{Node: s.Node, Tenant: Tenant{
+			Request: gpu.Request{Tenant: key, Devices: 1, Share: gpu.Share{Request: a.RequestMiB, Limit: a.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}},
+			UUIDs:   a.Devices, Pod: claim.Namespace + "/" + claim.Name + "/" + s.Request, Assignment: &a, Claim: true,
+		}})
+	}
+	return out, err
 }
 
 // Layout is one node's ledger with its slots named by GPU group.
@@ -168,6 +217,7 @@ func (l *Layout) book(t Tenant, reserved func(string) bool, book booker) {
 					return
 				}
 				l.Groups[g] = slot
+				l.Ledger.Devices[slot].SharedOnly = IsStanding(g)
 			}
 			if l.Ledger.Devices[slot].Whole() == Placeholder(g) {
 				_ = l.Ledger.Release(Placeholder(g))
@@ -181,10 +231,12 @@ func (l *Layout) book(t Tenant, reserved func(string) bool, book booker) {
 	}
 }
 
-// lowestIdle is the lowest idle slot not among taken, or -1.
+// lowestIdle is the lowest idle slot not among taken, or -1. A standing
+// group's slot is never idle for another group: the device plugin holds
+// its GPU, so a new group's reservation pod is given another.
 func lowestIdle(n *gpu.Node, taken []int) int {
 	for i, d := range n.Devices {
-		if d.Idle() && !slices.Contains(taken, i) {
+		if d.Idle() && !d.SharedOnly && !slices.Contains(taken, i) {
 			return i
 		}
 	}
@@ -199,23 +251,26 @@ func (l *Layout) DropEmpty(groups []string, reserved func(group string) bool) {
 		if !ok {
 			continue
 		}
-		if l.Ledger.Devices[slot].Idle() {
+		if d := l.Ledger.Devices[slot]; d.Idle() {
 			if reserved(g) {
 				l.Hold(g)
 				continue
 			}
+			d.SharedOnly = false
 			delete(l.Groups, g)
 		}
 	}
 }
 
-// Hold keeps the slot of a reservation pod whose group has no tenants.
+// Hold keeps the slot of a reservation pod whose group has no tenants:
+// with a placeholder that nothing else may join or, for a standing group,
+// marked as held for shares (gpu.Device.SharedOnly), which may join it.
 func (l *Layout) Hold(g string) {
 	if l.Ledger == nil {
 		return
 	}
 	slot, ok := l.Groups[g]
-	if ok && !l.Ledger.Devices[slot].Idle() {
+	if ok && (!l.Ledger.Devices[slot].Idle() || IsStanding(g)) {
 		return // tenants, or already held
 	}
 	if !ok {
@@ -224,6 +279,10 @@ func (l *Layout) Hold(g string) {
 			return
 		}
 		l.Groups[g] = slot
+	}
+	if IsStanding(g) {
+		l.Ledger.Devices[slot].SharedOnly = true
+		return
 	}
 	if err := l.Ledger.Assign(gpu.Request{Tenant: Placeholder(g), Whole: 1}, []int{slot}); err != nil {
 		l.Conflicts[Placeholder(g)] = err.Error()
@@ -337,7 +396,10 @@ type Cluster struct {
 // ledger, as the API reports them (gpu.Node.Record): the view of what
 // runs, with nothing dropped for breaking an invariant. Nodes without
 // GPUs are left out, and so are pods on nodes the list does not hold.
-func Build(nodes []corev1.Node, pods []corev1.Pod, o Options) Cluster {
+//
+// claims are the cluster's ResourceClaims: the shares of gpufrac's DRA
+// driver they hold are tenants of the same GPUs, beside the pods'.
+func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, o Options) Cluster {
 	c := Cluster{Nodes: map[string]*Node{}}
 	for i := range nodes {
 		inv, ready, _ := api.InventoryOf(&nodes[i])
@@ -382,6 +444,22 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, o Options) Cluster {
 			n.Tenants[t.Request.Tenant] = t
 		}
 	}
+	for i := range claims {
+		ts, err := ClaimTenants(&claims[i])
+		if err != nil {
+			node := ""
+			if len(ts) > 0 {
+				node = ts[0].Node
+			}
+			c.Problems = append(c.Problems, Problem{Pod: "resourceclaim " + claims[i].Namespace + "/" + claims[i].Name, Node: node, Err: err})
+		}
+		for _, ct := range ts {
+			if n := c.Nodes[ct.Node]; n != nil {
+				ct.Tenant.Groups = []string{n.groupOf(ct.Tenant.UUIDs[0])}
+				n.Tenants[ct.Tenant.Request.Tenant] = ct.Tenant
+			}
+		}
+	}
 	for _, n := range c.Nodes {
 		n.sameGPUSameGroup()
 		n.Fill(slices.Collect(maps.Values(n.Tenants)), slices.Collect(maps.Keys(n.Reservations)), false)
@@ -396,7 +474,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, o Options) Cluster {
 func (n *Node) sameGPUSameGroup() {
 	canonical := map[string]string{} // UUID → group
 	for _, g := range slices.Sorted(maps.Keys(n.Reservations)) {
-		if uuid := n.Reservations[g].UUID; uuid != "" && canonical[uuid] == "" {
+		if uuid := strings.ToLower(n.Reservations[g].UUID); uuid != "" && canonical[uuid] == "" {
 			canonical[uuid] = g
 		}
 	}
@@ -407,6 +485,7 @@ func (n *Node) sameGPUSameGroup() {
 			if i >= len(t.Groups) {
 				break
 			}
+			uuid = strings.ToLower(uuid)
 			switch g, ok := canonical[uuid]; {
 			case !ok:
 				canonical[uuid] = t.Groups[i]
@@ -426,7 +505,7 @@ func (n *Node) sameGPUSameGroup() {
 // GPU's own group when none does.
 func (n *Node) groupOf(uuid string) string {
 	for g, r := range n.Reservations {
-		if r.UUID == uuid {
+		if strings.EqualFold(r.UUID, uuid) { // a DRA device names its GPU lower-cased
 			return g
 		}
 	}

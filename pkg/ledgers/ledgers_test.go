@@ -69,7 +69,7 @@ func TestBuildReadsBothSchedulersPods(t *testing.T) {
 		pod("bare", "n1", map[string]string{api.KeyFraction: "0.5"}),
 		pod("broken", "n1", decision(1, api.TimeSlicing, "", "0", "")),
 		pod("elsewhere", "n9", decision(1, api.TimeSlicing, "", "GPU-cc", "")),
-	}, Options{ReservationNamespace: ns, Reserve: func(string) int64 { return 1024 }})
+	}, nil, Options{ReservationNamespace: ns, Reserve: func(string) int64 { return 1024 }})
 	if len(c.Nodes) != 1 {
 		t.Fatalf("nodes %v: want only n1", c.Nodes)
 	}
@@ -106,7 +106,7 @@ func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
 		pod("big1", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga")),
 		pod("big2", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "ga")),
 	}
-	c := Build([]corev1.Node{node("n1", 1)}, pods, Options{ReservationNamespace: ns})
+	c := Build([]corev1.Node{node("n1", 1)}, pods, nil, Options{ReservationNamespace: ns})
 	n := c.Nodes["n1"]
 	if v := n.Ledger.Violations(); len(v) != 1 || v[0].Kind != gpu.OverCommitted || len(n.Conflicts) != 0 {
 		t.Errorf("recorded: violations %v, conflicts %v", v, n.Conflicts)
@@ -158,7 +158,7 @@ func TestBuildBooksOneGPUOnce(t *testing.T) {
 		reservation("n1", "ga", "GPU-aa"),
 		pod("p1", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga")),
 		pod("p2", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "gstale")),
-	}, Options{ReservationNamespace: ns})
+	}, nil, Options{ReservationNamespace: ns})
 	v := c.Nodes["n1"].Ledger.Violations()
 	if len(v) != 1 || v[0].Kind != gpu.OverCommitted || len(v[0].Tenants) != 2 {
 		t.Errorf("violations %+v, want one over-commit of both pods on GPU-aa", v)
@@ -171,5 +171,34 @@ func TestSMSharingWithoutPortionNeedsTheNodesMemory(t *testing.T) {
 	p := pod("kai", "n1", decision(20480, api.SMSharing, "", "GPU-aa", ""))
 	if _, held, err := TenantOf(&p, UUIDGroup, 0); held || err == nil {
 		t.Errorf("held %v, err %v: want an error while the node's memory is unknown", held, err)
+	}
+}
+
+// A standing group's GPU is held for shares: whole-GPU pods and new
+// groups never get it, shares of either front door join it, and it stays
+// held (no placeholder) when its last share goes.
+func TestStandingGroupsHoldAGPUForShares(t *testing.T) {
+	l := NewLayout("n", api.Inventory{Count: 2, MemoryMiB: 81920, Model: "H100"}, 0)
+	standing := StandingGroup(0)
+	reserved := func(g string) bool { return g == standing }
+	l.Fill(nil, []string{standing}, true)
+	slot := l.Groups[standing]
+	if d := l.Ledger.Devices[slot]; !d.SharedOnly || !d.Idle() {
+		t.Fatalf("standing GPU: SharedOnly %v, idle %v; want held for shares, idle", d.SharedOnly, d.Idle())
+	}
+	l.Place(Tenant{Request: gpu.Request{Tenant: "whole", Whole: 2}}, reserved)
+	if _, conflict := l.Conflicts["whole"]; !conflict {
+		t.Error("a pod asking for both GPUs was given the standing one")
+	}
+	share := gpu.Request{Tenant: "claim/gpu", Devices: 1, Share: gpu.Share{Request: 1024, Limit: 1024, Mode: api.TimeSlicing}}
+	l.Place(Tenant{Request: share, Groups: []string{standing}}, reserved)
+	other := gpu.Request{Tenant: "pod", Devices: 1, Share: gpu.Share{Request: 1024, Limit: 1024, Mode: api.TimeSlicing}}
+	l.Place(Tenant{Request: other, Groups: []string{"g1"}}, reserved)
+	if l.Groups["g1"] == slot {
+		t.Error("a new group took the standing group's GPU")
+	}
+	l.Release(Tenant{Request: share, Groups: []string{standing}}, reserved)
+	if d := l.Ledger.Devices[slot]; !d.SharedOnly || !d.Idle() || l.Groups[standing] != slot {
+		t.Errorf("after its last share: SharedOnly %v, idle %v, slot %d; want still held for shares", d.SharedOnly, d.Idle(), l.Groups[standing])
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -40,6 +41,9 @@ type Cache struct {
 	// workload is what every live pod asks, bound or pending, for the
 	// placement policies that weigh the workload's typical shapes.
 	workload map[types.UID]demand
+	// claims are the ResourceClaims whose DRA shares the ledger holds
+	// (SyncClaims), by claim UID.
+	claims map[types.UID]claimHeld
 }
 
 // demand is what one pod of the workload asks: its CPU and memory, and
@@ -65,7 +69,11 @@ type nodeState struct {
 	ledgers.Layout
 	// reservations are the reservation pods on the node, by GPU group.
 	reservations map[string]*reservation
-	tenants      map[types.UID]*tenant
+	// standing is how many GPUs the node asks to have held for shares at
+	// all times (api.LabelStandingGPUs, for its DRA driver): the
+	// collector keeps a reservation pod for each (ledgers.StandingGroup).
+	standing int
+	tenants  map[types.UID]*tenant
 	// waiting are bound pods not yet turned into tenants: their node's
 	// inventory was unknown, or they did not fit. Each rebuild retries.
 	waiting map[types.UID]*corev1.Pod
@@ -82,6 +90,8 @@ type reservation struct {
 	name string
 	uid  types.UID
 	uuid string // the physical GPU, once the node agent has written it
+	// held is a standing one's api.SharesHeldAnnotation, as last seen.
+	held string
 	// failed is set when the kubelet refused the pod.
 	failed string
 }
@@ -101,6 +111,10 @@ type tenant struct {
 	assumed bool
 	// resolved is the memory in MiB that PreBind writes.
 	resolved api.Resolved
+	// claim is set for a share a ResourceClaim holds (DRA): uid is then
+	// <claim UID>/<request>, and only SyncClaims adds or removes it.
+	claim bool
+	uuid  string // a claim share's GPU, as its device names it
 }
 
 func placeholder(group string) string { return ledgers.Placeholder(group) }
@@ -113,7 +127,7 @@ func (ns *nodeState) reserved(g string) bool { _, ok := ns.reservations[g]; retu
 
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
-	return &Cache{args: args, nodes: map[string]*nodeState{}, pods: map[types.UID]*tenant{}, dirty: make(chan struct{}), workload: map[types.UID]demand{}}
+	return &Cache{args: args, nodes: map[string]*nodeState{}, pods: map[types.UID]*tenant{}, dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}}
 }
 
 // Dirty returns a channel closed at the next change that may leave a
@@ -146,6 +160,10 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	defer c.mu.Unlock()
 	ns := c.node(node.Name)
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
+	if standing := api.StandingGPUs(node, inv.Count); standing != ns.standing {
+		ns.standing = standing
+		c.markDirty() // the collector adds or removes standing reservation pods
+	}
 	changed := inv != ns.inv || (ns.Ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
 	ns.ready, ns.why = ready, why
 	if changed {
@@ -208,6 +226,9 @@ func (c *Cache) remove(ns *nodeState, t *tenant) {
 func (c *Cache) add(ns *nodeState, t *tenant) {
 	c.register(ns, t)
 	ns.Place(t.lt(), ns.reserved)
+	if !t.claim && slices.ContainsFunc(t.groups, ledgers.IsStanding) {
+		c.markDirty() // the collector writes what its standing GPU now holds
+	}
 }
 
 // register records a tenant already on the ledger (or not to be placed).
@@ -344,20 +365,24 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 }
 
 // groupOfUUID joins a GPU named by UUID with the reservation pod holding
-// it (a pod placed by another scheduler names no groups of ours).
+// it (a pod placed by another scheduler names no groups of ours; a DRA
+// device names its GPU lower-cased).
 func (ns *nodeState) groupOfUUID(uuid string) string {
 	for g, r := range ns.reservations {
-		if r.uuid == uuid {
+		if strings.EqualFold(r.uuid, uuid) {
 			return g
 		}
 	}
 	return ledgers.UUIDGroup(uuid)
 }
 
-// groupAt is the live GPU group on a slot, or "".
+// groupAt is the GPU group a new share on a slot joins: the live group
+// there, or the standing group holding it for shares; "" for none. A
+// standing group the node no longer asks for takes no new share, so that
+// once empty it stays so and the collector may delete it.
 func groupAt(ns *nodeState, slot int) string {
 	for g, s := range ns.Groups {
-		if s == slot && shared(ns.Ledger.Devices[slot]) {
+		if s == slot && (shared(ns.Ledger.Devices[slot]) || ns.wantsStanding(g)) {
 			return g
 		}
 	}

@@ -179,7 +179,7 @@ func TestCacheAndLedgersBuildAgree(t *testing.T) {
 	if want := "idle=1 whole=1 conflicts=0 ga:50000Mi/0‰/2/ gd:20480Mi/256‰/1/"; got != want {
 		t.Fatalf("cache: %s, want %s", got, want)
 	}
-	built := ledgers.Build([]corev1.Node{*n}, items, ledgers.Options{ReservationNamespace: testArgs().ReservationNamespace})
+	built := ledgers.Build([]corev1.Node{*n}, items, nil, ledgers.Options{ReservationNamespace: testArgs().ReservationNamespace})
 	b := built.Nodes["n1"]
 	from := NewCache(testArgs())
 	from.nodes["n1"] = &nodeState{Layout: b.Layout}

@@ -280,7 +280,7 @@ func (c *Cache) Orphans() []Orphan {
 	var out []Orphan
 	for name, ns := range c.nodes {
 		for g, r := range ns.reservations {
-			if !c.live(ns, g) {
+			if c.orphan(ns, g) {
 				out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, node: name, group: g})
 			}
 		}
@@ -300,7 +300,13 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 		return true
 	}
 	r, ok := ns.reservations[o.group]
-	return !ok || r.uid != o.UID || !c.live(ns, o.group)
+	return !ok || r.uid != o.UID || c.orphan(ns, o.group)
+}
+
+// orphan says whether a GPU group's reservation pod holds its GPU for
+// nothing: no tenant, and not a standing group the node still asks for.
+func (c *Cache) orphan(ns *nodeState, g string) bool {
+	return !c.live(ns, g) && !ns.wantsStanding(g)
 }
 
 // live says whether a GPU group has a tenant.

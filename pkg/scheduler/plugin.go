@@ -15,6 +15,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	toolscache "k8s.io/client-go/tools/cache"
@@ -166,6 +167,9 @@ func readCycle(state fwk.CycleState) (*cycle, bool) {
 func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
 	if !p.waitSynced(ctx) {
 		return nil, fwk.NewStatus(fwk.Error, "gpufrac's GPU cache has not caught up with the API yet")
+	}
+	if err := p.syncClaims(); err != nil {
+		return nil, fwk.AsStatus(err)
 	}
 	ask := Ask{UID: pod.UID}
 	ask.CPU, ask.MemoryMiB = podRequests(pod)
@@ -349,6 +353,9 @@ func normalize(scores fwk.NodeScoreList) {
 // Reserve assumes the pod's GPUs in the cache, on the GPUs the policy
 // chose in Score: it rates the node again from the same snapshot.
 func (p *Plugin) Reserve(_ context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
+	if s := p.reserveClaims(pod); !s.IsSuccess() {
+		return s
+	}
 	c, ok := readCycle(state)
 	if !ok || !c.ask.GPU() {
 		return nil
@@ -466,6 +473,19 @@ func (p *Plugin) collect(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		dirty := p.cache.Dirty()
+		for _, st := range p.cache.MissingStanding() {
+			pod := ReservationPod(p.args, st.Node, st.Group)
+			if _, err := p.handle.ClientSet().CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+				logger.Error(err, "Could not create a standing reservation pod; retrying later", "pod", klog.KObj(pod))
+			} else if err == nil {
+				logger.V(2).Info("Created a standing reservation pod: the node holds this GPU for shares", "pod", klog.KObj(pod))
+			}
+		}
+		for _, u := range p.cache.HeldUpdates() {
+			if err := writeHeld(ctx, p.handle.ClientSet(), u); err != nil && !apierrors.IsNotFound(err) {
+				logger.Error(err, "Could not write what annotation shares hold on a standing reservation pod; retrying later", "pod", klog.KRef(u.Namespace, u.Name))
+			}
+		}
 		for _, o := range p.cache.Orphans() {
 			if !p.cache.StillOrphan(o) {
 				continue

@@ -1,15 +1,20 @@
 package scheduler
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 )
 
 // Labels on reservation pods.
@@ -88,7 +93,7 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(pod.Spec.NodeName)
-	r := &reservation{name: pod.Name, uid: pod.UID, uuid: pod.Annotations[api.ReservedGPUAnnotation]}
+	r := &reservation{name: pod.Name, uid: pod.UID, uuid: pod.Annotations[api.ReservedGPUAnnotation], held: pod.Annotations[api.SharesHeldAnnotation]}
 	if pod.Status.Phase == corev1.PodFailed {
 		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}
@@ -113,6 +118,11 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	if ns.Ledger == nil {
 		return
 	}
+	if ledgers.IsStanding(group) {
+		// Its slot was held for shares, with no placeholder to release.
+		c.rebuild(pod.Spec.NodeName, ns)
+		return
+	}
 	if slot, ok := ns.Groups[group]; ok && ns.Ledger.Devices[slot].Whole() == placeholder(group) {
 		_ = ns.Ledger.Release(placeholder(group))
 		delete(ns.Groups, group)
@@ -120,4 +130,101 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	if len(ns.Conflicts) > 0 {
 		c.rebuild(pod.Spec.NodeName, ns)
 	}
+}
+
+// wantsStanding says whether g is a standing group the node asks for
+// (its index below the node's api.LabelStandingGPUs).
+func (ns *nodeState) wantsStanding(g string) bool {
+	for i := range ns.standing {
+		if g == ledgers.StandingGroup(i) {
+			return true
+		}
+	}
+	return false
+}
+
+// Standing is a standing reservation pod a node asks for and lacks.
+type Standing struct{ Node, Group string }
+
+// MissingStanding lists the standing reservation pods the nodes ask for
+// and lack, as many per node as it has idle GPUs a device plugin could
+// give them (one asked for where whole-GPU pods hold every GPU would
+// only fail on the kubelet).
+func (c *Cache) MissingStanding() []Standing {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	var out []Standing
+	for name, ns := range c.nodes {
+		if ns.standing == 0 || ns.Ledger == nil {
+			continue
+		}
+		idle := 0
+		for _, d := range ns.Ledger.Devices {
+			if d.Idle() && !d.SharedOnly {
+				idle++
+			}
+		}
+		for i := 0; i < ns.standing && idle > 0; i++ {
+			if g := ledgers.StandingGroup(i); !ns.reserved(g) {
+				out = append(out, Standing{Node: name, Group: g})
+				idle--
+			}
+		}
+	}
+	return out
+}
+
+// HeldUpdate is a standing reservation pod whose SharesHeldAnnotation is
+// not what the ledger holds.
+type HeldUpdate struct {
+	Namespace, Name string
+	UID             types.UID
+	Value           string
+}
+
+// HeldUpdates lists the standing reservation pods whose annotation of
+// what annotation shares hold of their GPU (api.SharesHeldAnnotation) is
+// out of date: the node's DRA driver offers claims only the rest.
+func (c *Cache) HeldUpdates() []HeldUpdate {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	var out []HeldUpdate
+	for _, ns := range c.nodes {
+		if ns.Ledger == nil {
+			continue
+		}
+		for g, r := range ns.reservations {
+			slot, ok := ns.Groups[g]
+			if !ledgers.IsStanding(g) || !ok {
+				continue
+			}
+			var held api.SharesHeld
+			for key, sh := range ns.Ledger.Devices[slot].Shares() {
+				if t := c.pods[types.UID(key)]; t != nil && t.claim {
+					continue // the allocator counts claims itself
+				}
+				held.MemoryMiB += sh.Request
+				held.Portion += sh.Portion
+				held.Mode = sh.Mode
+			}
+			if v := held.String(); v != r.held {
+				out = append(out, HeldUpdate{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, Value: v})
+			}
+		}
+	}
+	return out
+}
+
+// writeHeld patches a standing reservation pod's SharesHeldAnnotation,
+// only the pod of that UID.
+func writeHeld(ctx context.Context, client kubernetes.Interface, u HeldUpdate) error {
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"uid":         u.UID,
+		"annotations": map[string]string{api.SharesHeldAnnotation: u.Value},
+	}})
+	if err != nil {
+		return err
+	}
+	_, err = client.CoreV1().Pods(u.Namespace).Patch(ctx, u.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	return err
 }

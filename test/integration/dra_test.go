@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -31,12 +30,15 @@ import (
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/audit"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
 
 // deviceClass applies the shipped DeviceClass.
@@ -68,7 +70,7 @@ func publishSlices(t *testing.T, node, machine string, reserveMiB int64) (invent
 	t.Helper()
 	inv := simulatedInventory(t, machine)
 	devices := dra.Devices(inv, reserveMiB)
-	resources := dra.Resources(node, inv, reserveMiB)
+	resources := dra.Resources(node, inv, reserveMiB, dra.OfferAll(inv))
 	ctx, cancel := context.WithCancel(context.Background())
 	errs := make(chan error, 10)
 	c, err := resourceslice.StartController(ctx, resourceslice.Options{
@@ -292,20 +294,20 @@ func TestDRAClaimsShareAGPUByMemory(t *testing.T) {
 // most 100 percent.
 func TestDRAClaimsNeverMixModesOnAGPU(t *testing.T) {
 	ns, node := draScenario(t, "dra-modes")
-	publishSlices(t, node, "dgxh100", 0)
+	inv, _ := publishSlices(t, node, "dgxh100", 0)
 	claims := shared.admin.ResourceV1().ResourceClaims(ns)
 	ctx := context.Background()
 	type share struct{ memory, compute string }
 	// Interleaved, so that each mode's claims arrive while the other's
 	// hold GPUs: the allocator tries devices first fit, in the slice's
-	// order (gpu-0-time-slicing, gpu-0-sm-sharing, gpu-1-…), so the first
+	// order (GPU 0's time-slicing device, its sm-sharing one, GPU 1's…), so the first
 	// sm-sharing claim would take GPU 0 beside the time-slicing one, and
 	// the last time-slicing claim (GPU 0 full) GPU 1, were the modes not
 	// exclusive.
 	shares := []share{{"20Gi", ""}, {"10Gi", "50"}, {"20Gi", ""}, {"10Gi", "50"}, {"20Gi", ""}, {"10Gi", "30"}, {"20Gi", ""}, {"10Gi", "30"}, {"10Gi", "30"},
 		{"20Gi", ""}}
 	var last string
-	modes := map[string]map[string]bool{} // GPU (counter set) → modes held
+	modes := map[string]map[api.ComputeMode]bool{} // GPU → modes held
 	compute := map[string]int64{}
 	for i, sh := range shares {
 		name := fmt.Sprintf("c-%d", i)
@@ -315,15 +317,15 @@ func TestDRAClaimsNeverMixModesOnAGPU(t *testing.T) {
 		create(t, claimPod(ns, "p-"+name, "gpufrac-dra-modes", "dra-modes", name))
 		placed(t, ns, "p-"+name)
 		r := allocation(t, ns, name)
-		gpu, mode, ok := strings.Cut(strings.TrimPrefix(r.Device, "gpu-"), "-")
+		gpu, mode, ok := api.ParseDRADevice(r.Device)
 		if !ok {
-			t.Fatalf("claim %s: device %q is not gpu-<index>-<mode>", name, r.Device)
+			t.Fatalf("claim %s: device %q is not <GPU UUID>-<mode>", name, r.Device)
 		}
-		if want := map[bool]string{true: "sm-sharing", false: "time-slicing"}[sh.compute != ""]; mode != want {
+		if want := map[bool]api.ComputeMode{true: api.SMSharing, false: api.TimeSlicing}[sh.compute != ""]; mode != want {
 			t.Errorf("claim %s asked for %s, got device %s", name, want, r.Device)
 		}
 		if modes[gpu] == nil {
-			modes[gpu] = map[string]bool{}
+			modes[gpu] = map[api.ComputeMode]bool{}
 		}
 		modes[gpu][mode] = true
 		last = r.Device
@@ -340,7 +342,7 @@ func TestDRAClaimsNeverMixModesOnAGPU(t *testing.T) {
 	}
 	// 20Gi × 4 fills GPU 0's memory; 50+50 GPU 1's compute, 30×3 most of
 	// GPU 2's; the fifth 20Gi claim skips both sm-sharing GPUs for GPU 3.
-	if len(modes) != 4 || last != dra.DeviceName(3, "time-slicing") {
+	if len(modes) != 4 || last != dra.DeviceName(inv.GPUs[3].UUID, api.TimeSlicing) {
 		t.Errorf("claims on %d GPUs (%v), the last on %s: want 4, the last on GPU 3 (each mode packing its own GPUs)", len(modes), modes, last)
 	}
 }
@@ -355,7 +357,7 @@ func TestDRASlicesOfALargeNodeAreValid(t *testing.T) {
 	}
 	const node = "dra-large-0"
 	gpuNode(t, node, "dra-large", 40, 81920, true)
-	pool := dra.Resources(node, inv, 0).Pools[node]
+	pool := dra.Resources(node, inv, 0, dra.OfferAll(inv)).Pools[node]
 	for i, s := range pool.Slices {
 		slice := &resourceapi.ResourceSlice{
 			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", node, i)},
@@ -409,7 +411,7 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 	}
 	pluginDir, registrarDir := mpstest.ShortRoot(t), mpstest.ShortRoot(t)
 	ctx := context.Background()
-	h, err := dra.Serve(ctx, newDriver(), shared.admin, pluginDir, registrarDir, 0)
+	h, err := dra.Serve(ctx, newDriver(), shared.admin, pluginDir, registrarDir, 0, dra.OfferAll(inv))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -477,7 +479,11 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 		r := results[name]
 		mem := r.ConsumedCapacity[dra.CapacityMemory]
 		a := api.Assignment{Container: "main", RequestMiB: mem.Value() >> 20, Mode: api.TimeSlicing}
-		index, _ := strconv.Atoi(strings.Split(r.Device, "-")[1])
+		uuid, _, _ := api.ParseDRADevice(r.Device)
+		index := slices.IndexFunc(inv.GPUs, func(g inventory.GPU) bool { return strings.EqualFold(g.UUID, uuid) })
+		if index < 0 {
+			t.Fatalf("claim %s: device %s names no GPU of the node", name, r.Device)
+		}
 		a.Devices = []string{inv.GPUs[index].UUID}
 		a.LimitMiB = map[string]int64{"ts": 30720, "sm": 10240}[name]
 		namespace := ""
@@ -525,7 +531,7 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 	if err != nil || len(prepared) != 2 || len(prepared[uids["sm"]]) != 1 {
 		t.Fatalf("after a restart the driver knows %v (%v), want both claims, the sm-sharing one with its namespace", prepared, err)
 	}
-	h2, err := dra.Serve(ctx, d2, shared.admin, pluginDir, registrarDir, 0)
+	h2, err := dra.Serve(ctx, d2, shared.admin, pluginDir, registrarDir, 0, dra.OfferAll(inv))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -592,3 +598,139 @@ func TestDRAWebhookRefusesClaimsTheNodeCannotEnforce(t *testing.T) {
 		t.Errorf("another driver's claim: %v", err)
 	}
 }
+
+// One ledger for both front doors: on a node whose two GPUs are held for
+// shares (standing reservation pods), claims and annotation pods of 30Gi
+// arrive interleaved, with the scheduler killed and restarted midway. Each
+// 80Gi GPU takes two, so four of the six are placed and two stay pending,
+// whichever door they came through, and the audit (claims included) finds
+// nothing over-committed. The node's slices are republished, as the node
+// agent does, from what the standing pods say annotation shares hold.
+func TestDRAClaimsAndAnnotationPodsShareOneLedger(t *testing.T) {
+	const name = "dra-mixed"
+	e := schedulerEnv(t)
+	sched := e.startScheduler(t, "gpufrac-"+name, nil)
+	deviceClass(t)
+	ns, node := namespace(t, name), name+"-0"
+	gpuNode(t, node, name, 2, 81920, true)
+	cleanUp(t, ns, node)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	setStanding := func(v *string) {
+		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]*string{api.LabelStandingGPUs: v}}})
+		if _, err := shared.admin.CoreV1().Nodes().Patch(context.Background(), node, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	two := "2"
+	setStanding(&two)
+	t.Cleanup(func() { setStanding(nil) }) // before the reservation pods go, so none come back
+
+	// The GPUs as the test's device plugin names them for reservation pods.
+	inv := inventory.Inventory{DriverVersion: "615.10.01"}
+	for i := range 2 {
+		inv.GPUs = append(inv.GPUs, inventory.GPU{Index: i, UUID: fmt.Sprintf("GPU-%x-%d", node, i), Product: "NVIDIA-H100-80GB-HBM3", MemoryMiB: 81920})
+	}
+	resources := dra.Resources(node, inv, 0, nil)
+	sliceCtl, err := resourceslice.StartController(ctx, resourceslice.Options{DriverName: dra.DriverName, KubeClient: shared.admin,
+		Owner: &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: node}, Resources: &resources})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sliceCtl.Stop()
+	// The node agent's part: read the standing reservation pods, publish.
+	annotator := &reservation.Annotator{Client: shared.admin, Node: node, Namespace: reservationNS, Source: noDevices{}}
+	go func() {
+		for ctx.Err() == nil {
+			if _, err := annotator.Sync(ctx); err == nil {
+				r := dra.Resources(node, inv, 0, dra.Offers(annotator.Standing()))
+				sliceCtl.Update(&r)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 60*time.Second, true, func(context.Context) (bool, error) {
+		return len(annotator.Standing()) == 2, nil
+	}); err != nil {
+		t.Fatalf("the node's two GPUs were never held by standing reservation pods: %v (%v)", err, reservationPods(t, node))
+	}
+
+	scheduler := "gpufrac-" + name
+	annotated := func(i int) *corev1.Pod {
+		return workload(ns, fmt.Sprintf("pod-%d", i), scheduler, name, map[string]string{api.KeyMemory: "30720"})
+	}
+	claims := shared.admin.ResourceV1().ResourceClaims(ns)
+	for i := range 6 {
+		if i == 3 {
+			sched.kill()
+			sched = e.startScheduler(t, scheduler, nil)
+		}
+		if i%2 == 0 {
+			c := fmt.Sprintf("claim-%d", i)
+			if _, err := claims.Create(ctx, memoryClaim(ns, c, "30Gi", ""), metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			create(t, claimPod(ns, fmt.Sprintf("pod-%d", i), scheduler, name, c))
+		} else {
+			create(t, annotated(i))
+		}
+	}
+	bound := func() (n int) {
+		pods, err := shared.admin.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range pods.Items {
+			if p.Spec.NodeName != "" {
+				n++
+			}
+		}
+		return n
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(context.Context) (bool, error) {
+		return bound() >= 4, nil
+	}); err != nil {
+		sched.dumpLog(t)
+		t.Fatalf("%d of 6 pods placed, want 4 (two 30Gi shares on each 80Gi GPU)", bound())
+	}
+	time.Sleep(3 * time.Second) // what would over-commit has had its chance
+	if n := bound(); n != 4 {
+		sched.dumpLog(t)
+		t.Errorf("%d of 6 pods placed: want exactly 4, two 30Gi shares on each of two 80Gi GPUs", n)
+	}
+	nodes, err := shared.admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: "scenario=" + name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pods, err := shared.admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	all, err := claims.List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	view := ledgers.Build(nodes.Items, audit.OnNodes(pods.Items, nodes.Items), all.Items, ledgers.Options{ReservationNamespace: reservationNS})
+	n := view.Nodes[node]
+	kinds := map[bool]int{}
+	for _, ten := range n.Tenants {
+		kinds[ten.Claim]++
+	}
+	if kinds[true] == 0 || kinds[false] == 0 || kinds[true]+kinds[false] != 4 {
+		t.Errorf("tenants on the node: %d claims and %d annotation pods; want 4 in all, from both doors", kinds[true], kinds[false])
+	}
+	for slot, d := range n.Ledger.Devices {
+		if d.Charged() > d.Schedulable() {
+			t.Errorf("GPU %d: %dMi charged of %dMi", slot, d.Charged(), d.Schedulable())
+		}
+	}
+	if v := audit.Check(nodes.Items, audit.OnNodes(pods.Items, nodes.Items), all.Items, audit.Options{ReservationNamespace: reservationNS, Now: time.Now()}); len(v) > 0 {
+		t.Errorf("audit after the burst: %v", v)
+	}
+}
+
+// noDevices is a kubelet that reports no device: the test's device plugin
+// names the reservation pods' GPUs.
+type noDevices struct{}
+
+func (noDevices) Devices(context.Context) (map[string][]string, error) { return nil, nil }

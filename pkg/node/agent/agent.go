@@ -26,9 +26,11 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
+	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -78,6 +80,21 @@ type Options struct {
 	Injection    injection.Config
 	HealthAddr   string
 	ResyncPeriod time.Duration
+	// DRA configures the second front door.
+	DRA DRAOptions
+}
+
+// DRAOptions configure the node's DRA driver (pkg/node/dra).
+type DRAOptions struct {
+	Enabled bool
+	// StandingGPUs is how many GPUs the node asks to have held for shares
+	// (api.LabelStandingGPUs); -1 for all. Only those are offered claims.
+	StandingGPUs int
+	// PluginDir, RegistrarDir: the kubelet plugin's directories; on a
+	// simulated node, under StateDir when empty.
+	PluginDir, RegistrarDir string
+	// CDIDir is where prepared claims' CDI specs go.
+	CDIDir string
 }
 
 // Agent is one node's agent.
@@ -90,8 +107,15 @@ type Agent struct {
 	leases   *enforce.Leases
 	mps      *mps.Manager
 
+	driver    *dra.Driver
+	draHelper *kubeletplugin.Helper
+
 	mu        sync.Mutex
 	published bool // the last publish reached the API server
+	// draInv and draCfg are the GPUs and injection as last read, for the
+	// DRA driver (it enforces exactly as the NRI plugin does).
+	draInv inventory.Inventory
+	draCfg injection.Config
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -158,6 +182,14 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		a.mps = m
 		a.plugin.EnableMPS(m)
+	}
+
+	if a.opts.DRA.Enabled {
+		stop, err := a.startDRA(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
 	}
 
 	var wg sync.WaitGroup
@@ -298,20 +330,39 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	}
 	cfg.GPUMemoryReserveMiB = reserveFor(a.opts, node.Labels)
 	a.plugin.SetInjection(cfg)
+	a.mu.Lock()
+	a.draInv, a.draCfg = inv, cfg
+	a.mu.Unlock()
 	if backendErr != nil {
 		logger.Error(backendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")
 	}
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
 		Backend: backend, BackendErr: backendErr, MPS: mpsProtocol, MPSErr: mpsErr, CgroupErr: cgroupErr,
-		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels}
+		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels, StandingGPUs: a.standingGPUs(inv, invErr)}
 	if a.plugin.Registered() {
 		// Only once synchronized does the plugin know every running
 		// container, and so which namespaces are claimed and which pods
 		// predate the daemon.
 		if mpsErr == nil && a.mps != nil {
 			live := a.plugin.LiveNamespaces()
+			var preparedErr error
+			if a.driver != nil {
+				// A prepared claim's namespace is in use until the
+				// kubelet unprepares it, container or not yet.
+				var prepared map[types.UID][]string
+				prepared, preparedErr = a.driver.Prepared()
+				for _, names := range prepared {
+					for _, n := range names {
+						live[n] = true
+					}
+				}
+			}
 			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			a.plugin.ReconcileMPS(rctx, func(name string) bool { return live[name] })
+			if preparedErr != nil {
+				logger.Error(preparedErr, "Cannot read the prepared DRA claims; no MPS namespace is deleted this round")
+			} else {
+				a.plugin.ReconcileMPS(rctx, func(name string) bool { return live[name] })
+			}
 			cancel()
 		}
 		var started time.Time
@@ -340,6 +391,61 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 			logger.Error(err, "Cannot annotate reservation pods")
 		}
 	}
+	if a.draHelper != nil {
+		offers := dra.Offers{}
+		if invErr == nil {
+			offers = dra.Offers(annotator.Standing())
+		}
+		if err := dra.Publish(ctx, a.draHelper, a.driver, cfg.GPUMemoryReserveMiB, offers); err != nil {
+			logger.Error(err, "Cannot publish the node's DRA devices")
+		}
+	}
+}
+
+// standingGPUs is how many GPUs the node asks to have held for shares.
+func (a *Agent) standingGPUs(inv inventory.Inventory, invErr error) int {
+	if !a.opts.DRA.Enabled || invErr != nil {
+		return 0
+	}
+	if n := a.opts.DRA.StandingGPUs; n >= 0 && n < len(inv.GPUs) {
+		return n
+	}
+	return len(inv.GPUs)
+}
+
+// startDRA starts the DRA driver's kubelet plugin. Its devices are
+// published by each resync, once the standing reservation pods say which
+// GPUs are held for shares.
+func (a *Agent) startDRA(ctx context.Context) (func(), error) {
+	o := a.opts.DRA
+	if a.opts.SimulateGPUs != "" {
+		// No kubelet calls a simulated node's plugin; it serves all the same.
+		if o.PluginDir == "" {
+			o.PluginDir = filepath.Join(a.opts.StateDir, "dra-plugin")
+		}
+		if o.RegistrarDir == "" {
+			o.RegistrarDir = filepath.Join(a.opts.StateDir, "dra-registry")
+		}
+		if o.CDIDir == "" {
+			o.CDIDir = filepath.Join(a.opts.StateDir, "cdi")
+		}
+	}
+	for _, dir := range []string{o.PluginDir, o.RegistrarDir, o.CDIDir} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return nil, fmt.Errorf("DRA driver directory %s: %w", dir, err)
+		}
+	}
+	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, Node: func() (inventory.Inventory, injection.Config) {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return a.draInv, a.draCfg
+	}}
+	h, err := dra.Serve(ctx, a.driver, a.client, o.PluginDir, o.RegistrarDir, 0, nil)
+	if err != nil {
+		return nil, err
+	}
+	a.draHelper = h
+	return h.Stop, nil
 }
 
 // checkMPS says which interface the node's MPS daemon speaks, or why it

@@ -70,12 +70,16 @@ const (
 	gpusPerDeviceSlab = resourceapi.ResourceSliceMaxDevicesWithAdvancedFeatures / 2 // a device per mode
 )
 
-// DeviceName is the name of the device for mode on the GPU of that index.
-func DeviceName(index int, mode api.ComputeMode) string {
-	return "gpu-" + strconv.Itoa(index) + "-" + string(mode)
+// DeviceName is the name of the device for mode on the GPU of that UUID
+// (api.DRADeviceName: the UUID lower-cased, then the mode). usable leaves
+// out GPUs whose UUID cannot name a device.
+func DeviceName(uuid string, mode api.ComputeMode) string {
+	name, _ := api.DRADeviceName(uuid, mode)
+	return name
 }
 
-func counterSet(index int) string { return "gpu-" + strconv.Itoa(index) }
+// counterSet is the GPU's counter set: its UUID lower-cased, a DNS label.
+func counterSet(uuid string) string { return strings.ToLower(uuid) }
 
 // Devices is what the node publishes for one GPU, twice: a device per
 // compute mode (time-slicing first, the default), that many claims may
@@ -102,7 +106,8 @@ func devicesOf(inv inventory.Inventory, gpus []inventory.GPU, reserveMiB int64) 
 func usable(inv inventory.Inventory, reserveMiB int64) []inventory.GPU {
 	var out []inventory.GPU
 	for _, g := range inv.GPUs {
-		if !g.MIGEnabled && g.MemoryMiB-reserveMiB >= MinMemoryMiB {
+		_, named := api.DRADeviceName(g.UUID, api.TimeSlicing)
+		if !g.MIGEnabled && g.MemoryMiB-reserveMiB >= MinMemoryMiB && named {
 			out = append(out, g)
 		}
 	}
@@ -142,15 +147,46 @@ func device(inv inventory.Inventory, g inventory.GPU, reserveMiB int64, mode api
 		}
 	}
 	return resourceapi.Device{
-		Name:                     DeviceName(g.Index, mode),
+		Name:                     DeviceName(g.UUID, mode),
 		Attributes:               attrs,
 		Capacity:                 capacity,
 		AllowMultipleAllocations: ptr.To(true),
 		ConsumesCounters: []resourceapi.DeviceCounterConsumption{{
-			CounterSet: counterSet(g.Index),
+			CounterSet: counterSet(g.UUID),
 			Counters:   map[string]resourceapi.Counter{modeCounter: {Value: resource.MustParse("1")}},
 		}},
 	}
+}
+
+// Held is what annotation shares hold of a GPU the node offers claims
+// (the scheduler writes it on the GPU's standing reservation pod): the
+// scheduler books both front doors on one ledger, and the allocator sees
+// the annotation shares only through what the node publishes.
+type Held = api.SharesHeld
+
+// Offers is what the node offers claims: by GPU UUID (any case), the GPUs
+// held for sharing (standing reservation pods hold them against the
+// device plugin, so no whole-GPU pod can be given one) with what
+// annotation shares hold of each. A GPU not listed is not offered.
+type Offers map[string]Held
+
+// OfferAll offers every GPU of inv, nothing held: for a node where only
+// claims share GPUs.
+func OfferAll(inv inventory.Inventory) Offers {
+	o := Offers{}
+	for _, g := range inv.GPUs {
+		o[g.UUID] = Held{}
+	}
+	return o
+}
+
+func (o Offers) of(uuid string) (Held, bool) {
+	for u, h := range o {
+		if strings.EqualFold(u, uuid) {
+			return h, true
+		}
+	}
+	return Held{}, false
 }
 
 // Resources is the node's whole publication: one pool, named after the
@@ -158,27 +194,70 @@ func device(inv inventory.Inventory, g inventory.GPU, reserveMiB int64, mode api
 // so the pool holds the GPUs' counter sets (eight a slice) and then their
 // devices (64 a slice), in GPU order: the allocator tries slices by name
 // and devices in order, first fit, so shares pack onto the first GPUs.
-// A node without a GPU it can enforce a share of publishes the pool empty,
-// so that the allocator places no claim there (an empty pool, unlike no
-// pool, shows the driver is running).
-func Resources(nodeName string, inv inventory.Inventory, reserveMiB int64) resourceslice.DriverResources {
-	gpus := usable(inv, reserveMiB)
+// Only offered GPUs are published, each with the memory (and compute)
+// annotation shares leave, and without the device of the mode they do
+// not use; a GPU they leave less than the minimum share of publishes no
+// device. A node without a GPU it can enforce a share of publishes the
+// pool empty, so that the allocator places no claim there (an empty pool,
+// unlike no pool, shows the driver is running).
+func Resources(nodeName string, inv inventory.Inventory, reserveMiB int64, offers Offers) resourceslice.DriverResources {
+	var gpus []inventory.GPU
+	for _, g := range usable(inv, reserveMiB) {
+		if _, ok := offers.of(g.UUID); ok {
+			gpus = append(gpus, g)
+		}
+	}
 	var slices []resourceslice.Slice
 	for lo := 0; lo < len(gpus); lo += maxCounterSets {
 		var sets []resourceapi.CounterSet
 		for _, g := range gpus[lo:min(lo+maxCounterSets, len(gpus))] {
-			sets = append(sets, resourceapi.CounterSet{Name: counterSet(g.Index),
+			sets = append(sets, resourceapi.CounterSet{Name: counterSet(g.UUID),
 				Counters: map[string]resourceapi.Counter{modeCounter: {Value: resource.MustParse("1")}}})
 		}
 		slices = append(slices, resourceslice.Slice{SharedCounters: sets})
 	}
-	for lo := 0; lo < len(gpus); lo += gpusPerDeviceSlab {
-		slices = append(slices, resourceslice.Slice{Devices: devicesOf(inv, gpus[lo:min(lo+gpusPerDeviceSlab, len(gpus))], reserveMiB)})
+	var devices []resourceapi.Device
+	for _, g := range gpus {
+		held, _ := offers.of(g.UUID)
+		devices = append(devices, offered(inv, g, reserveMiB, held)...)
+	}
+	for lo := 0; lo < len(devices); lo += 2 * gpusPerDeviceSlab {
+		slices = append(slices, resourceslice.Slice{Devices: devices[lo:min(lo+2*gpusPerDeviceSlab, len(devices))]})
 	}
 	if len(slices) == 0 {
 		slices = []resourceslice.Slice{{}}
 	}
 	return resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{nodeName: {Slices: slices}}}
+}
+
+// offered is a GPU's devices less what annotation shares hold.
+func offered(inv inventory.Inventory, g inventory.GPU, reserveMiB int64, held Held) []resourceapi.Device {
+	left := g.MemoryMiB - reserveMiB - held.MemoryMiB
+	if left < MinMemoryMiB {
+		return nil
+	}
+	var out []resourceapi.Device
+	for _, mode := range []api.ComputeMode{api.TimeSlicing, api.SMSharing} {
+		if held.Mode != "" && held.Mode != mode {
+			continue
+		}
+		d := device(inv, g, reserveMiB, mode)
+		d.Capacity[CapacityMemory] = withValue(d.Capacity[CapacityMemory], mib(left))
+		if mode == api.SMSharing {
+			percent := (1000 - held.Portion) / 10 // whole percent left, rounded down
+			if percent < 1 {
+				continue
+			}
+			d.Capacity[CapacityCompute] = withValue(d.Capacity[CapacityCompute], *resource.NewQuantity(percent, resource.DecimalSI))
+		}
+		out = append(out, d)
+	}
+	return out
+}
+
+func withValue(c resourceapi.DeviceCapacity, v resource.Quantity) resourceapi.DeviceCapacity {
+	c.Value = v
+	return c
 }
 
 func mib(n int64) resource.Quantity { return *resource.NewQuantity(n<<20, resource.BinarySI) }

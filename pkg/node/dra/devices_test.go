@@ -2,10 +2,12 @@ package dra
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 
 	resourceapi "k8s.io/api/resource/v1"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
@@ -59,7 +61,7 @@ func TestDevicesLeaveOutWhatCannotBeShared(t *testing.T) {
 	if len(devs) != 2 || devs[0].Name != "gpu-0-time-slicing" {
 		t.Fatalf("got %d devices (%v), want only GPU 0's two", len(devs), devs)
 	}
-	pool := Resources("n", machine(0), 0).Pools["n"]
+	pool := Resources("n", machine(0), 0, OfferAll(machine(0))).Pools["n"]
 	if len(pool.Slices) != 1 || len(pool.Slices[0].Devices) != 0 || len(pool.Slices[0].SharedCounters) != 0 {
 		t.Fatalf("a node without GPUs: pool %+v, want one empty slice", pool)
 	}
@@ -69,7 +71,7 @@ func TestDevicesLeaveOutWhatCannotBeShared(t *testing.T) {
 // slices, at most 8 counter sets and 64 shared devices a slice.
 func TestResourcesSplitAtTheAPIsLimits(t *testing.T) {
 	for _, n := range []int{1, 8, 9, 32, 33, 40} {
-		pool := Resources("n", machine(n), 0).Pools["n"]
+		pool := Resources("n", machine(n), 0, OfferAll(machine(n))).Pools["n"]
 		sets, devices := 0, 0
 		for i, s := range pool.Slices {
 			if len(s.SharedCounters) > 0 && len(s.Devices) > 0 {
@@ -92,6 +94,45 @@ func TestSemver(t *testing.T) {
 		got, ok := semver(in)
 		if got != want || ok != (want != "") {
 			t.Errorf("semver(%q) = %q, %v; want %q", in, got, ok, want)
+		}
+	}
+}
+
+// Only offered GPUs are published, less what annotation shares hold, and
+// without the device of the mode they do not use.
+func TestResourcesOfferWhatAnnotationSharesLeave(t *testing.T) {
+	inv := machine(3)
+	offers := Offers{
+		inv.GPUs[0].UUID: {MemoryMiB: 20480, Mode: api.TimeSlicing},
+		inv.GPUs[1].UUID: {MemoryMiB: 10240, Mode: api.SMSharing, Portion: 255},
+	}
+	var devices []string
+	memory := map[string]int64{}
+	compute := map[string]int64{}
+	for _, s := range Resources("n", inv, 1024, offers).Pools["n"].Slices {
+		for _, d := range s.Devices {
+			devices = append(devices, d.Name)
+			q := d.Capacity[CapacityMemory].Value
+			memory[d.Name] = q.Value() >> 20
+			if c, ok := d.Capacity[CapacityCompute]; ok {
+				compute[d.Name] = c.Value.Value()
+			}
+		}
+	}
+	ts0, sm1 := DeviceName(inv.GPUs[0].UUID, api.TimeSlicing), DeviceName(inv.GPUs[1].UUID, api.SMSharing)
+	if !slices.Equal(devices, []string{ts0, sm1}) {
+		t.Fatalf("devices %v, want only %s and %s (GPU 2 is not offered; each offered GPU keeps its shares' mode)", devices, ts0, sm1)
+	}
+	if memory[ts0] != inv.GPUs[0].MemoryMiB-1024-20480 || memory[sm1] != inv.GPUs[1].MemoryMiB-1024-10240 {
+		t.Errorf("memory offered %v: want each GPU's schedulable memory less its annotation shares", memory)
+	}
+	if compute[sm1] != 74 {
+		t.Errorf("compute offered on %s: %d%%, want 74 (25.5%% held, rounded to what is surely left)", sm1, compute[sm1])
+	}
+	full := Offers{inv.GPUs[0].UUID: {MemoryMiB: inv.GPUs[0].MemoryMiB - 1024 - MinMemoryMiB + 1, Mode: api.TimeSlicing}}
+	for _, s := range Resources("n", inv, 1024, full).Pools["n"].Slices {
+		if len(s.Devices) > 0 {
+			t.Errorf("a GPU with less than the minimum share left publishes %d devices", len(s.Devices))
 		}
 	}
 }

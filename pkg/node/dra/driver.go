@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync/atomic"
 
@@ -93,7 +92,7 @@ func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
 	if errors.As(err, &dropped) && !d.dropped.Swap(true) {
 		if h := d.helper.Load(); h != nil {
 			go func() {
-				if err := h.PublishResources(ctx, Resources(d.NodeName, inventory.Inventory{}, 0)); err != nil {
+				if err := h.PublishResources(ctx, Resources(d.NodeName, inventory.Inventory{}, 0, nil)); err != nil {
 					klog.FromContext(ctx).Error(err, "Cannot withdraw the node's DRA devices")
 				}
 			}()
@@ -216,80 +215,21 @@ func (d *Driver) assignment(claim *resourceapi.ResourceClaim, r resourceapi.Devi
 	if r.Pool != d.NodeName {
 		return a, fmt.Errorf("claim share %q: allocated from pool %q, not this node's (%s)", who, r.Pool, d.NodeName)
 	}
-	index, mode, ok := parseDeviceName(r.Device)
-	if !ok {
-		return a, fmt.Errorf("claim share %q: device %q is not one this driver publishes (gpu-<index>-<mode>)", who, r.Device)
-	}
-	i := slices.IndexFunc(inv.GPUs, func(g inventory.GPU) bool { return g.Index == index })
-	if i < 0 {
-		return a, fmt.Errorf("claim share %q: device %q: the node has no GPU %d now", who, r.Device, index)
-	}
-	gpu := inv.GPUs[i]
-	memory, ok := r.ConsumedCapacity[CapacityMemory]
-	if !ok {
-		// Allocated without consumable capacity (a cluster with
-		// DRAConsumableCapacity off): the share is unknown, so nothing
-		// could be enforced.
-		return a, fmt.Errorf("claim share %q: the allocation records no consumed memory; the cluster needs the DRAConsumableCapacity feature (on by default since Kubernetes 1.36)", who)
-	}
-	a.Devices, a.Mode = []string{gpu.UUID}, mode
-	a.RequestMiB = memory.Value() >> 20
-	a.LimitMiB = a.RequestMiB
-	limit, err := configuredLimit(claim.Status.Allocation.Devices.Config, r.Request)
+	s, err := api.ClaimShareOf(r, claim.Status.Allocation.Devices.Config)
 	if err != nil {
 		return a, fmt.Errorf("claim share %q: %w", who, err)
 	}
-	if limit > 0 {
-		if limit < a.RequestMiB || limit > gpu.MemoryMiB {
-			return a, fmt.Errorf("claim share %q: memoryLimit %dMi: must be at least the request (%dMi) and at most the GPU's memory (%dMi)", who, limit, a.RequestMiB, gpu.MemoryMiB)
-		}
-		a.LimitMiB = limit
+	i := slices.IndexFunc(inv.GPUs, func(g inventory.GPU) bool { return strings.EqualFold(g.UUID, s.Assignment.Devices[0]) })
+	if i < 0 {
+		return a, fmt.Errorf("claim share %q: device %q: the node has no GPU %s now", who, r.Device, s.Assignment.Devices[0])
 	}
-	if mode == api.SMSharing {
-		compute := r.ConsumedCapacity[CapacityCompute]
-		portion, err := api.ParseFraction(strconv.FormatFloat(float64(compute.Value())/100, 'f', -1, 64))
-		if err != nil || compute.Value() < 1 || compute.Value() > 100 {
-			return a, fmt.Errorf("claim share %q: consumed compute %s: must be 1 to 100 percent", who, compute.String())
-		}
-		a.Portion = portion
+	gpu := inv.GPUs[i]
+	a = s.Assignment
+	a.Container, a.Devices = who, []string{gpu.UUID}
+	if a.LimitMiB > gpu.MemoryMiB {
+		return a, fmt.Errorf("claim share %q: memoryLimit %dMi: must be at least the request (%dMi) and at most the GPU's memory (%dMi)", who, a.LimitMiB, a.RequestMiB, gpu.MemoryMiB)
 	}
 	return a, nil
-}
-
-// configuredLimit is the memory limit the allocation's opaque configs of
-// this driver give request: the claim's own over its class's, the last of
-// each (as the allocator lists them: class entries first).
-func configuredLimit(configs []resourceapi.DeviceAllocationConfiguration, request string) (int64, error) {
-	var limit int64
-	for _, c := range configs {
-		if c.Opaque == nil || c.Opaque.Driver != DriverName {
-			continue
-		}
-		if len(c.Requests) > 0 && !api.AppliesTo(c.Requests, request) {
-			continue
-		}
-		l, err := api.ParseShareConfig(c.Opaque.Parameters.Raw)
-		if err != nil {
-			return 0, err
-		}
-		if l > 0 {
-			limit = l
-		}
-	}
-	return limit, nil
-}
-
-func parseDeviceName(name string) (int, api.ComputeMode, bool) {
-	rest, ok := strings.CutPrefix(name, "gpu-")
-	if !ok {
-		return 0, "", false
-	}
-	index, mode, ok := strings.Cut(rest, "-")
-	i, err := strconv.Atoi(index)
-	if !ok || err != nil || i < 0 || (mode != string(api.TimeSlicing) && mode != string(api.SMSharing)) {
-		return 0, "", false
-	}
-	return i, api.ComputeMode(mode), true
 }
 
 // Unprepare removes what preparing claim uid made: its MPS namespaces,
@@ -413,8 +353,9 @@ func Enforceable(cfg injection.Config) bool {
 
 // Serve starts the driver's kubelet plugin: its gRPC service in
 // pluginDir, its registration with the kubelet in registrarDir, and the
-// node's ResourceSlices (Publish). Stop it with the helper's Stop.
-func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDir, registrarDir string, reserveMiB int64) (*kubeletplugin.Helper, error) {
+// node's ResourceSlices (Publish, with offers). Stop it with the helper's
+// Stop.
+func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDir, registrarDir string, reserveMiB int64, offers Offers) (*kubeletplugin.Helper, error) {
 	h, err := kubeletplugin.Start(ctx, d,
 		kubeletplugin.DriverName(DriverName),
 		kubeletplugin.KubeClient(client),
@@ -426,7 +367,7 @@ func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDi
 		return nil, fmt.Errorf("DRA driver %s: %w", DriverName, err)
 	}
 	d.helper.Store(h)
-	if err := Publish(ctx, h, d, reserveMiB); err != nil {
+	if err := Publish(ctx, h, d, reserveMiB, offers); err != nil {
 		h.Stop()
 		return nil, err
 	}
@@ -436,12 +377,12 @@ func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDi
 // Publish (re)publishes the node's devices as they are now: every GPU it
 // can enforce a share of, none while it cannot (Enforceable). The helper
 // writes only what changed.
-func Publish(ctx context.Context, h *kubeletplugin.Helper, d *Driver, reserveMiB int64) error {
+func Publish(ctx context.Context, h *kubeletplugin.Helper, d *Driver, reserveMiB int64, offers Offers) error {
 	inv, cfg := d.Node()
 	if !Enforceable(cfg) || d.dropped.Load() {
 		inv.GPUs = nil
 	}
-	if err := h.PublishResources(ctx, Resources(d.NodeName, inv, reserveMiB)); err != nil {
+	if err := h.PublishResources(ctx, Resources(d.NodeName, inv, reserveMiB, offers)); err != nil {
 		return fmt.Errorf("DRA driver %s: publishing the node's devices: %w", DriverName, err)
 	}
 	return nil

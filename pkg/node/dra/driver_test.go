@@ -54,7 +54,7 @@ func TestPrepareRefusesWhatItCannotEnforce(t *testing.T) {
 	}{
 		"another node's pool":    {claimOn("other", "gpu-0-time-slicing", mem, ""), nodeCfg, `pool "other"`},
 		"not our device":         {claimOn("n", "gpu-zero", mem, ""), nodeCfg, `device "gpu-zero"`},
-		"a GPU the node lacks":   {claimOn("n", "gpu-7-time-slicing", mem, ""), nodeCfg, "no GPU 7"},
+		"a GPU the node lacks":   {claimOn("n", "gpu-7-time-slicing", mem, ""), nodeCfg, "the node has no GPU gpu-7"},
 		"no consumed capacity":   {claimOn("n", "gpu-0-time-slicing", nil, ""), nodeCfg, "DRAConsumableCapacity"},
 		"a bad config":           {claimOn("n", "gpu-0-time-slicing", mem, `{"kind":"Nope"}`), nodeCfg, "must be gpu.gpufrac.io/v1alpha1"},
 		"limit below request":    {claimOn("n", "gpu-0-time-slicing", mem, limit("10Gi")), nodeCfg, "at least the request"},

@@ -74,6 +74,9 @@ type State struct {
 	FailOpen bool
 	// PublishGPULabels: write nvidia.com/gpu.* where GFD has not.
 	PublishGPULabels bool
+	// StandingGPUs is how many GPUs the node asks to have held for shares
+	// (its DRA driver's); 0 removes the label.
+	StandingGPUs int
 }
 
 // Desired is what the node should carry.
@@ -100,6 +103,10 @@ func Compute(s State, current map[string]string) Desired {
 		}
 	}
 	d.Labels[LabelEnforcement] = ptr(enforcement)
+	d.Labels[api.LabelStandingGPUs] = nil
+	if s.StandingGPUs > 0 {
+		d.Labels[api.LabelStandingGPUs] = ptr(strconv.Itoa(s.StandingGPUs))
+	}
 
 	gfdOwned := current[LabelGPUProduct] != "" && current[LabelInventoryOwner] != "agent"
 	if s.PublishGPULabels && !gfdOwned && s.InventoryErr == nil && len(s.Inventory.GPUs) > 0 {

@@ -9,7 +9,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
+	"sync"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -22,6 +24,7 @@ import (
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 )
 
 // DefaultSocket is the kubelet's PodResources socket.
@@ -87,6 +90,42 @@ type Annotator struct {
 	Source    Source
 	// Simulated, when set, replaces Source.
 	Simulated *Simulated
+
+	mu       sync.Mutex
+	standing map[string]api.SharesHeld
+}
+
+// Standing is what the last Sync found: by GPU UUID, the GPUs standing
+// reservation pods hold for shares (ledgers.StandingGroup), each with
+// what the scheduler says annotation shares hold of it. A GPU whose pod
+// lacks a readable api.SharesHeldAnnotation is left out: what it holds
+// is unknown, so it offers claims nothing.
+func (a *Annotator) Standing() map[string]api.SharesHeld {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return maps.Clone(a.standing)
+}
+
+func standingOf(ctx context.Context, pods []corev1.Pod) map[string]api.SharesHeld {
+	out := map[string]api.SharesHeld{}
+	for i := range pods {
+		p := &pods[i]
+		uuid := p.Annotations[api.ReservedGPUAnnotation]
+		if !ledgers.IsStanding(p.Labels[api.GPUGroupLabel]) || uuid == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		raw, ok := p.Annotations[api.SharesHeldAnnotation]
+		if !ok {
+			continue // the scheduler has not said yet
+		}
+		held, err := api.ParseSharesHeld(raw)
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Standing reservation pod: its GPU is offered to no claim", "pod", klog.KObj(p))
+			continue
+		}
+		out[uuid] = held
+	}
+	return out
 }
 
 // Sync annotates every reservation pod on the node that lacks its GPU's
@@ -107,6 +146,10 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	} else {
 		devices = a.Simulated.assign(pods.Items)
 	}
+	standing := standingOf(ctx, pods.Items)
+	a.mu.Lock()
+	a.standing = standing
+	a.mu.Unlock()
 	annotated := 0
 	for i := range pods.Items {
 		pod := &pods.Items[i]

@@ -1,0 +1,217 @@
+package scheduler
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
+)
+
+// One ledger for both front doors. kube-scheduler's DRA allocator books
+// claims of gpufrac's driver on the node's published devices; this plugin
+// books annotation shares on its ledger. Each sees the other so that a
+// GPU is never over-committed:
+//
+//   - the ledger holds every claim share the DRA manager knows, pending
+//     allocations of this very scheduler included (SyncClaims, each cycle),
+//     as tenants of the GPU's group, so annotation pods fit around them;
+//   - the allocator sees annotation shares through the node's slices (the
+//     node agent publishes what they leave), and, as those may be stale,
+//     Reserve refuses a claim pod whose allocation does not fit the ledger
+//     (the DRA plugin's Reserve runs first: our plugin is enabled after
+//     the default ones), so it is tried again once the slices are current.
+
+// claimPrint is what decides whether a claim's shares changed: the
+// object's version and its allocation's results. A pending allocation
+// is not in the object's version, so the results are part of it.
+func claimPrint(c *resourceapi.ResourceClaim) string {
+	var b strings.Builder
+	b.WriteString(c.ResourceVersion)
+	if a := c.Status.Allocation; a != nil {
+		for _, r := range a.Devices.Results {
+			fmt.Fprintf(&b, "|%s/%s/%s/%s/%v", r.Driver, r.Pool, r.Device, r.Request, r.ShareID)
+		}
+	}
+	return b.String()
+}
+
+// ours says whether a claim's allocation holds a device of gpufrac's
+// driver, without parsing its configs.
+func ours(c *resourceapi.ResourceClaim) bool {
+	if c.Status.Allocation == nil {
+		return false
+	}
+	for _, r := range c.Status.Allocation.Devices.Results {
+		if r.Driver == api.DRADriver {
+			return true
+		}
+	}
+	return false
+}
+
+// SyncClaims makes the ledger's claim tenants exactly the shares the
+// claims hold (allocated, or pending in this scheduler). A claim's share
+// that does not fit is a conflict, and its node takes no new fraction
+// until it is gone; a share that cannot be read is left out (the node
+// refuses to prepare it).
+func (c *Cache) SyncClaims(claims []*resourceapi.ResourceClaim) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	seen := make(map[types.UID]bool, len(c.claims))
+	var errs []error
+	for _, claim := range claims {
+		if !ours(claim) {
+			continue
+		}
+		seen[claim.UID] = true
+		print := claimPrint(claim)
+		if old, ok := c.claims[claim.UID]; ok && old.print == print && c.claimGroupsCurrent(old) {
+			continue
+		}
+		c.dropClaim(claim.UID)
+		tenants, err := ledgers.ClaimTenants(claim)
+		errs = append(errs, err)
+		held := claimHeld{print: print}
+		for _, ct := range tenants {
+			ns, ok := c.nodes[ct.Node]
+			if !ok || ns.Ledger == nil {
+				continue // booked when the node's GPUs are known (the next sync)
+			}
+			t := &tenant{uid: types.UID(ct.Tenant.Request.Tenant), namespace: claim.Namespace, name: claim.Name, node: ct.Node,
+				request: ct.Tenant.Request, groups: []string{ns.groupOfUUID(ct.Tenant.UUIDs[0])}, container: ct.Tenant.Assignment.Container,
+				claim: true, uuid: ct.Tenant.UUIDs[0]}
+			c.add(ns, t)
+			klog.Background().V(4).Info("Booked a claim's share", "claim", klog.KObj(claim), "node", t.node, "gpu", t.uuid, "group", t.groups[0], "conflict", ns.Conflicts[string(t.uid)])
+			held.tenants = append(held.tenants, t)
+		}
+		if len(held.tenants) < len(tenants) {
+			held.print = "" // some node was unknown: read the claim again next time
+		}
+		c.claims[claim.UID] = held
+	}
+	for uid := range c.claims {
+		if !seen[uid] {
+			c.dropClaim(uid)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// claimHeld is what the ledger holds for one claim.
+type claimHeld struct {
+	print   string
+	tenants []*tenant
+}
+
+// claimGroupsCurrent says whether a claim's shares sit on the groups that
+// hold their GPUs now: a share booked on its GPU's own group before the
+// node agent wrote the standing reservation pod's UUID moves onto it.
+func (c *Cache) claimGroupsCurrent(h claimHeld) bool {
+	for _, t := range h.tenants {
+		if ns := c.nodes[t.node]; ns == nil || ns.groupOfUUID(t.uuid) != t.groups[0] {
+			return false
+		}
+	}
+	return true
+}
+
+func (c *Cache) dropClaim(uid types.UID) {
+	h, ok := c.claims[uid]
+	if !ok {
+		return
+	}
+	delete(c.claims, uid)
+	for _, t := range h.tenants {
+		if ns, ok := c.nodes[t.node]; ok && ns.tenants[t.uid] == t {
+			c.remove(ns, t)
+		}
+	}
+}
+
+// ClaimConflict says why a claim's share does not fit its node's ledger,
+// or "" when every share of the claim fits.
+func (c *Cache) ClaimConflict(uid types.UID) string {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for _, t := range c.claims[uid].tenants {
+		if ns := c.nodes[t.node]; ns != nil {
+			if why, bad := ns.Conflicts[string(t.uid)]; bad {
+				return fmt.Sprintf("its share of claim %s/%s does not fit GPU %s beside the node's annotation shares: %s", t.namespace, t.name, t.uuid, why)
+			}
+		}
+	}
+	return ""
+}
+
+// ForgetClaim drops a claim's shares now (a pending allocation this
+// plugin refused); the next sync books it again if it still holds them.
+func (c *Cache) ForgetClaim(uid types.UID) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.dropClaim(uid)
+}
+
+// syncClaims books the DRA manager's claims, pending allocations included.
+func (p *Plugin) syncClaims() error {
+	dra := p.handle.SharedDRAManager()
+	if dra == nil {
+		return nil
+	}
+	tracker := dra.ResourceClaims()
+	claims, err := tracker.List()
+	if err != nil {
+		return fmt.Errorf("list ResourceClaims: %w", err)
+	}
+	// List holds what the API (and this scheduler's own writes) say, not
+	// the allocations still in flight between Reserve and PreBind.
+	for i, c := range claims {
+		if pending := tracker.GetPendingAllocation(c.UID); pending != nil {
+			c = c.DeepCopy()
+			c.Status.Allocation = pending
+			claims[i] = c
+		}
+	}
+	klog.Background().V(5).Info("Claims the DRA manager knows", "count", len(claims))
+	if err := p.cache.SyncClaims(claims); err != nil {
+		klog.Background().V(2).Info("Claim shares the ledger cannot read (the node refuses to prepare them)", "err", err)
+	}
+	return nil
+}
+
+// reserveClaims checks, after the DRA plugin's Reserve, that the pod's
+// claims of gpufrac's driver fit the ledger beside the annotation shares.
+func (p *Plugin) reserveClaims(pod *corev1.Pod) *fwk.Status {
+	dra := p.handle.SharedDRAManager()
+	if dra == nil || len(pod.Spec.ResourceClaims) == 0 {
+		return nil
+	}
+	if err := p.syncClaims(); err != nil {
+		return fwk.AsStatus(err)
+	}
+	for i := range pod.Spec.ResourceClaims {
+		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
+		if err != nil || name == nil {
+			continue // the DRA plugin has already refused such a pod
+		}
+		claim, err := dra.ResourceClaims().Get(pod.Namespace, *name)
+		if err != nil {
+			continue
+		}
+		if why := p.cache.ClaimConflict(claim.UID); why != "" {
+			// The node's slices did not yet show an annotation share:
+			// drop the share now, and let the pod be tried again.
+			p.cache.ForgetClaim(claim.UID)
+			return fwk.NewStatus(fwk.Unschedulable, fmt.Sprintf("pod %s/%s: %s", pod.Namespace, pod.Name, why))
+		}
+	}
+	return nil
+}
