@@ -23,6 +23,7 @@ func newUpCommand() *cobra.Command {
 		keep      bool
 		dir       string
 		dashboard string
+		standing  int
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -39,12 +40,18 @@ URL it prints (--dashboard). kube-apiserver,
 kube-controller-manager, etcd and KWOK are built from source into bin/ the
 first time (make kube-binaries kwok).
 
-With --demo it applies every object of examples/ (Deployments included),
-waits for their pods to be placed,
-prints the cluster view and an invalid pod's refusal, then stops (or stays up
-with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
+The node agents also run the DRA driver gpu.gpufrac.io (--dra-standing-gpus),
+so ResourceClaims for GPU shares work beside annotated pods, on the same GPUs.
+
+With --demo it applies every object of examples/ (Deployments and a DRA claim
+included), waits for their pods to be placed, adds a claim on a GPU an
+annotated pod already shares, prints the cluster view and an invalid pod's
+refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if standing < -1 {
+				return fmt.Errorf("--dra-standing-gpus %d: must be -1 (all GPUs), 0 (no DRA) or a count", standing)
+			}
 			if nodes < 1 || nodes > 100 {
 				return fmt.Errorf("--nodes %d: must be between 1 and 100", nodes)
 			}
@@ -70,6 +77,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 			fmt.Fprintf(out, "gpufrac up: %d node(s) × %s, state in %s\n", nodes, machine, dir)
 			cluster, err := localcluster.Up(cmd.Context(), localcluster.Options{
 				Dir: dir, Nodes: nodes, Machine: machine, Binary: self, Root: root, Progress: out, Dashboard: dashboard,
+				DRAStandingGPUs: standing,
 			})
 			if err != nil {
 				return err
@@ -103,6 +111,7 @@ with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
 	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
 	f.StringVar(&dashboard, "dashboard", "127.0.0.1:8080", "address of the dashboard (a free loopback port if taken)")
+	f.IntVar(&standing, "dra-standing-gpus", -1, "GPUs per node held for shares and offered to DRA claims (driver gpu.gpufrac.io) beside annotation pods: -1 for all, 0 for no DRA (whole-GPU pods can use only the others)")
 	return cmd
 }
 

@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/manifest"
@@ -35,7 +36,7 @@ admission webhook. "-" reads standard input; a directory means its *.yaml,
 For each object it prints one line:
   OK <kind> <namespace>/<name>: <normalised request>
   INVALID <kind> <namespace>/<name>: <what to fix>
-  SKIP <kind> <namespace>/<name>: no pod template
+  SKIP <kind> <namespace>/<name>: no pod template (and not a claim)
 preceded by a line per warning the admission webhook would return (kubectl
 prints those; the object is still admitted):
   WARNING <kind> <namespace>/<name>: <what probably does not mean what it says>
@@ -139,7 +140,7 @@ func report(out io.Writer, obj manifest.Object) int {
 		ns = "default"
 	}
 	id := fmt.Sprintf("%s %s/%s", obj.Kind, ns, obj.Name)
-	if obj.Template == nil && obj.Err == nil {
+	if obj.Template == nil && obj.Claim == nil && obj.Err == nil {
 		fmt.Fprintf(out, "SKIP %s: no pod template\n", id)
 		return 0
 	}
@@ -151,8 +152,42 @@ func report(out io.Writer, obj manifest.Object) int {
 		fmt.Fprintf(out, "INVALID %s: %v\n", id, err)
 		return exitInvalid
 	}
-	fmt.Fprintf(out, "OK %s: %s\n", id, describe(reqs))
+	fmt.Fprintf(out, "OK %s: %s\n", id, describeObject(obj, reqs))
 	return 0
+}
+
+// describeObject says what a valid object asks: its fractions, the
+// shares its claim asks of gpufrac's driver, or the claims its pods use.
+func describeObject(obj manifest.Object, reqs []api.Request) string {
+	switch {
+	case obj.Claim != nil:
+		var parts []string
+		for _, r := range obj.Claim.Devices.Requests {
+			if r.Exactly == nil || (r.Exactly.DeviceClassName != api.DRAClassTimeSlicing && r.Exactly.DeviceClassName != api.DRAClassSMSharing) {
+				continue
+			}
+			part := "DRA share " + r.Name + " of " + r.Exactly.DeviceClassName
+			if c := r.Exactly.Capacity; c != nil {
+				for _, k := range []resourceapi.QualifiedName{api.DRACapacityMemory, api.DRACapacityCompute} {
+					if q, ok := c.Requests[k]; ok {
+						part += " " + string(k) + "=" + q.String()
+					}
+				}
+			}
+			parts = append(parts, part)
+		}
+		if len(parts) == 0 {
+			return "no share of " + api.DRADriver
+		}
+		return strings.Join(parts, "; ")
+	case len(reqs) == 0 && obj.Template != nil && len(obj.Template.Spec.ResourceClaims) > 0:
+		var names []string
+		for _, c := range obj.Template.Spec.ResourceClaims {
+			names = append(names, c.Name)
+		}
+		return "GPU through DRA claims " + strings.Join(names, ", ")
+	}
+	return describe(reqs)
 }
 
 func describe(reqs []api.Request) string {

@@ -58,6 +58,8 @@ func TestValidateExamplesAllOK(t *testing.T) {
 		"mode=sm-sharing",
 		"devices=2",
 		"OK Deployment ",
+		"OK ResourceClaimTemplate default/quarter-gpu: DRA share gpu of gpu.gpufrac.io memory=20Gi",
+		"OK Pod default/dra-quarter: GPU through DRA claims gpu",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("no example gives %q; output:\n%s", want, out)
@@ -78,6 +80,7 @@ func TestValidateInvalidManifest(t *testing.T) {
 		`INVALID StatefulSet default/misplaced: metadata.annotations[gpu-fraction] "0.5" is on the StatefulSet itself, where nothing reads it: move it to the pod template's metadata.annotations`,
 		`INVALID Pod default/unquoted: line 88: metadata.annotations[gpu-fraction] 0.50 is a number, not a string: quote it as "0.50"`,
 		`SKIP Service default/web: no pod template`,
+		`INVALID ResourceClaimTemplate default/no-memory: spec.spec.devices.requests[0](gpu).capacity.requests.memory "": a share of gpu.gpufrac.io must name its memory, at least 1Mi (20Gi)`,
 	}
 	if diff := cmp.Diff(want, strings.Split(strings.TrimSpace(out), "\n")); diff != "" {
 		t.Errorf("output (-want +got):\n%s", diff)

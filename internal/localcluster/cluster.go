@@ -67,6 +67,11 @@ type Options struct {
 	// Policy, when set, is the scheduler's placement policy instead of
 	// the one in deploy/scheduler/config.yaml.
 	Policy string
+	// DRAStandingGPUs, when not 0, runs each node agent's DRA driver
+	// (--dra) with that many GPUs held for shares (-1: all of them), so
+	// that ResourceClaims of gpu.gpufrac.io share GPUs with annotation
+	// pods. Whole-GPU pods cannot be given those GPUs.
+	DRAStandingGPUs int
 }
 
 // NodeShape is one simulated node: its name, allocatable CPU, memory and
@@ -310,7 +315,11 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 }
 
 func (c *Cluster) applyRBAC(ctx context.Context) error {
-	for _, f := range []string{"node-agent/node-agent.yaml", "scheduler/scheduler.yaml", "dashboard/dashboard.yaml"} {
+	files := []string{"node-agent/node-agent.yaml", "scheduler/scheduler.yaml", "dashboard/dashboard.yaml"}
+	if c.opts.DRAStandingGPUs != 0 {
+		files = append(files, "dra/node-agent-rbac.yaml", "dra/deviceclass.yaml")
+	}
+	for _, f := range files {
 		if err := ApplyRBAC(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", f)); err != nil {
 			return err
 		}
@@ -355,11 +364,15 @@ func (c *Cluster) startNodes(ctx context.Context) error {
 		if err := os.MkdirAll(state, 0o755); err != nil {
 			return err
 		}
-		if err := c.start("node-agent-"+name, "node-agent", "--node-name", name, "--kubeconfig", kc,
+		args := []string{"node-agent", "--node-name", name, "--kubeconfig", kc,
 			"--simulate-gpus", shape.Machine, "--publish-gpu-labels", "--state-dir", state,
 			"--health-addr", "", "--resync-period", "2s", "--hook-path", "",
 			// No containers run here, so no MPS daemon either.
-			"--mps-pipe-dir", ""); err != nil {
+			"--mps-pipe-dir", ""}
+		if c.opts.DRAStandingGPUs != 0 {
+			args = append(args, "--dra", "--dra-standing-gpus", strconv.Itoa(c.opts.DRAStandingGPUs))
+		}
+		if err := c.start("node-agent-"+name, args...); err != nil {
 			return err
 		}
 	}

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -21,6 +23,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/audit"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
@@ -94,10 +97,26 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
-	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace, nil)); err != nil {
+	if c.opts.DRAStandingGPUs != 0 {
+		if err := c.demoClaimBeside(ctx, nodes.Items, pods.Items, out); err != nil {
+			return err
+		}
+		if pods, err = c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{}); err != nil {
+			return err
+		}
+	}
+	claims, err := c.claims(ctx)
+	if err != nil {
 		return err
 	}
+	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
+	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace, nil)); err != nil {
+		return err
+	}
+	if v := audit.Check(nodes.Items, pods.Items, claims, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now(), OrphanGrace: time.Minute}); len(v) > 0 {
+		return fmt.Errorf("the audit finds %d violation(s), the first: %s", len(v), v[0])
+	}
+	fmt.Fprintf(out, "\n  `gpufrac audit`, claims included: clean\n")
 	bad := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "too-much", Namespace: demoNamespace, Annotations: map[string]string{api.KeyFraction: "1.5"}},
 		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
@@ -107,6 +126,98 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		return fmt.Errorf("the webhook admitted a pod asking for gpu-fraction 1.5")
 	}
 	fmt.Fprintf(out, "\n  an invalid pod (gpu-fraction: \"1.5\") is refused at the API:\n    %s\n", strings.TrimSpace(err.Error()))
+	return nil
+}
+
+func (c *Cluster) claims(ctx context.Context) ([]resourceapi.ResourceClaim, error) {
+	if c.opts.DRAStandingGPUs == 0 {
+		return nil, nil
+	}
+	list, err := c.Admin.ResourceV1().ResourceClaims("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return list.Items, nil
+}
+
+// demoClaimBeside shows both front doors on one GPU: it finds a
+// time-slicing GPU an annotated pod shares, with room left, and asks for
+// 4Gi of that very GPU through a ResourceClaim (a CEL selector on the
+// device's uuid). The scheduler books the claim on the same ledger as the
+// pod, the node offers the allocator only what the pod leaves, and the
+// node would enforce both alike.
+func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods []corev1.Pod, out io.Writer) error {
+	claims, err := c.claims(ctx)
+	if err != nil {
+		return err
+	}
+	const share = 4096
+	view := clusterview.Build(nodes, pods, claims, scheduler.DefaultReservationNamespace, nil)
+	var node, gpu, beside string
+	for _, n := range view.Nodes {
+		for _, g := range n.Shared {
+			if node != "" || g.Mode != api.TimeSlicing || g.FreeMiB < share || !strings.HasPrefix(g.UUID, "GPU-") {
+				continue
+			}
+			for _, t := range g.Tenants {
+				if !t.Claim {
+					node, gpu, beside = n.Name, g.UUID, t.Pod
+					break
+				}
+			}
+		}
+	}
+	if node == "" {
+		return errors.New("no time-slicing GPU with an annotated pod and 4Gi free to show a claim beside it")
+	}
+	claim := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "beside", Namespace: demoNamespace},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name: "gpu",
+			Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: api.DRAClassTimeSlicing,
+				Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+					Expression: fmt.Sprintf(`device.attributes[%q].uuid == %q`, api.DRADriver, gpu)}}},
+				Capacity: &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{
+					api.DRACapacityMemory: *resource.NewQuantity(share<<20, resource.BinarySI)}},
+			},
+		}}}},
+	}
+	if _, err := c.Admin.ResourceV1().ResourceClaims(demoNamespace).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create claim %s: %w", claim.Name, err)
+	}
+	claimName := claim.Name
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "dra-beside", Namespace: demoNamespace},
+		Spec: corev1.PodSpec{
+			SchedulerName:  "gpufrac",
+			RestartPolicy:  corev1.RestartPolicyNever,
+			NodeSelector:   map[string]string{"kubernetes.io/hostname": node},
+			ResourceClaims: []corev1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claimName}},
+			Containers: []corev1.Container{{Name: "main", Image: "nvcr.io/nvidia/cuda:13.0.0-base-ubuntu24.04",
+				Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "gpu"}}}}},
+		},
+	}
+	if _, err := c.Admin.CoreV1().Pods(demoNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create pod %s: %w", pod.Name, err)
+	}
+	fmt.Fprintf(out, "\n  a DRA claim beside an annotated pod: claim %s/beside asks for 4Gi of GPU %s on %s, which %s shares …\n", demoNamespace, gpu, node, beside)
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		p, err := c.Admin.CoreV1().Pods(demoNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		return err == nil && p.Status.Phase == corev1.PodRunning, err
+	})
+	if err != nil {
+		return fmt.Errorf("pod %s/%s with the claim is not Running: %w (kubectl --kubeconfig %s describe pod %s)", demoNamespace, pod.Name, err, c.Kubeconfig, pod.Name)
+	}
+	got, err := c.Admin.ResourceV1().ResourceClaims(demoNamespace).Get(ctx, claimName, metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	shares, err := api.ClaimShares(got)
+	if err != nil || len(shares) != 1 || !strings.EqualFold(shares[0].Assignment.Devices[0], gpu) {
+		return fmt.Errorf("claim %s/%s: allocated %v (%v), want a share of GPU %s", demoNamespace, claimName, shares, err, gpu)
+	}
+	fmt.Fprintf(out, "  allocated by kube-scheduler's DRA allocator on that GPU (%dMi), Running beside %s\n", shares[0].Assignment.RequestMiB, beside)
 	return nil
 }
 

@@ -11,6 +11,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -82,6 +83,10 @@ func applyOne(ctx context.Context, c kubernetes.Interface, kind string, doc []by
 	case "RoleBinding":
 		o := &rbacv1.RoleBinding{}
 		return create(o, func() error { _, err := c.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, opts); return err })
+	case "DeviceClass":
+		// deploy/dra's classes, for a cluster whose agents run the DRA driver.
+		o := &resourceapi.DeviceClass{}
+		return create(o, func() error { _, err := c.ResourceV1().DeviceClasses().Create(ctx, o, opts); return err })
 	}
 	return nil
 }

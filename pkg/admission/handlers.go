@@ -3,10 +3,8 @@ package admission
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
-	"strings"
 
 	"gomodules.xyz/jsonpatch/v2"
 	admissionv1 "k8s.io/api/admission/v1"
@@ -15,7 +13,7 @@ import (
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
-	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/manifest"
 )
 
 // Paths the webhook server serves; deploy/webhook names them.
@@ -66,16 +64,13 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 		if err := json.Unmarshal(req.Object.Raw, &c); err != nil {
 			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode ResourceClaim: %w", err))
 		}
-		err = api.ValidateClaim(c.Spec)
+		err = manifest.ValidateClaim(c.Spec, "spec")
 	case req.Kind.Group == "resource.k8s.io" && req.Kind.Kind == "ResourceClaimTemplate":
 		var c resourceapi.ResourceClaimTemplate
 		if err := json.Unmarshal(req.Object.Raw, &c); err != nil {
 			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode ResourceClaimTemplate: %w", err))
 		}
-		if err = api.ValidateClaim(c.Spec.Spec); err != nil {
-			// The claim's spec is the template's spec.spec.
-			err = errors.New(strings.ReplaceAll(err.Error(), "spec.devices", "spec.spec.devices"))
-		}
+		err = manifest.ValidateClaim(c.Spec.Spec, "spec.spec")
 	default:
 		warnings, err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
 	}

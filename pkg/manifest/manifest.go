@@ -17,6 +17,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -34,6 +35,11 @@ type Object struct {
 	// Template is the pod template: the pod itself for a Pod; nil for kinds
 	// that carry none.
 	Template *corev1.PodTemplateSpec
+	// Claim is the claim spec of a ResourceClaim, or of the claims a
+	// ResourceClaimTemplate makes (ClaimPath says where it sits); nil for
+	// other kinds.
+	Claim     *resourceapi.ResourceClaimSpec
+	ClaimPath string
 	// Err is why the object could not be read as its kind (a field of the
 	// wrong type, an annotation that is not a string).
 	Err error
@@ -157,6 +163,22 @@ func FromJSON(kind string, raw []byte) Object {
 	if obj.Name == "" && h.Metadata.GenerateName != "" {
 		obj.Name = h.Metadata.GenerateName + "*"
 	}
+	switch kind {
+	case "ResourceClaim":
+		var c resourceapi.ResourceClaim
+		if err := json.Unmarshal(raw, &c); err != nil {
+			obj.Err = fmt.Errorf("cannot read as %s: %w", kind, err)
+		}
+		obj.Claim, obj.ClaimPath = &c.Spec, "spec"
+		return obj
+	case "ResourceClaimTemplate":
+		var c resourceapi.ResourceClaimTemplate
+		if err := json.Unmarshal(raw, &c); err != nil {
+			obj.Err = fmt.Errorf("cannot read as %s: %w", kind, err)
+		}
+		obj.Claim, obj.ClaimPath = &c.Spec.Spec, "spec.spec"
+		return obj
+	}
 	template, err := podTemplate(kind, raw)
 	if err != nil {
 		obj.Err = err
@@ -225,6 +247,9 @@ func podTemplate(kind string, raw []byte) (*corev1.PodTemplateSpec, error) {
 func Validate(obj Object) ([]api.Request, []string, error) {
 	if obj.Err != nil {
 		return nil, nil, obj.Err
+	}
+	if obj.Claim != nil {
+		return nil, nil, ValidateClaim(*obj.Claim, obj.ClaimPath)
 	}
 	if obj.Template == nil {
 		return nil, nil, nil
@@ -335,4 +360,15 @@ func scalarField(n *yaml.Node, name string) string {
 		return f.Value
 	}
 	return ""
+}
+
+// ValidateClaim is admission's check of a claim spec of gpufrac's DRA
+// driver (api.ValidateClaim), with the fields named from path: "spec" for
+// a ResourceClaim, "spec.spec" for a ResourceClaimTemplate.
+func ValidateClaim(spec resourceapi.ResourceClaimSpec, path string) error {
+	err := api.ValidateClaim(spec)
+	if err == nil || path == "spec" {
+		return err
+	}
+	return errors.New(strings.ReplaceAll(err.Error(), "spec.devices", path+".devices"))
 }

@@ -655,3 +655,56 @@ func TestNodeAgentPrivileges(t *testing.T) {
 		}
 	}
 }
+
+// With nodeAgent.dra.enabled the chart runs the agent's DRA driver: it
+// grants exactly deploy/dra's extra RBAC, installs the same DeviceClasses,
+// passes --dra and mounts the kubelet's plugin directories and the CDI
+// directory; the own-node policy then covers the agent's slices too. Off
+// (the default), none of it is rendered.
+func TestChartDRA(t *testing.T) {
+	chart := mustRender(t, "--set", "nodeAgent.dra.enabled=true", "--set", "nodeAgent.dra.standingGPUs=4")
+	ref := readManifests(t, "dra/node-agent-rbac.yaml", "dra/deviceclass.yaml")
+	for _, r := range ref {
+		c := find(chart, r.GetKind(), r.GetNamespace(), r.GetName())
+		if c == nil {
+			t.Errorf("the chart with DRA has no %s %s", r.GetKind(), r.GetName())
+			continue
+		}
+		for _, f := range [][]string{{"rules"}, {"roleRef"}, {"subjects"}, {"spec"}} {
+			a, _, _ := unstructured.NestedFieldNoCopy(r.Object, f...)
+			b, _, _ := unstructured.NestedFieldNoCopy(c.Object, f...)
+			if diff := cmp.Diff(a, b); diff != "" {
+				t.Errorf("%s %s .%s: the chart differs from deploy/dra (-deploy +chart):\n%s", r.GetKind(), r.GetName(), strings.Join(f, "."), diff)
+			}
+		}
+	}
+	ds := find(chart, "DaemonSet", "gpufrac-system", "gpufrac-node-agent")
+	if ds == nil {
+		t.Fatal("no node agent DaemonSet")
+	}
+	containers, _, _ := unstructured.NestedSlice(ds.Object, "spec", "template", "spec", "containers")
+	agent := containers[0].(map[string]any)
+	args := fmt.Sprint(agent["args"])
+	for _, want := range []string{"--dra ", "--dra-standing-gpus=4", "--dra-plugin-dir=/var/lib/kubelet/plugins/gpu.gpufrac.io", "--dra-cdi-dir=/var/run/cdi"} {
+		if !strings.Contains(args, want) {
+			t.Errorf("agent args %s lack %s", args, want)
+		}
+	}
+	mounts := fmt.Sprint(agent["volumeMounts"])
+	for _, want := range []string{"/var/lib/kubelet/plugins/gpu.gpufrac.io", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} {
+		if !strings.Contains(mounts, want) {
+			t.Errorf("agent mounts %s lack %s", mounts, want)
+		}
+	}
+	policy := find(chart, "ValidatingAdmissionPolicy", "", "gpufrac-node-agent-own-node")
+	if policy == nil {
+		t.Error("no own-node policy for the node agent")
+	} else if rules := fmt.Sprint(policy.Object["spec"]); !strings.Contains(rules, "resourceslices") {
+		t.Errorf("the own-node policy does not cover the agent's ResourceSlices: %s", rules)
+	}
+	for _, o := range mustRender(t) {
+		if o.GetKind() == "DeviceClass" || o.GetName() == "gpufrac-node-agent-dra" {
+			t.Errorf("DRA off, the chart still renders %s %s", o.GetKind(), o.GetName())
+		}
+	}
+}
