@@ -52,6 +52,10 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		if err != nil {
 			return err
 		}
+		if c.opts.DRAStandingGPUs == 0 && slices.ContainsFunc(objects, usesDRA) {
+			fmt.Fprintf(out, "  skipped %s: it asks through DRA, which this cluster's node agents do not serve\n", filepath.Base(f))
+			continue
+		}
 		for _, o := range objects {
 			namespaced, err := cl.IsObjectNamespaced(o)
 			if err != nil {
@@ -214,11 +218,24 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods
 		return err
 	}
 	shares, err := api.ClaimShares(got)
-	if err != nil || len(shares) != 1 || !strings.EqualFold(shares[0].Assignment.Devices[0], gpu) {
-		return fmt.Errorf("claim %s/%s: allocated %v (%v), want a share of GPU %s", demoNamespace, claimName, shares, err, gpu)
+	if err != nil {
+		return fmt.Errorf("claim %s/%s: %w", demoNamespace, claimName, err)
+	}
+	if len(shares) != 1 || !strings.EqualFold(shares[0].Assignment.Devices[0], gpu) {
+		return fmt.Errorf("claim %s/%s: allocated %v, want a share of GPU %s", demoNamespace, claimName, shares, gpu)
 	}
 	fmt.Fprintf(out, "  allocated by kube-scheduler's DRA allocator on that GPU (%dMi), Running beside %s\n", shares[0].Assignment.RequestMiB, beside)
 	return nil
+}
+
+// usesDRA says whether an object is, or needs, a ResourceClaim.
+func usesDRA(o *unstructured.Unstructured) bool {
+	switch o.GetKind() {
+	case "ResourceClaim", "ResourceClaimTemplate":
+		return true
+	}
+	claims, _, _ := unstructured.NestedSlice(o.Object, "spec", "resourceClaims")
+	return len(claims) > 0
 }
 
 // readObjects reads the objects of a YAML file, skipping empty documents.

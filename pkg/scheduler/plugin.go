@@ -473,9 +473,10 @@ func (p *Plugin) collect(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		dirty := p.cache.Dirty()
-		for _, st := range p.cache.MissingStanding() {
+		for _, st := range p.cache.TakeStanding() {
 			pod := ReservationPod(p.args, st.Node, st.Group)
 			if _, err := p.handle.ClientSet().CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+				p.cache.DropStanding(st)
 				logger.Error(err, "Could not create a standing reservation pod; retrying later", "pod", klog.KObj(pod))
 			} else if err == nil {
 				logger.V(2).Info("Created a standing reservation pod: the node holds this GPU for shares", "pod", klog.KObj(pod))

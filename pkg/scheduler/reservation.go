@@ -146,13 +146,17 @@ func (ns *nodeState) wantsStanding(g string) bool {
 // Standing is a standing reservation pod a node asks for and lacks.
 type Standing struct{ Node, Group string }
 
-// MissingStanding lists the standing reservation pods the nodes ask for
-// and lack, as many per node as it has idle GPUs a device plugin could
-// give them (one asked for where whole-GPU pods hold every GPU would
-// only fail on the kubelet).
-func (c *Cache) MissingStanding() []Standing {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
+// TakeStanding lists the standing reservation pods the nodes ask for and
+// lack, as many per node as it has idle GPUs a device plugin could give
+// them (one asked for where whole-GPU pods hold every GPU would only fail
+// on the kubelet), and books each at once, before its pod exists: until
+// the informer shows the pod, a share placed meanwhile would otherwise
+// take the idle GPU it is meant for, and the node would hold one GPU more
+// than it has. The caller creates the pods, and calls DropStanding for
+// one it could not create.
+func (c *Cache) TakeStanding() []Standing {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	var out []Standing
 	for name, ns := range c.nodes {
 		if ns.standing == 0 || ns.Ledger == nil {
@@ -165,13 +169,32 @@ func (c *Cache) MissingStanding() []Standing {
 			}
 		}
 		for i := 0; i < ns.standing && idle > 0; i++ {
-			if g := ledgers.StandingGroup(i); !ns.reserved(g) {
-				out = append(out, Standing{Node: name, Group: g})
-				idle--
+			g := ledgers.StandingGroup(i)
+			if ns.reserved(g) {
+				continue
 			}
+			ns.reservations[g] = &reservation{name: ReservationName(name, g)}
+			ns.Hold(g)
+			out = append(out, Standing{Node: name, Group: g})
+			idle--
 		}
 	}
 	return out
+}
+
+// DropStanding forgets a standing reservation TakeStanding booked whose
+// pod could not be created; the collector tries again.
+func (c *Cache) DropStanding(st Standing) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ns, ok := c.nodes[st.Node]
+	if !ok {
+		return
+	}
+	if r := ns.reservations[st.Group]; r != nil && r.uid == "" {
+		delete(ns.reservations, st.Group)
+		c.rebuild(st.Node, ns)
+	}
 }
 
 // HeldUpdate is a standing reservation pod whose SharesHeldAnnotation is

@@ -16,12 +16,15 @@ import (
 
 	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
+	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
@@ -486,4 +489,77 @@ func httpGet(t *testing.T, url string) string {
 		t.Fatal(err)
 	}
 	return string(body)
+}
+
+// With --dra the agent serves the DRA driver: it asks for its GPUs to be
+// held for shares (the node label), and publishes only the GPU a standing
+// reservation pod holds, with what the scheduler says annotation shares
+// hold of it taken off, and without the other mode's device.
+func TestNodeAgentPublishesWhatStandingGPUsOffer(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	nodeName := uniqueName("sim-dra-node")
+	if _, err := shared.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = shared.admin.CoreV1().Nodes().Delete(context.Background(), nodeName, metav1.DeleteOptions{})
+	})
+	ns := createNamespace(t, "gpufrac-reserve-dra")
+	standing := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "standing-0", Namespace: ns,
+			Labels:      map[string]string{api.GPUGroupLabel: ledgers.StandingGroup(0)},
+			Annotations: map[string]string{api.SharesHeldAnnotation: api.SharesHeld{MemoryMiB: 40960, Mode: api.TimeSlicing}.String()}},
+		Spec: corev1.PodSpec{NodeName: nodeName, Containers: []corev1.Container{{Name: "reserve", Image: "pause"}}},
+	}
+	if _, err := shared.admin.CoreV1().Pods(ns).Create(ctx, standing, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	a := agent.New(agent.Options{
+		NodeName: nodeName, SimulateGPUs: "dgxh100", ReservationNamespace: ns, StateDir: t.TempDir(),
+		PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond, DRA: agent.DRAOptions{Enabled: true, StandingGPUs: 3},
+	}, shared.admin)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+
+	var devices []resourceapi.Device
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		list, err := shared.admin.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + nodeName})
+		if err != nil {
+			return false, err
+		}
+		devices = nil
+		for _, s := range list.Items {
+			devices = append(devices, s.Spec.Devices...)
+		}
+		return len(devices) > 0, nil
+	})
+	uuid := reservedGPU(t, ns, "standing-0")
+	if err != nil {
+		t.Fatalf("no device published (standing pod's GPU %q): %v", uuid, err)
+	}
+	want, _ := api.DRADeviceName(uuid, api.TimeSlicing)
+	if len(devices) != 1 || devices[0].Name != want {
+		names := []string{}
+		for _, d := range devices {
+			names = append(names, d.Name)
+		}
+		t.Fatalf("devices %v, want only %s: the one GPU held for shares, in the mode its shares use", names, want)
+	}
+	q := devices[0].Capacity[dra.CapacityMemory].Value
+	total := simulatedInventory(t, "dgxh100").GPUs[0].MemoryMiB
+	if got := q.Value() >> 20; got != total-40960 {
+		t.Errorf("memory offered: %dMi, want the GPU's %dMi less the annotation shares' 40960Mi", got, total)
+	}
+	n, err := shared.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Labels[api.LabelStandingGPUs] != "3" {
+		t.Errorf("node label %s = %q, want 3", api.LabelStandingGPUs, n.Labels[api.LabelStandingGPUs])
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("agent stopped with error: %v", err)
+	}
 }

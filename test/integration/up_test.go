@@ -24,6 +24,9 @@ func TestLocalClusterDemo(t *testing.T) {
 	for _, want := range []string{
 		"gpufrac up: ready in", "every pod placed and Running", "gpu-node-1  8 × NVIDIA-H100-80GB-HBM3 80Gi  ready",
 		"default/fraction-half", "compute 0.25", "0 fraction(s) pending",
+		// Both front doors on one GPU, and the audit of both.
+		"a DRA claim beside an annotated pod", "allocated by kube-scheduler's DRA allocator on that GPU (4096Mi)",
+		"claim default/beside/gpu", "claim default/dra-quarter-gpu-", "`gpufrac audit`, claims included: clean",
 		`denied the request: container "main": gpu-fraction "1.5" must be greater than 0 and less than 1`,
 		"stopped; no process left",
 	} {

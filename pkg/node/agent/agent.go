@@ -435,7 +435,7 @@ func (a *Agent) startDRA(ctx context.Context) (func(), error) {
 			return nil, fmt.Errorf("DRA driver directory %s: %w", dir, err)
 		}
 	}
-	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, Node: func() (inventory.Inventory, injection.Config) {
+	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, Simulated: a.opts.SimulateGPUs != "", Node: func() (inventory.Inventory, injection.Config) {
 		a.mu.Lock()
 		defer a.mu.Unlock()
 		return a.draInv, a.draCfg

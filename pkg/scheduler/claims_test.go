@@ -1,0 +1,92 @@
+package scheduler
+
+import (
+	"strings"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
+)
+
+// claimOn is a claim allocated a share of memoryMiB on the GPU uuid of
+// node's pool.
+func claimOn(name, node, uuid string, memoryMiB int64) *resourceapi.ResourceClaim {
+	device, _ := api.DRADeviceName(uuid, api.TimeSlicing)
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "ml", UID: types.UID("uid-" + name), ResourceVersion: "1"}}
+	c.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
+		Request: "gpu", Driver: api.DRADriver, Pool: node, Device: device,
+		ConsumedCapacity: map[resourceapi.QualifiedName]resource.Quantity{api.DRACapacityMemory: *resource.NewQuantity(memoryMiB<<20, resource.BinarySI)},
+	}}}}
+	return c
+}
+
+// A node that asks for standing GPUs gets them booked at once, each held
+// for shares; claims and annotation pods then share them on one ledger:
+// an annotation pod joins a claim's GPU, what annotation shares hold is
+// written for the node (claims left out: the allocator counts those), and
+// a claim that no longer fits is a conflict that Reserve refuses.
+func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
+	c := NewCache(testArgs())
+	n := node("n1", 2, 80000, true)
+	n.Labels[api.LabelStandingGPUs] = "2"
+	c.SetNode(n)
+	taken := c.TakeStanding()
+	if len(taken) != 2 || len(c.TakeStanding()) != 0 {
+		t.Fatalf("TakeStanding: %v, then more; want two standing groups, once", taken)
+	}
+	for i, st := range taken {
+		c.SetPod(reservationPod("n1", st.Group, []string{"GPU-a", "GPU-b"}[i]))
+	}
+	if p, err := placementFor("gpufrac", c); err != nil {
+		t.Fatal(err)
+	} else if err := c.Reserve("n1", "default", "whole", Ask{UID: "uid-whole", Whole: 1}, p, Host{}); err == nil {
+		t.Error("a whole-GPU pod was given a GPU held for shares")
+	}
+
+	if err := c.SyncClaims([]*resourceapi.ResourceClaim{claimOn("c1", "n1", "GPU-a", 50000)}); err != nil {
+		t.Fatal(err)
+	}
+	c.SetPod(placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{ledgers.StandingGroup(0)}, []string{"GPU-a"}))
+	if got := summary(c, "n1"); !strings.Contains(got, "70000") {
+		t.Errorf("GPU-a should hold the claim's 50000 and the pod's 20000: %s", got)
+	}
+	updates := c.HeldUpdates()
+	var held string
+	for _, u := range updates {
+		if u.Name == ReservationName("n1", ledgers.StandingGroup(0)) {
+			held = u.Value
+		}
+	}
+	if want := (api.SharesHeld{MemoryMiB: 20000, Mode: api.TimeSlicing}).String(); held != want {
+		t.Errorf("what annotation shares hold of GPU-a: %q, want %q (the claim is the allocator's to count)", held, want)
+	}
+
+	// Stale slices let the allocator give GPU-a 20000 more.
+	if err := c.SyncClaims([]*resourceapi.ResourceClaim{claimOn("c1", "n1", "GPU-a", 50000), claimOn("c2", "n1", "GPU-a", 20000)}); err != nil {
+		t.Fatal(err)
+	}
+	if why := c.ClaimConflict("uid-c2"); !strings.Contains(why, "does not fit") {
+		t.Errorf("an over-committing claim: conflict %q", why)
+	}
+	if why := c.ClaimConflict("uid-c1"); why != "" {
+		t.Errorf("the claim that fits: conflict %q", why)
+	}
+	c.ForgetClaim("uid-c2")
+	if err := c.SyncClaims([]*resourceapi.ResourceClaim{claimOn("c1", "n1", "GPU-a", 50000)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SyncClaims(nil); err != nil {
+		t.Fatal(err)
+	}
+	if got := summary(c, "n1"); !strings.Contains(got, "20000") || strings.Contains(got, "70000") {
+		t.Errorf("after the claims went, GPU-a should hold the pod's 20000 only: %s", got)
+	}
+	if o := c.Orphans(); len(o) != 0 {
+		t.Errorf("standing reservation pods are never orphans: %v", o)
+	}
+}
