@@ -24,6 +24,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
@@ -53,10 +54,13 @@ type Options struct {
 
 // Server is the dashboard.
 type Server struct {
-	opts    Options
-	pods    func() ([]*corev1.Pod, error)
-	nodes   func() ([]*corev1.Node, error)
-	events  func() ([]*corev1.Event, error)
+	opts   Options
+	pods   func() ([]*corev1.Pod, error)
+	nodes  func() ([]*corev1.Node, error)
+	events func() ([]*corev1.Event, error)
+	// claims are the DRA claims, whose shares of gpufrac's driver sit on
+	// the same GPUs; nil on a cluster that serves no resource.k8s.io/v1.
+	claims  func() ([]*resourceapi.ResourceClaim, error)
 	changed chan struct{}
 	synced  chan struct{}
 
@@ -92,7 +96,13 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 		UpdateFunc: func(any, any) { s.poke() },
 		DeleteFunc: func(any) { s.poke() },
 	}
-	for _, inf := range []cache.SharedIndexInformer{podInformer.Informer(), nodeInformer.Informer(), eventInformer.Informer()} {
+	watched := []cache.SharedIndexInformer{podInformer.Informer(), nodeInformer.Informer(), eventInformer.Informer()}
+	if servesClaims(s.opts.Client) {
+		claimInformer := factory.Resource().V1().ResourceClaims()
+		watched = append(watched, claimInformer.Informer())
+		s.claims = func() ([]*resourceapi.ResourceClaim, error) { return claimInformer.Lister().List(labels.Everything()) }
+	}
+	for _, inf := range watched {
 		if _, err := inf.AddEventHandler(poke); err != nil {
 			return err
 		}
@@ -173,7 +183,31 @@ func (s *Server) view() (clusterview.View, error) {
 	}
 	// `gpufrac top`'s view, with reasons from events where a pending pod
 	// has no condition that says why.
-	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), nil, s.opts.ReservationNamespace, s.opts.Reserve), deref(events)), nil
+	var claims []resourceapi.ResourceClaim
+	if s.claims != nil {
+		list, err := s.claims()
+		if err != nil {
+			return clusterview.View{}, err
+		}
+		claims = deref(list)
+	}
+	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), claims, s.opts.ReservationNamespace, s.opts.Reserve), deref(events)), nil
+}
+
+// servesClaims says whether the cluster serves ResourceClaims
+// (resource.k8s.io/v1, Kubernetes 1.34 and later): an informer for a
+// resource the API server does not have would never sync.
+func servesClaims(client kubernetes.Interface) bool {
+	list, err := client.Discovery().ServerResourcesForGroupVersion(resourceapi.SchemeGroupVersion.String())
+	if err != nil {
+		return false
+	}
+	for _, r := range list.APIResources {
+		if r.Name == "resourceclaims" {
+			return true
+		}
+	}
+	return false
 }
 
 func deref[T any](in []*T) []T {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -234,5 +235,45 @@ func TestLoopbackAnswersOnlyLoopbackHosts(t *testing.T) {
 	_ = resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		t.Errorf("/livez: %d", resp.StatusCode)
+	}
+}
+
+// On a cluster that serves ResourceClaims, a claim's DRA share shows on
+// its GPU beside the pods', as in `gpufrac top`.
+func TestViewShowsClaimShares(t *testing.T) {
+	device, _ := api.DRADeviceName("GPU-a", api.TimeSlicing)
+	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: "team", UID: "uid-c"}}
+	claim.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
+		Request: "gpu", Driver: api.DRADriver, Pool: "n1", Device: device,
+		ConsumedCapacity: map[resourceapi.QualifiedName]resource.Quantity{api.DRACapacityMemory: resource.MustParse("10Gi")},
+	}}}}
+	client := fake.NewClientset(node("n1"), tenant("big", 40960, "GPU-a"), claim)
+	client.Resources = []*metav1.APIResourceList{{GroupVersion: "resource.k8s.io/v1", APIResources: []metav1.APIResource{{Name: "resourceclaims", Namespaced: true, Kind: "ResourceClaim"}}}}
+	base := serve(t, client)
+	resp, err := http.Get(base + "api/view")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	var got clusterview.View
+	if err := json.NewDecoder(resp.Body).Decode(&got); err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Nodes) != 1 || len(got.Nodes[0].Shared) != 1 {
+		t.Fatalf("view: %+v", got)
+	}
+	var claims, pods int
+	for _, ten := range got.Nodes[0].Shared[0].Tenants {
+		if ten.Claim {
+			claims++
+			if ten.Pod != "team/c/gpu" || ten.RequestMiB != 10240 {
+				t.Errorf("claim tenant %+v", ten)
+			}
+		} else {
+			pods++
+		}
+	}
+	if claims != 1 || pods != 1 || got.Summary.AllocatedMiB != 40960+10240 {
+		t.Errorf("GPU-a: %d claims and %d pods, %dMi allocated; want one of each, 51200Mi", claims, pods, got.Summary.AllocatedMiB)
 	}
 }

@@ -180,7 +180,7 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := c.step("kube-controller-manager (workloads, claims; one credential each)", func() error { return c.startControllerManager(ctx) }); err != nil {
 		return nil, err
 	}
-	if err := c.step("dashboard (read-only: pods, nodes, events)", func() error { return c.startDashboard(ctx) }); err != nil {
+	if err := c.step("dashboard (read-only: pods, nodes, events, claims)", func() error { return c.startDashboard(ctx) }); err != nil {
 		return nil, err
 	}
 	if err := c.step("waiting for the nodes to report gpu-fractioning.nvidia.com/Ready", func() error { return c.waitReady(ctx) }); err != nil {
