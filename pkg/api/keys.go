@@ -102,6 +102,10 @@ const (
 	// device plugin cannot give a whole-GPU pod, so the scheduler keeps a
 	// standing reservation pod on each (see StandingGPUs).
 	LabelStandingGPUs = "gpufrac.io/standing-gpus"
+	// StandingLabel marks a standing reservation pod (value "true"): one
+	// that holds its GPU for shares whether or not any share is there
+	// (kubectl get pods -n gpufrac-reservations -l gpufrac.io/standing).
+	StandingLabel = "gpufrac.io/standing"
 )
 
 // userSuffixes are the canonical suffixes a manifest may set, in the order

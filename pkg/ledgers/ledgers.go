@@ -136,9 +136,16 @@ type ClaimTenant struct {
 func ClaimTenants(claim *resourceapi.ResourceClaim) ([]ClaimTenant, error) {
 	shares, err := api.ClaimShares(claim)
 	out := make([]ClaimTenant, 0, len(shares))
-	for _, s := range shares {
+	seen := map[string]bool{}
+	for i, s := range shares {
 		a := s.Assignment
 		key := string(claim.UID) + "/" + s.Request
+		if seen[key] {
+			// Two devices for one request (the node refuses to prepare
+			// it): both are counted, each under a key of its own.
+			key += "/" + strconv.Itoa(i)
+		}
+		seen[key] = true
 		out = append(out, ClaimTenant{Node: s.Node, Tenant: Tenant{
 			Request: gpu.Request{Tenant: key, Devices: 1, Share: gpu.Share{Request: a.RequestMiB, Limit: a.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}},
 			UUIDs:   a.Devices, Pod: claim.Namespace + "/" + claim.Name + "/" + s.Request, Assignment: &a, Claim: true,

@@ -382,7 +382,7 @@ func (ns *nodeState) groupOfUUID(uuid string) string {
 // once empty it stays so and the collector may delete it.
 func groupAt(ns *nodeState, slot int) string {
 	for g, s := range ns.Groups {
-		if s == slot && (shared(ns.Ledger.Devices[slot]) || ns.wantsStanding(g)) {
+		if s == slot && (shared(ns.Ledger.Devices[slot]) || (ns.wantsStanding(g) && ns.reservations[g].failed == "")) {
 			return g
 		}
 	}

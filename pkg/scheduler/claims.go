@@ -117,8 +117,9 @@ type claimHeld struct {
 // node agent wrote the standing reservation pod's UUID moves onto it.
 func (c *Cache) claimGroupsCurrent(h claimHeld) bool {
 	for _, t := range h.tenants {
-		if ns := c.nodes[t.node]; ns == nil || ns.groupOfUUID(t.uuid) != t.groups[0] {
-			return false
+		ns := c.nodes[t.node]
+		if ns == nil || ns.tenants[t.uid] != t || ns.groupOfUUID(t.uuid) != t.groups[0] {
+			return false // the node was forgotten, or its holder changed
 		}
 	}
 	return true
@@ -138,15 +139,24 @@ func (c *Cache) dropClaim(uid types.UID) {
 }
 
 // ClaimConflict says why a claim's share does not fit its node's ledger,
-// or "" when every share of the claim fits.
+// or "" when every share of the claim fits. Any conflict on the claim's
+// node counts, not only the claim's own: a rebuild books tenants in the
+// order of their keys, not of their arrival, so the tenant left out may
+// be an annotation pod that the new claim displaced. The node takes no
+// new fraction while it has a conflict, from either front door.
 func (c *Cache) ClaimConflict(uid types.UID) string {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	for _, t := range c.claims[uid].tenants {
-		if ns := c.nodes[t.node]; ns != nil {
-			if why, bad := ns.Conflicts[string(t.uid)]; bad {
-				return fmt.Sprintf("its share of claim %s/%s does not fit GPU %s beside the node's annotation shares: %s", t.namespace, t.name, t.uuid, why)
-			}
+		ns := c.nodes[t.node]
+		if ns == nil {
+			continue
+		}
+		if why, bad := ns.Conflicts[string(t.uid)]; bad {
+			return fmt.Sprintf("its share of claim %s/%s does not fit GPU %s beside the node's annotation shares: %s", t.namespace, t.name, t.uuid, why)
+		}
+		for key, why := range ns.Conflicts {
+			return fmt.Sprintf("claim %s/%s: node %s has a tenant its ledger cannot place (%s: %s), so it takes no new share", t.namespace, t.name, t.node, key, why)
 		}
 	}
 	return ""

@@ -73,10 +73,21 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 	if why := c.ClaimConflict("uid-c2"); !strings.Contains(why, "does not fit") {
 		t.Errorf("an over-committing claim: conflict %q", why)
 	}
-	if why := c.ClaimConflict("uid-c1"); why != "" {
-		t.Errorf("the claim that fits: conflict %q", why)
+	if why := c.ClaimConflict("uid-c1"); !strings.Contains(why, "takes no new share") {
+		t.Errorf("while the node has a conflict, no claim is let through: conflict %q", why)
+	}
+	if len(c.HeldUpdates()) != 2 {
+		t.Errorf("HeldUpdates: %v, want both standing pods", c.HeldUpdates())
+	}
+	for _, u := range c.HeldUpdates() {
+		if h, err := api.ParseSharesHeld(u.Value); err != nil || h.MemoryMiB != 80000 {
+			t.Errorf("with a conflict on the node, %s should offer claims nothing (80000 held): %s, %v", u.Name, u.Value, err)
+		}
 	}
 	c.ForgetClaim("uid-c2")
+	if why := c.ClaimConflict("uid-c1"); why != "" {
+		t.Errorf("the claim that fits, once the other is gone: conflict %q", why)
+	}
 	if err := c.SyncClaims([]*resourceapi.ResourceClaim{claimOn("c1", "n1", "GPU-a", 50000)}); err != nil {
 		t.Fatal(err)
 	}

@@ -306,7 +306,13 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 // orphan says whether a GPU group's reservation pod holds its GPU for
 // nothing: no tenant, and not a standing group the node still asks for.
 func (c *Cache) orphan(ns *nodeState, g string) bool {
-	return !c.live(ns, g) && !ns.wantsStanding(g)
+	if c.live(ns, g) {
+		return false
+	}
+	// A standing pod the kubelet refused holds nothing: delete it, and
+	// the collector makes it again.
+	r := ns.reservations[g]
+	return !ns.wantsStanding(g) || (r != nil && r.failed != "")
 }
 
 // live says whether a GPU group has a tenant.

@@ -473,6 +473,17 @@ func (p *Plugin) collect(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		dirty := p.cache.Dirty()
+		// Claims hold GPUs too: a standing pod whose claims the cache has
+		// not seen since a restart is not empty.
+		if err := p.syncClaims(); err != nil {
+			logger.Error(err, "Cannot read the DRA claims; collecting nothing this round")
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			continue
+		}
 		for _, st := range p.cache.TakeStanding() {
 			pod := ReservationPod(p.args, st.Node, st.Group)
 			if _, err := p.handle.ClientSet().CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {

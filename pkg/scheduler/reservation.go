@@ -48,15 +48,19 @@ func ReservationPod(args Args, node, group string) *corev1.Pod {
 	one := resource.MustParse("1")
 	noPrivilege := false
 	nonRoot := true
+	labels := map[string]string{
+		labelManagedBy:    managedBy,
+		labelComponent:    componentHolder,
+		api.GPUGroupLabel: group,
+	}
+	if ledgers.IsStanding(group) {
+		labels[api.StandingLabel] = "true"
+	}
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:      ReservationName(node, group),
 			Namespace: args.ReservationNamespace,
-			Labels: map[string]string{
-				labelManagedBy:    managedBy,
-				labelComponent:    componentHolder,
-				api.GPUGroupLabel: group,
-			},
+			Labels:    labels,
 		},
 		Spec: corev1.PodSpec{
 			NodeName:                      node,
@@ -218,17 +222,23 @@ func (c *Cache) HeldUpdates() []HeldUpdate {
 		}
 		for g, r := range ns.reservations {
 			slot, ok := ns.Groups[g]
-			if !ledgers.IsStanding(g) || !ok {
-				continue
+			if !ledgers.IsStanding(g) || !ok || r.uid == "" || r.uuid == "" {
+				continue // not a standing pod the API shows with its GPU yet
 			}
+			d := ns.Ledger.Devices[slot]
 			var held api.SharesHeld
-			for key, sh := range ns.Ledger.Devices[slot].Shares() {
+			for key, sh := range d.Shares() {
 				if t := c.pods[types.UID(key)]; t != nil && t.claim {
 					continue // the allocator counts claims itself
 				}
 				held.MemoryMiB += sh.Request
 				held.Portion += sh.Portion
 				held.Mode = sh.Mode
+			}
+			if len(ns.Conflicts) > 0 || len(ns.waiting) > 0 {
+				// Pods the ledger could not place hold memory it does not
+				// see: offer claims nothing here until they are placed.
+				held.MemoryMiB = d.Schedulable()
 			}
 			if v := held.String(); v != r.held {
 				out = append(out, HeldUpdate{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, Value: v})

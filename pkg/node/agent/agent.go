@@ -116,6 +116,8 @@ type Agent struct {
 	// DRA driver (it enforces exactly as the NRI plugin does).
 	draInv inventory.Inventory
 	draCfg injection.Config
+	// lastStanding is the standing GPU count last published.
+	lastStanding int
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -403,14 +405,24 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 }
 
 // standingGPUs is how many GPUs the node asks to have held for shares.
+// While the GPUs cannot be read it keeps asking for what it asked last:
+// lowering the count would let the scheduler delete standing pods under
+// the claims they hold, and hand their GPUs to the device plugin.
 func (a *Agent) standingGPUs(inv inventory.Inventory, invErr error) int {
-	if !a.opts.DRA.Enabled || invErr != nil {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch {
+	case !a.opts.DRA.Enabled:
 		return 0
+	case invErr != nil:
+		return a.lastStanding
 	}
-	if n := a.opts.DRA.StandingGPUs; n >= 0 && n < len(inv.GPUs) {
-		return n
+	n := len(inv.GPUs)
+	if s := a.opts.DRA.StandingGPUs; s >= 0 && s < n {
+		n = s
 	}
-	return len(inv.GPUs)
+	a.lastStanding = n
+	return n
 }
 
 // startDRA starts the DRA driver's kubelet plugin. Its devices are

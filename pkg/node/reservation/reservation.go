@@ -132,12 +132,20 @@ func standingOf(ctx context.Context, pods []corev1.Pod) map[string]api.SharesHel
 // UUID and has one assigned. It returns how many it annotated.
 func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	logger := klog.FromContext(ctx)
+	// What a failed read leaves is no offer at all, not the last one.
+	a.mu.Lock()
+	a.standing = nil
+	a.mu.Unlock()
 	pods, err := a.Client.CoreV1().Pods(a.Namespace).List(ctx, metav1.ListOptions{
 		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.Node).String(),
 	})
 	if err != nil {
 		return 0, fmt.Errorf("list reservation pods on %s: %w", a.Node, err)
 	}
+	standing := standingOf(ctx, pods.Items)
+	a.mu.Lock()
+	a.standing = standing
+	a.mu.Unlock()
 	var devices map[string][]string
 	if a.Simulated == nil {
 		if devices, err = a.Source.Devices(ctx); err != nil {
@@ -146,10 +154,6 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	} else {
 		devices = a.Simulated.assign(pods.Items)
 	}
-	standing := standingOf(ctx, pods.Items)
-	a.mu.Lock()
-	a.standing = standing
-	a.mu.Unlock()
 	annotated := 0
 	for i := range pods.Items {
 		pod := &pods.Items[i]
