@@ -42,15 +42,27 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 	for i, st := range taken {
 		c.SetPod(reservationPod("n1", st.Group, []string{"GPU-a", "GPU-b"}[i]))
 	}
-	if p, err := placementFor("gpufrac", c); err != nil {
+	if pl, err := placementFor("gpufrac", c); err != nil {
 		t.Fatal(err)
-	} else if err := c.Reserve("n1", "default", "whole", Ask{UID: "uid-whole", Whole: 1}, p, Host{}); err == nil {
+	} else if err := c.Reserve("n1", "default", "whole", Ask{UID: "uid-whole", Whole: 1}, pl, Host{}); err == nil {
 		t.Error("a whole-GPU pod was given a GPU held for shares")
 	}
 
 	if err := c.SyncClaims([]*resourceapi.ResourceClaim{claimOn("c1", "n1", "GPU-a", 50000)}); err != nil {
 		t.Fatal(err)
 	}
+	// An sm-sharing pod never joins the time-slicing claim's GPU.
+	p, err := placementFor("gpufrac", c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Reserve("n1", "default", "sm", ask("uid-sm", 10000, api.SMSharing, 1), p, Host{}); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := c.Decision("uid-sm"); len(d.Groups) != 1 || d.Groups[0] != ledgers.StandingGroup(1) {
+		t.Errorf("the sm-sharing pod went to %v, want the other standing GPU (standing-1): GPU-a runs time-slicing", d.Groups)
+	}
+	c.Unreserve("uid-sm")
 	c.SetPod(placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{ledgers.StandingGroup(0)}, []string{"GPU-a"}))
 	if got := summary(c, "n1"); !strings.Contains(got, "70000") {
 		t.Errorf("GPU-a should hold the claim's 50000 and the pod's 20000: %s", got)
