@@ -4,10 +4,13 @@ import (
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/ledgers"
@@ -111,5 +114,66 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 	}
 	if o := c.Orphans(); len(o) != 0 {
 		t.Errorf("standing reservation pods are never orphans: %v", o)
+	}
+}
+
+// A pod this plugin refused is tried again on the events that can make it
+// fit, and not on those that cannot: a claim pod on its node's slices
+// changing (Reserve refuses one whose slices lag behind the ledger), any
+// pod on a claim of ours released or a bound pod's decision written or
+// its end; nobody on a bound pod's status heartbeat or a foreign claim.
+func TestRefusedPodsAreRetriedOnWhatCanMakeThemFit(t *testing.T) {
+	p := &Plugin{}
+	events, err := p.EventsToRegister(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	hint := func(r fwk.EventResource, a fwk.ActionType, pod *corev1.Pod, oldObj, newObj any) fwk.QueueingHint {
+		t.Helper()
+		for _, e := range events {
+			if e.Event.Resource == r && e.Event.ActionType&a != 0 {
+				if e.QueueingHintFn == nil {
+					return fwk.Queue
+				}
+				h, err := e.QueueingHintFn(klog.Background(), pod, oldObj, newObj)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return h
+			}
+		}
+		return fwk.QueueSkip // not registered: the pod waits for the queue's flush
+	}
+	claimPod := &corev1.Pod{Spec: corev1.PodSpec{ResourceClaims: []corev1.PodResourceClaim{{Name: "gpu"}}}}
+	fractional := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Annotations: map[string]string{api.KeyFraction: "0.5"}}}
+	bound := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "b", Annotations: map[string]string{api.KeyFraction: "0.5"}}, Spec: corev1.PodSpec{NodeName: "n1"}}
+	decided := bound.DeepCopy()
+	decided.Annotations["gpu-fraction.main.devices"] = "GPU-1"
+	heartbeat := bound.DeepCopy()
+	heartbeat.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+	done := bound.DeepCopy()
+	done.Status.Phase = corev1.PodSucceeded
+	mine, foreign := claimOn("c", "n1", "GPU-1", 4096), claimOn("f", "n1", "GPU-1", 4096)
+	foreign.Status.Allocation.Devices.Results[0].Driver = "gpu.nvidia.com"
+	slice := &resourceapi.ResourceSlice{}
+	for _, c := range []struct {
+		what string
+		got  fwk.QueueingHint
+		want fwk.QueueingHint
+	}{
+		{"claim pod, slices updated", hint(fwk.ResourceSlice, fwk.Update, claimPod, slice, slice), fwk.Queue},
+		{"claim pod, slice added", hint(fwk.ResourceSlice, fwk.Add, claimPod, nil, slice), fwk.Queue},
+		{"annotation pod, slices updated", hint(fwk.ResourceSlice, fwk.Update, fractional, slice, slice), fwk.QueueSkip},
+		{"our claim released", hint(fwk.ResourceClaim, fwk.Update, fractional, mine, foreign), fwk.Queue},
+		{"our claim deleted", hint(fwk.ResourceClaim, fwk.Delete, claimPod, mine, nil), fwk.Queue},
+		{"a foreign claim changed", hint(fwk.ResourceClaim, fwk.Update, fractional, foreign, foreign), fwk.QueueSkip},
+		{"a bound pod's decision written", hint(fwk.AssignedPod, fwk.Update, fractional, bound, decided), fwk.Queue},
+		{"a bound pod ended", hint(fwk.AssignedPod, fwk.Update, claimPod, bound, done), fwk.Queue},
+		{"a bound pod's status heartbeat", hint(fwk.AssignedPod, fwk.Update, fractional, bound, heartbeat), fwk.QueueSkip},
+		{"a pod deleted", hint(fwk.Pod, fwk.Delete, claimPod, bound, nil), fwk.Queue},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: %v, want %v", c.what, c.got, c.want)
+		}
 	}
 }

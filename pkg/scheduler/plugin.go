@@ -10,11 +10,13 @@ package scheduler
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
 	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -455,14 +457,65 @@ func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod
 	return nil
 }
 
-// EventsToRegister implements fwk.EnqueueExtensions: a fractional pod that
-// did not fit may fit once a pod leaves or a node changes (new GPUs,
-// readiness).
+// EventsToRegister implements fwk.EnqueueExtensions: a pod this plugin
+// refused may fit once something frees room or makes the ledger whole
+// again. Without these, it would wait for the queue's five-minute flush:
+//
+//   - a pod leaves, or ends (its share is freed before it is deleted);
+//   - a bound pod's annotations change: the decision a pod bound without
+//     one was waiting for, or the GPU a node agent wrote on a reservation
+//     pod, either of which clears a node's conflict;
+//   - a node changes (new GPUs, readiness);
+//   - a claim of gpufrac's driver is released or changes;
+//   - a node's ResourceSlices change: a claim pod refused in Reserve
+//     because the slices lagged behind the annotation shares fits once
+//     they show them (the DRA plugin's own hints do not run for a pod that
+//     this plugin refused).
 func (p *Plugin) EventsToRegister(context.Context) ([]fwk.ClusterEventWithHint, error) {
 	return []fwk.ClusterEventWithHint{
 		{Event: fwk.ClusterEvent{Resource: fwk.Pod, ActionType: fwk.Delete | fwk.UpdatePodScaleDown}},
+		{Event: fwk.ClusterEvent{Resource: fwk.AssignedPod, ActionType: fwk.Update}, QueueingHintFn: assignedPodChanged},
 		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeCondition | fwk.UpdateNodeAllocatable}},
+		{Event: fwk.ClusterEvent{Resource: fwk.ResourceClaim, ActionType: fwk.Update | fwk.Delete}, QueueingHintFn: claimOfOursChanged},
+		{Event: fwk.ClusterEvent{Resource: fwk.ResourceSlice, ActionType: fwk.Add | fwk.Update}, QueueingHintFn: slicesForClaimPods},
 	}, nil
+}
+
+// assignedPodChanged queues on a bound pod that ended or whose
+// annotations changed; its status updates otherwise change nothing here.
+func assignedPodChanged(_ klog.Logger, _ *corev1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	old, okOld := oldObj.(*corev1.Pod)
+	pod, okNew := newObj.(*corev1.Pod)
+	if !okOld || !okNew {
+		return fwk.Queue, nil // not what the event promises: err on retrying
+	}
+	ended := func(p *corev1.Pod) bool {
+		return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed
+	}
+	if ended(pod) && !ended(old) || !maps.Equal(old.Annotations, pod.Annotations) {
+		return fwk.Queue, nil
+	}
+	return fwk.QueueSkip, nil
+}
+
+// claimOfOursChanged queues on a change to a claim that held, or holds, a
+// device of gpufrac's driver.
+func claimOfOursChanged(_ klog.Logger, _ *corev1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	for _, o := range []any{oldObj, newObj} {
+		if c, ok := o.(*resourceapi.ResourceClaim); ok && ours(c) {
+			return fwk.Queue, nil
+		}
+	}
+	return fwk.QueueSkip, nil
+}
+
+// slicesForClaimPods queues a pod with claims on a change to a node's
+// slices; an annotation pod does not read them.
+func slicesForClaimPods(_ klog.Logger, pod *corev1.Pod, _, _ any) (fwk.QueueingHint, error) {
+	if len(pod.Spec.ResourceClaims) > 0 {
+		return fwk.Queue, nil
+	}
+	return fwk.QueueSkip, nil
 }
 
 // collect deletes reservation pods whose GPU group emptied, whenever the
