@@ -65,6 +65,9 @@ const (
 	fakeCUDA   = 13040
 	bridge     = "gfnode0"
 	probeImage = "localhost/gpufrac/probe:1"
+	// standingGPUs of the node's eight are held for shares, so that DRA
+	// claims of both compute modes find a GPU each (dra_test.go).
+	standingGPUs = 2
 )
 
 // theNode is the node every test uses; TestMain starts and stops it.
@@ -132,6 +135,7 @@ func (n *node) nvmlDir() string          { return n.path("nvml") }
 func (n *node) containerdSocket() string { return n.path("containerd.sock") }
 func (n *node) kubeletRoot() string      { return n.path("kubelet") }
 func (n *node) mpsRoot() string          { return n.path("m") }
+func (n *node) cdiDir() string           { return n.path("cdi-specs") }
 func (n *node) podResourcesSocket() string {
 	return filepath.Join(n.kubeletRoot(), "pod-resources", "kubelet.sock")
 }
@@ -169,7 +173,7 @@ func startNode() (*node, error) {
 	if pids := kubepodsPIDs(); len(pids) > 0 {
 		return n, fmt.Errorf("processes %v are in pod cgroups (%v): another kubelet's pods, or an earlier run's left behind; stop them first", pids, kubepodsRoots)
 	}
-	for _, d := range []string{"logs", "nvml", "cni", "m", "agent", "pod-logs", "dmem-standin"} {
+	for _, d := range []string{"logs", "nvml", "cni", "m", "agent", "pod-logs", "dmem-standin", "cdi-specs"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
 			return n, err
 		}
@@ -200,6 +204,8 @@ func startNode() (*node, error) {
 func (n *node) startControlPlane() error {
 	c, err := localcluster.Up(context.Background(), localcluster.Options{
 		Dir: n.path("cluster"), Nodes: 0, Machine: "dgxh100", Binary: n.gpufrac, Root: n.repo, Progress: n.logFile("cluster-up"),
+		// The DRA driver's RBAC and DeviceClasses; the node agent serves it.
+		DRAStandingGPUs: standingGPUs,
 	})
 	if err != nil {
 		return err
@@ -348,6 +354,7 @@ state = %[2]q
 [plugins."io.containerd.cri.v1.runtime"]
   disable_apparmor = true
   restrict_oom_score_adj = true
+  cdi_spec_dirs = [%[9]q]
 [plugins."io.containerd.cri.v1.runtime".cni]
   bin_dirs = ["/usr/lib/cni"]
   conf_dir = %[6]q
@@ -355,7 +362,7 @@ state = %[2]q
   BinaryName = "/usr/sbin/runc"
   Root = %[7]q
 `, n.path("containerd", "root"), n.path("containerd", "state"), n.containerdSocket(), n.path("nri.sock"), n.path("nri-plugins"),
-		n.path("cni"), n.path("runc"), n.path("opt"))
+		n.path("cni"), n.path("runc"), n.path("opt"), n.cdiDir())
 	if err := os.WriteFile(n.path("containerd.toml"), []byte(config), 0o644); err != nil {
 		return err
 	}
@@ -495,7 +502,12 @@ func (n *node) startAgent() error {
 		n.gpufrac, "node-agent", "--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
 		"--nri-socket", n.path("nri.sock"), "--pod-resources-socket", n.podResourcesSocket(),
 		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
-		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--resync-period", "2s")
+		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--resync-period", "2s",
+		// The DRA driver: registered with this kubelet, its prepared
+		// claims' CDI specs where containerd reads them.
+		"--dra", "--dra-standing-gpus", strconv.Itoa(standingGPUs),
+		"--dra-plugin-dir", filepath.Join(n.kubeletRoot(), "plugins", api.DRADriver),
+		"--dra-registrar-dir", filepath.Join(n.kubeletRoot(), "plugins_registry"), "--dra-cdi-dir", n.cdiDir())
 }
 
 // agentCgroup is the agent's own cgroup v2 directory, made once.
