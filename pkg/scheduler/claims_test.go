@@ -167,6 +167,7 @@ func TestRefusedPodsAreRetriedOnWhatCanMakeThemFit(t *testing.T) {
 		{"our claim released", hint(fwk.ResourceClaim, fwk.Update, fractional, mine, foreign), fwk.Queue},
 		{"our claim deleted", hint(fwk.ResourceClaim, fwk.Delete, claimPod, mine, nil), fwk.Queue},
 		{"a foreign claim changed", hint(fwk.ResourceClaim, fwk.Update, fractional, foreign, foreign), fwk.QueueSkip},
+		{"a claim's tombstone", hint(fwk.ResourceClaim, fwk.Delete, fractional, "tombstone", nil), fwk.Queue},
 		{"a bound pod's decision written", hint(fwk.AssignedPod, fwk.Update, fractional, bound, decided), fwk.Queue},
 		{"a bound pod ended", hint(fwk.AssignedPod, fwk.Update, claimPod, bound, done), fwk.Queue},
 		{"a bound pod's status heartbeat", hint(fwk.AssignedPod, fwk.Update, fractional, bound, heartbeat), fwk.QueueSkip},

@@ -501,10 +501,17 @@ func assignedPodChanged(_ klog.Logger, _ *corev1.Pod, oldObj, newObj any) (fwk.Q
 // claimOfOursChanged queues on a change to a claim that held, or holds, a
 // device of gpufrac's driver.
 func claimOfOursChanged(_ klog.Logger, _ *corev1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	claims := 0
 	for _, o := range []any{oldObj, newObj} {
-		if c, ok := o.(*resourceapi.ResourceClaim); ok && ours(c) {
-			return fwk.Queue, nil
+		if c, ok := o.(*resourceapi.ResourceClaim); ok {
+			if ours(c) {
+				return fwk.Queue, nil
+			}
+			claims++
 		}
+	}
+	if claims == 0 {
+		return fwk.Queue, nil // not what the event promises (a tombstone): err on retrying
 	}
 	return fwk.QueueSkip, nil
 }
