@@ -4,7 +4,9 @@
 // kubelet, containerd and runc, with the node agent as containerd's NRI
 // plugin and `gpufrac hook apply-memory-limits` as runc's createRuntime hook,
 // joined to the control plane of `gpufrac up` (kube-apiserver, the webhook,
-// the scheduler with GPUFractions). Only what needs a GPU is a stand-in:
+// the scheduler with GPUFractions). The agent also serves its DRA driver
+// to the kubelet, whose claims containerd injects as CDI devices
+// (dra_test.go). Only what needs a GPU is a stand-in:
 //
 //   - libnvidia-ml.so.1 (fakenvml/, C): the GPUs of go-nvml's dgxh100 mock
 //     machine, driver r615 with CUDA 13.4; it records SetMemoryLimits_v1;
