@@ -262,7 +262,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 		c.setReservation(pod)
 		return
 	}
-	terminal := pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
+	terminal := podEnded(pod)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.setDemand(pod, terminal)
@@ -300,6 +300,11 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	if t != nil {
 		c.add(ns, t)
 	}
+}
+
+// podEnded says whether a pod has ended, so that it holds no GPU.
+func podEnded(pod *corev1.Pod) bool {
+	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
 }
 
 // DeletePod forgets a deleted pod.

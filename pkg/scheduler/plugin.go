@@ -489,10 +489,7 @@ func assignedPodChanged(_ klog.Logger, _ *corev1.Pod, oldObj, newObj any) (fwk.Q
 	if !okOld || !okNew {
 		return fwk.Queue, nil // not what the event promises: err on retrying
 	}
-	ended := func(p *corev1.Pod) bool {
-		return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed
-	}
-	if ended(pod) && !ended(old) || !maps.Equal(old.Annotations, pod.Annotations) {
+	if podEnded(pod) && !podEnded(old) || !maps.Equal(old.Annotations, pod.Annotations) {
 		return fwk.Queue, nil
 	}
 	return fwk.QueueSkip, nil
