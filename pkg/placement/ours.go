@@ -15,19 +15,32 @@ const (
 	// copiesWeight blends the capacity view (how much of the free GPU as
 	// many copies of each shape as fit would take) into FGD's one-copy
 	// view.
-	copiesWeight = 0.25
+	copiesWeight = 0.1
 	// strandedWeight prices GPU room that the node's CPU cannot feed.
-	strandedWeight = 0.3
+	strandedWeight = 0.6
 	// remainderWeight prices what the stream of shares is not expected to
-	// fill on partly used GPUs.
-	remainderWeight = 1.0
+	// fill on partly used GPUs. It is worth more than the GPU it measures:
+	// the remainders a share leaves differ by tens of milli-GPU between
+	// candidates, and at a weight of 1 the node's rank (up to two GPUs for
+	// a share) decided alone which remainder a share filled, so that the
+	// few small shares landed beside large ones by chance.
+	remainderWeight = 4.0
+	// rareShares is the part of the stream of shares below which the
+	// shares that fit a gap are too rare to be counted on to fill it: they
+	// fill it in proportion (see filler). On the study's traces the class
+	// that matters is the 190 an 810 milli-GPU share leaves: a third of
+	// the shares ask 810, and 2-3% are small enough for the gap.
+	rareShares = 0.05
 	// rankWeight is how many GPUs of expected fragmentation a node's fixed
 	// rank is worth: it makes near-equal choices consolidate onto the
 	// same nodes, first-fit style, instead of scattering.
 	rankWeight = 1.0
 	// shareRankWeight is the rank's worth for a share: shares consolidate
-	// harder, so partly used GPUs gather on few nodes.
-	shareRankWeight = 2.0
+	// harder, so partly used GPUs gather on few nodes. Raised from 2 with
+	// remainderWeight, whose larger differences would otherwise scatter
+	// shares again (on the multi-GPU-heavy mixes, 3 is worth 0.03-0.04
+	// points over 2; 4 and 5 are no better).
+	shareRankWeight = 3.0
 	// The rank is worth its full weight while the workload asks for no
 	// more CPU per GPU than the cluster offers (cpuBoundFrom): then the
 	// GPUs run out first, and consolidating keeps whole nodes for large
@@ -48,9 +61,10 @@ const (
 	// pod count alone, an 8-GPU shape makes every partly used node look
 	// wholly fragmented and the policy over-protects whole nodes: shares
 	// then open fresh GPUs whose remainders nothing fills. Found on the
-	// multigpu traces (+0.1 point at 130% on multigpu20 and multigpu30);
-	// it leaves the others within ±0.03.
-	multiGPUExponent = -0.5
+	// multigpu traces (−0.5: +0.1 point at 130% on multigpu20 and
+	// multigpu30); −1, with strandedWeight doubled, adds about 0.05 on the
+	// mixes where multi-GPU pods ask half the GPUs or more.
+	multiGPUExponent = -1.0
 )
 
 // Ours is gpufrac's default policy. Like FGD it places where the node's
@@ -89,7 +103,7 @@ func NewOurs(shapes []Shape, supply Supply) Ours {
 			shapes[i].P /= sum
 		}
 	}
-	return Ours{Shapes: shapes, fill: &filler{shapes: shapes}, rankScale: scale}
+	return Ours{Shapes: shapes, fill: newFiller(shapes), rankScale: scale}
 }
 
 // rankScale compares the CPU the workload asks for per GPU with what the
@@ -126,7 +140,7 @@ func (p Ours) filler() *filler {
 	if p.fill != nil {
 		return p.fill
 	}
-	return &filler{shapes: p.Shapes}
+	return newFiller(p.Shapes)
 }
 
 // Score is minus the growth of the node's expected fragmentation in whole
@@ -192,12 +206,27 @@ func rank(name string) float64 {
 // filler knows, for each free amount f on a shared GPU, the amount a
 // stream of random single-GPU shares (drawn by P among those that fit)
 // is expected to fill: V(f) = Σ p(s) (s + V(f−s)) over shares s ≤ f, with
-// p renormalised over them. The table grows on demand and is shared by
-// concurrent Score calls.
+// p renormalised over them, but never over less than rareShares of all
+// shares: a gap that only rare shares fit competes with every other such
+// gap for them, and is expected to be filled only in proportion to how
+// often they come. The table grows on demand and is shared by concurrent
+// Score calls.
 type filler struct {
 	shapes []Shape
 	mu     sync.Mutex
 	v      []float64
+	// floor is rareShares of the shapes' single-GPU share mass.
+	floor float64
+}
+
+func newFiller(shapes []Shape) *filler {
+	f := &filler{shapes: shapes}
+	for i := range shapes {
+		if s := &shapes[i]; s.NumGPU == 1 && s.Share > 0 {
+			f.floor += rareShares * s.P
+		}
+	}
+	return f
 }
 
 func (f *filler) expected(free int64) float64 {
@@ -213,7 +242,7 @@ func (f *filler) expected(free int64) float64 {
 			}
 		}
 		if psum > 0 {
-			acc /= psum
+			acc /= max(psum, f.floor)
 		}
 		f.v = append(f.v, acc)
 	}

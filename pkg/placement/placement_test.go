@@ -96,7 +96,7 @@ func TestCapacityViewCountsCopiesAndCPU(t *testing.T) {
 }
 
 func TestFillerExpectsTheStreamOfShares(t *testing.T) {
-	f := &filler{shapes: []Shape{{NumGPU: 1, Share: 300, P: 0.5}, {NumGPU: 1, Share: 600, P: 0.5}}}
+	f := newFiller([]Shape{{NumGPU: 1, Share: 300, P: 0.5}, {NumGPU: 1, Share: 600, P: 0.5}})
 	for _, c := range []struct {
 		free int64
 		want float64
@@ -104,6 +104,29 @@ func TestFillerExpectsTheStreamOfShares(t *testing.T) {
 		{299, 0}, {300, 300}, {599, 300},
 		{600, 0.5*(300+300) + 0.5*600}, // 300 then another 300, or 600
 		{900, 0.5*(300+f.expected(600)) + 0.5*(600+300)},
+	} {
+		if got := f.expected(c.free); math.Abs(got-c.want) > 1e-9 {
+			t.Errorf("expected(%d) = %v, want %v", c.free, got, c.want)
+		}
+	}
+}
+
+// A gap that only rare shares fit is expected to be filled in proportion
+// to how often they come, not as surely as a gap common shares fit: a
+// third of the stream leaving 190 that 3% of it fits must not look
+// nearly filled.
+func TestFillerCountsRareSharesInProportion(t *testing.T) {
+	f := newFiller([]Shape{{NumGPU: 1, Share: 810, P: 0.57}, {NumGPU: 1, Share: 160, P: 0.03}, {NumGPU: 1, Share: 470, P: 0.3}, {NumGPU: 1, Share: 0, P: 0.1}})
+	// The share mass is 0.9 (the whole-GPU shape is no share): shares
+	// that fit are rare below rareShares × 0.9 of it.
+	floor := rareShares * 0.9
+	for _, c := range []struct {
+		free int64
+		want float64
+	}{
+		{159, 0},
+		{190, 160 * 0.03 / floor}, // only the 160s fit, and they are rare
+		{470, (0.03*(160+f.expected(310)) + 0.3*470) / (0.03 + 0.3)}, // common enough: renormalised as before
 	} {
 		if got := f.expected(c.free); math.Abs(got-c.want) > 1e-9 {
 			t.Errorf("expected(%d) = %v, want %v", c.free, got, c.want)
