@@ -36,10 +36,6 @@ type simOptions struct {
 	variant     string
 }
 
-// variantSeed draws a variant's added pods: one fixed seed, so that a
-// variant is one trace, whatever seeds then shuffle it.
-const variantSeed = 1
-
 func newSimCommand() *cobra.Command {
 	o := simOptions{}
 	cmd := &cobra.Command{
@@ -137,7 +133,7 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 		if err != nil {
 			return fmt.Errorf("--variant: %w", err)
 		}
-		if pods, err = v.Derive(pods, variantSeed); err != nil {
+		if pods, err = v.Derive(pods, sim.VariantSeed); err != nil {
 			return err
 		}
 		workload += "+" + v.Name

@@ -103,12 +103,13 @@ func TestFidelityToThePublishedStudy(t *testing.T) {
 }
 
 // TestQualityOurPolicyBeatsFGD guards the default policy's margin: at
-// least 0.4 points more allocation than FGD at 130% arrived, FGD run here
-// with the same seeds (the full comparison with the published figures on
-// every trace is `make sim-table`, and its table is in the README).
+// least half a point more allocation than FGD at 130% arrived, FGD run
+// here with the same seeds, on the study's traces and on a mix where
+// multi-GPU pods ask half the GPUs (the full comparison on every trace
+// and mix is `make sim-table`, and its table is in the README).
 func TestQualityOurPolicyBeatsFGD(t *testing.T) {
 	seeds := []int64{42, 43}
-	for _, trace := range []string{"default", "gpushare60", "multigpu30", "cpu300"} {
+	for _, trace := range []string{"default", "gpushare60", "multigpu30", "cpu300", "default+multigpu50"} {
 		mean := func(curves []Curve) float64 {
 			var s float64
 			for _, c := range curves {
@@ -118,8 +119,8 @@ func TestQualityOurPolicyBeatsFGD(t *testing.T) {
 		}
 		ours, fgd := mean(runSeeds(t, trace, "gpufrac", seeds)), mean(runSeeds(t, trace, "fgd", seeds))
 		t.Logf("%s: gpufrac %.2f, fgd %.2f", trace, ours, fgd)
-		if ours < fgd+0.4 {
-			t.Errorf("%s: gpufrac %.2f, fgd %.2f: want at least fgd + 0.4", trace, ours, fgd)
+		if ours < fgd+0.5 {
+			t.Errorf("%s: gpufrac %.2f, fgd %.2f: want at least fgd + 0.5", trace, ours, fgd)
 		}
 	}
 }

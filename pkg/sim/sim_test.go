@@ -21,8 +21,11 @@ const traceDir = "../../traces/alibaba-gpu-v2023"
 
 func load(t testing.TB) ([]NodeSpec, []PodSpec) { return loadTrace(t, "default") }
 
+// loadTrace reads a trace of the repository's, or a mix derived from one
+// as gpufrac sim --variant derives it when named like default+multigpu50.
 func loadTrace(t testing.TB, trace string) ([]NodeSpec, []PodSpec) {
 	t.Helper()
+	trace, variant, derived := strings.Cut(trace, "+")
 	open := func(name string) *os.File {
 		f, err := os.Open(filepath.Join(traceDir, name))
 		if err != nil {
@@ -38,6 +41,15 @@ func loadTrace(t testing.TB, trace string) ([]NodeSpec, []PodSpec) {
 	pods, err := LoadPods(open("openb_pod_list_"+trace+".csv"), trace)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if derived {
+		v, err := VariantNamed(variant)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pods, err = v.Derive(pods, VariantSeed); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return nodes, pods
 }

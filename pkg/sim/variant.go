@@ -32,6 +32,10 @@ var Variants = []Variant{
 	{Name: "cpuonly50", Kind: func(p PodSpec) bool { return p.NumGPU == 0 }, Demand: func(p PodSpec) int64 { return p.CPUMilli }, Share: 0.5},
 }
 
+// VariantSeed draws a variant's added pods: one fixed seed, so that a
+// variant is one trace, whatever seeds then shuffle it.
+const VariantSeed = 1
+
 // VariantNamed returns the variant of that name.
 func VariantNamed(name string) (Variant, error) {
 	for _, v := range Variants {
