@@ -112,8 +112,8 @@ func TestFillerExpectsTheStreamOfShares(t *testing.T) {
 }
 
 // A gap that only rare shares fit is expected to be filled in proportion
-// to how often they come, not as surely as a gap common shares fit: a
-// third of the stream leaving 190 that 3% of it fits must not look
+// to how often they come, not as surely as a gap common shares fit: the
+// 190 that most of the stream leaves, which 3% of it fits, must not look
 // nearly filled.
 func TestFillerCountsRareSharesInProportion(t *testing.T) {
 	f := newFiller([]Shape{{NumGPU: 1, Share: 810, P: 0.57}, {NumGPU: 1, Share: 160, P: 0.03}, {NumGPU: 1, Share: 470, P: 0.3}, {NumGPU: 1, Share: 0, P: 0.1}})
