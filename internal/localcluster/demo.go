@@ -25,6 +25,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
+	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -156,11 +157,18 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods
 		return err
 	}
 	const share = 4096
+	offered, err := c.offeredGPUs(ctx)
+	if err != nil {
+		return err
+	}
 	view := clusterview.Build(nodes, pods, claims, scheduler.DefaultReservationNamespace, nil)
 	var node, gpu, beside string
 	for _, n := range view.Nodes {
 		for _, g := range n.Shared {
-			if node != "" || g.Mode != api.TimeSlicing || g.FreeMiB < share || !strings.HasPrefix(g.UUID, "GPU-") {
+			// Only a GPU the node's DRA driver offers (a standing one): a
+			// pod placed before the node's standing GPUs were held sits on
+			// another, which no claim can be given.
+			if node != "" || g.Mode != api.TimeSlicing || g.FreeMiB < share || !strings.HasPrefix(g.UUID, "GPU-") || !offered[n.Name][strings.ToLower(g.UUID)] {
 				continue
 			}
 			for _, t := range g.Tenants {
@@ -172,7 +180,7 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods
 		}
 	}
 	if node == "" {
-		return errors.New("no time-slicing GPU with an annotated pod and 4Gi free to show a claim beside it")
+		return errors.New("no time-slicing GPU that the DRA driver offers, with an annotated pod and 4Gi free, to show a claim beside it")
 	}
 	claim := &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: "beside", Namespace: demoNamespace},
@@ -226,6 +234,30 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods
 	}
 	fmt.Fprintf(out, "  allocated by kube-scheduler's DRA allocator on that GPU (%dMi), Running beside %s\n", shares[0].Assignment.RequestMiB, beside)
 	return nil
+}
+
+// offeredGPUs lists, by node, the GPUs (lower-case UUIDs) that a device
+// of gpufrac's DRA driver offers claims in the published ResourceSlices.
+func (c *Cluster) offeredGPUs(ctx context.Context) (map[string]map[string]bool, error) {
+	list, err := c.Admin.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]map[string]bool{}
+	for _, s := range list.Items {
+		if s.Spec.Driver != api.DRADriver || s.Spec.NodeName == nil {
+			continue
+		}
+		for _, d := range s.Spec.Devices {
+			if a, ok := d.Attributes[dra.AttrUUID]; ok && a.StringValue != nil {
+				if out[*s.Spec.NodeName] == nil {
+					out[*s.Spec.NodeName] = map[string]bool{}
+				}
+				out[*s.Spec.NodeName][strings.ToLower(*a.StringValue)] = true
+			}
+		}
+	}
+	return out, nil
 }
 
 // usesDRA says whether an object is, or needs, a ResourceClaim.

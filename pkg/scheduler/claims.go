@@ -1,12 +1,14 @@
 package scheduler
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
@@ -224,4 +226,34 @@ func (p *Plugin) reserveClaims(pod *corev1.Pod) *fwk.Status {
 		}
 	}
 	return nil
+}
+
+// PostBind wakes the pending claim pods of this scheduler once a pod with
+// claims is bound. While a claim's allocation is between the API write
+// and the end of PreBind, kube-scheduler's DRA allocator counts it twice
+// (in the claim as the informer shows it, and as still in flight), so a
+// pod tried in that window can be refused for capacity that is free; and
+// the DynamicResources plugin does not queue it again on that claim's
+// update (an unrelated claim, to it), nor on the bind. Without this such
+// a pod waits for the queue's periodic flush, minutes. By PostBind the
+// allocation is counted once: a pod that still does not fit is refused
+// again, at the cost of one scheduling attempt.
+func (p *Plugin) PostBind(ctx context.Context, _ fwk.CycleState, pod *corev1.Pod, _ string) {
+	if len(pod.Spec.ResourceClaims) == 0 || p.handle.SharedDRAManager() == nil {
+		return
+	}
+	all, err := p.handle.SharedInformerFactory().Core().V1().Pods().Lister().List(labels.Everything())
+	if err != nil {
+		return
+	}
+	waiting := map[string]*corev1.Pod{}
+	for _, q := range all {
+		if q.Spec.NodeName == "" && len(q.Spec.ResourceClaims) > 0 && q.Spec.SchedulerName == pod.Spec.SchedulerName && q.UID != pod.UID && !podEnded(q) {
+			waiting[q.Namespace+"/"+q.Name] = q
+		}
+	}
+	if len(waiting) > 0 {
+		klog.FromContext(ctx).V(4).Info("A claim pod was bound: trying the pending claim pods again", "pod", klog.KObj(pod), "pending", len(waiting))
+		p.handle.Activate(klog.FromContext(ctx), waiting)
+	}
 }

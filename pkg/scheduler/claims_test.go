@@ -117,6 +117,40 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 	}
 }
 
+// The collector is woken when a standing reservation pod's GPU becomes
+// known, not left to its half-minute tick: until it writes what the
+// GPU's annotation shares hold, the node offers DRA claims nothing there.
+func TestStandingGPUKnownWakesTheCollector(t *testing.T) {
+	c := NewCache(testArgs())
+	n := node("n1", 1, 80000, true)
+	n.Labels[api.LabelStandingGPUs] = "1"
+	c.SetNode(n)
+	taken := c.TakeStanding()
+	if len(taken) != 1 {
+		t.Fatalf("TakeStanding: %v, want one", taken)
+	}
+	c.SetPod(reservationPod("n1", taken[0].Group, ""))
+	if len(c.HeldUpdates()) != 0 {
+		t.Fatalf("HeldUpdates before the GPU is known: %v, want none", c.HeldUpdates())
+	}
+	dirty := c.Dirty()
+	c.SetPod(reservationPod("n1", taken[0].Group, ""))
+	select {
+	case <-dirty:
+		t.Error("an unchanged standing reservation pod woke the collector")
+	default:
+	}
+	c.SetPod(reservationPod("n1", taken[0].Group, "GPU-a"))
+	select {
+	case <-dirty:
+	default:
+		t.Fatal("the standing GPU's UUID arrived and the collector was not woken")
+	}
+	if u := c.HeldUpdates(); len(u) != 1 || u[0].Value != (api.SharesHeld{}).String() {
+		t.Errorf("HeldUpdates once the GPU is known: %v, want the one pod, holding nothing", u)
+	}
+}
+
 // A pod this plugin refused is tried again on the events that can make it
 // fit, and not on those that cannot: a claim pod on its node's slices
 // changing (Reserve refuses one whose slices lag behind the ledger), any

@@ -57,6 +57,7 @@ var (
 	_ fwk.ReservePlugin     = (*Plugin)(nil)
 	_ fwk.PreBindPlugin     = (*Plugin)(nil)
 	_ fwk.BindPlugin        = (*Plugin)(nil)
+	_ fwk.PostBindPlugin    = (*Plugin)(nil)
 	_ fwk.EnqueueExtensions = (*Plugin)(nil)
 )
 

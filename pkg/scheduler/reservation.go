@@ -101,10 +101,17 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 	if pod.Status.Phase == corev1.PodFailed {
 		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}
-	_, known := ns.reservations[group]
+	old, known := ns.reservations[group]
 	ns.reservations[group] = r
-	if !known {
+	switch {
+	case !known:
 		ns.Hold(group)
+		c.markDirty()
+	case ledgers.IsStanding(group) && old.uuid == "" && r.uuid != "":
+		// The collector writes what a standing GPU holds only once its
+		// UUID is known: wake it now rather than at its next tick, or the
+		// node offers DRA claims nothing on that GPU for up to half a
+		// minute after it comes up.
 		c.markDirty()
 	}
 }
