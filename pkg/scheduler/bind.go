@@ -32,29 +32,12 @@ func (p *Plugin) reserveGPUs(ctx context.Context, d Decision) ([]string, error) 
 			return nil, fmt.Errorf("create reservation pod %s/%s for GPU group %s on node %s: %w", pod.Namespace, pod.Name, g, d.Node, err)
 		}
 	}
-	uuids := make([]string, len(d.Groups))
+	var uuids []string
 	var waitingFor string
 	err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, p.args.BindTimeout.Duration, true, func(context.Context) (bool, error) {
-		for i, g := range d.Groups {
-			_, uuid, failed := p.cache.ReservationState(d.Node, g)
-			if failed != "" {
-				return false, fmt.Errorf("GPU group %s on node %s: %s", g, d.Node, failed)
-			}
-			if uuid == "" {
-				waitingFor = ReservationName(d.Node, g)
-				return false, nil
-			}
-			// What the node side would refuse is never written as a decision.
-			if _, kind, bad := api.ParseDeviceList(uuid); bad != "" || kind != "" {
-				if bad == "" {
-					bad = "a CDI name, where the node agent writes the bare UUID"
-				}
-				return false, fmt.Errorf("reservation pod %s/%s reports GPU %q (annotation %s), which is not a GPU UUID: %s",
-					p.args.ReservationNamespace, ReservationName(d.Node, g), uuid, api.ReservedGPUAnnotation, bad)
-			}
-			uuids[i] = uuid
-		}
-		return true, nil
+		var err error
+		uuids, waitingFor, err = p.reservedUUIDs(d)
+		return waitingFor == "", err
 	})
 	if err != nil {
 		if ctx.Err() == nil && wait.Interrupted(err) {
@@ -64,6 +47,32 @@ func (p *Plugin) reserveGPUs(ctx context.Context, d Decision) ([]string, error) 
 		return nil, err
 	}
 	return uuids, nil
+}
+
+// reservedUUIDs is the GPU of each of the decision's groups as its
+// reservation pod names it, or the name of the first reservation pod not
+// (yet) known with its GPU. A GPU the node side would refuse is an error:
+// it is never written as a decision.
+func (p *Plugin) reservedUUIDs(d Decision) (uuids []string, waitingFor string, err error) {
+	uuids = make([]string, len(d.Groups))
+	for i, g := range d.Groups {
+		_, uuid, failed := p.cache.ReservationState(d.Node, g)
+		if failed != "" {
+			return nil, "", fmt.Errorf("GPU group %s on node %s: %s", g, d.Node, failed)
+		}
+		if uuid == "" {
+			return nil, ReservationName(d.Node, g), nil
+		}
+		if _, kind, bad := api.ParseDeviceList(uuid); bad != "" || kind != "" {
+			if bad == "" {
+				bad = "a CDI name, where the node agent writes the bare UUID"
+			}
+			return nil, "", fmt.Errorf("reservation pod %s/%s reports GPU %q (annotation %s), which is not a GPU UUID: %s",
+				p.args.ReservationNamespace, ReservationName(d.Node, g), uuid, api.ReservedGPUAnnotation, bad)
+		}
+		uuids[i] = uuid
+	}
+	return uuids, "", nil
 }
 
 // annotate writes the decision onto the pod (SPEC §2): devices, resolved

@@ -139,6 +139,62 @@ func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 	e.audit(t, "pack")
 }
 
+// A share that joins a GPU whose reservation pod already names it is
+// bound in one write, the Binding: kube-scheduler writes the node it chose
+// into a pod's status first (nominatedNodeName) only when a PreBind is to
+// run, and a joining share has nothing to wait for. The share that opens
+// the GPU waits for its reservation pod, and that write is seen for it,
+// which shows the watch would see it.
+func TestSchedulerBindsAJoiningShareInOneWrite(t *testing.T) {
+	e := schedulerEnv(t)
+	e.startScheduler(t, testScheduler, nil)
+	ns := namespace(t, "sched-onewrite")
+	gpuNode(t, "onewrite-0", "onewrite", 1, 81920, true)
+	cleanUp(t, ns, "onewrite-0")
+	list, err := shared.admin.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := shared.admin.CoreV1().Pods(ns).Watch(context.Background(), metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	create(t, workload(ns, "open", testScheduler, "onewrite", fraction("0.25")))
+	placed(t, ns, "open")
+	create(t, workload(ns, "join", testScheduler, "onewrite", fraction("0.25")))
+	placed(t, ns, "join")
+	nominated := map[string]bool{}
+	bound := map[string]bool{}
+	timeout := time.After(30 * time.Second)
+	for !bound["open"] || !bound["join"] {
+		select {
+		case ev := <-w.ResultChan():
+			pod, ok := ev.Object.(*corev1.Pod)
+			if !ok {
+				t.Fatalf("watch: %v", ev.Object)
+			}
+			if pod.Spec.NodeName == "" && pod.Status.NominatedNodeName != "" {
+				nominated[pod.Name] = true
+			}
+			if pod.Spec.NodeName != "" {
+				bound[pod.Name] = true
+			}
+		case <-timeout:
+			t.Fatalf("the watch did not show both pods bound: %v", bound)
+		}
+	}
+	if !nominated["open"] {
+		t.Error("the share that opened the GPU was bound without kube-scheduler nominating it first: this test no longer sees the write it checks for")
+	}
+	if nominated["join"] {
+		t.Error("the share that joined a GPU whose reservation pod names it had its node written into its status before its Binding: one write more than a whole-GPU pod")
+	}
+	if a, b := devices(placed(t, ns, "open")), devices(placed(t, ns, "join")); len(a) != 1 || !slices.Equal(a, b) {
+		t.Errorf("devices %v and %v: want both shares on the one GPU", a, b)
+	}
+}
+
 func waitReservations(t testing.TB, want int, nodes ...string) {
 	t.Helper()
 	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
