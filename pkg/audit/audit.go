@@ -140,16 +140,16 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		}
 		for _, g := range slices.Sorted(maps.Keys(n.Reservations)) {
 			r := n.Reservations[g]
-			// A standing reservation pod holds its GPU for shares on
-			// purpose, tenants or not (ledgers.StandingGroup).
-			if usedGroups[g] || (r.UUID != "" && usedUUIDs[strings.ToLower(r.UUID)]) || o.Now.Sub(r.Created) < o.OrphanGrace || ledgers.IsStanding(g) {
+			// An idle reservation pod that names its GPU holds it for
+			// shares on purpose: the next share on the node joins it,
+			// and the scheduler deletes it for a whole-GPU pod that
+			// needs the GPU (a standing one, ledgers.StandingGroup, is
+			// kept even then). One never told its GPU holds a GPU nobody
+			// can join.
+			if usedGroups[g] || r.UUID != "" || o.Now.Sub(r.Created) < o.OrphanGrace {
 				continue
 			}
-			if r.UUID != "" {
-				add(OrphanReserve, r.Pod, "holds GPU %s on %s for no pod: the GPU is lost to the cluster until it is deleted", r.UUID, name)
-			} else {
-				add(OrphanReserve, r.Pod, "holds a GPU on %s for no pod, and has not been told which", name)
-			}
+			add(OrphanReserve, r.Pod, "holds a GPU on %s for no pod, and has not been told which (is the node agent running?)", name)
 		}
 		if n.WholeGPUs > n.Inventory.Count {
 			add(TooManyGPUs, name, "pods and reservation pods hold %d GPUs of %d allocatable", n.WholeGPUs, n.Inventory.Count)

@@ -69,7 +69,7 @@ func TestCleanCluster(t *testing.T) {
 }
 
 func TestEveryViolationIsFound(t *testing.T) {
-	nodes := []corev1.Node{gpuNode("n1", 3), gpuNode("n2", 1)}
+	nodes := []corev1.Node{gpuNode("n1", 4), gpuNode("n2", 1)}
 	unannotated := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "bare", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	unannotated.Spec.NodeName = "n1"
 	unannotated.Spec.Containers = []corev1.Container{{Name: "main"}}
@@ -87,7 +87,8 @@ func TestEveryViolationIsFound(t *testing.T) {
 		tenant("sm2", "n1", 10000, api.SMSharing, "0.6", "gb", "GPU-b"),
 		tenant("stray", "n1", 1000, api.TimeSlicing, "", "gz", "GPU-0f"),
 		unannotated,
-		reservation("n1", "gc", "GPU-c"), // no tenant
+		reservation("n1", "gc", ""),      // no tenant, and never told its GPU
+		reservation("n1", "gk", "GPU-k"), // no tenant: kept for shares, not an orphan
 		young,                            // no tenant yet, within the grace
 		whole,                            // with young: 2 GPUs on a 1-GPU node
 	)

@@ -45,9 +45,9 @@ type Tenant struct {
 	Claim bool
 }
 
-// Placeholder is the ledger tenant that holds a reservation pod's GPU
-// while its group has no tenant: the device plugin still holds the GPU
-// for the reservation pod, so nobody else may take it.
+// Placeholder is the ledger tenant that holds the GPU of a reservation
+// pod being deleted (Layout.Retire): the device plugin still holds the GPU
+// for it, so nobody may take it, and no share may join it.
 func Placeholder(group string) string { return placeholderPrefix + group }
 
 const placeholderPrefix = "reservation/"
@@ -269,15 +269,18 @@ func (l *Layout) DropEmpty(groups []string, reserved func(group string) bool) {
 	}
 }
 
-// Hold keeps the slot of a reservation pod whose group has no tenants:
-// with a placeholder that nothing else may join or, for a standing group,
-// marked as held for shares (gpu.Device.SharedOnly), which may join it.
+// Hold keeps the slot of a reservation pod whose group has no tenants,
+// marked as held for shares (gpu.Device.SharedOnly): the reservation pod
+// is kept for the GPU's life, so a share may join its group again without
+// a new reservation pod (a create and the node agent's write), while no
+// whole-GPU pod may have the GPU until the scheduler deletes the pod to
+// make room (Retire).
 func (l *Layout) Hold(g string) {
 	if l.Ledger == nil {
 		return
 	}
 	slot, ok := l.Groups[g]
-	if ok && (!l.Ledger.Devices[slot].Idle() || IsStanding(g)) {
+	if ok && (!l.Ledger.Devices[slot].Idle() || l.Ledger.Devices[slot].SharedOnly) {
 		return // tenants, or already held
 	}
 	if !ok {
@@ -287,13 +290,30 @@ func (l *Layout) Hold(g string) {
 		}
 		l.Groups[g] = slot
 	}
-	if IsStanding(g) {
-		l.Ledger.Devices[slot].SharedOnly = true
-		return
+	l.Ledger.Devices[slot].SharedOnly = true
+}
+
+// Retire holds a group's slot for a reservation pod being deleted: with a
+// placeholder, so that neither a share nor a whole-GPU pod takes the GPU
+// before the device plugin has it back. Only an idle group is retired.
+func (l *Layout) Retire(g string) bool {
+	slot, ok := l.Groups[g]
+	if l.Ledger == nil || !ok {
+		return false
 	}
+	d := l.Ledger.Devices[slot]
+	if d.Whole() == Placeholder(g) {
+		return true
+	}
+	if !d.Idle() {
+		return false
+	}
+	d.SharedOnly = false
 	if err := l.Ledger.Assign(gpu.Request{Tenant: Placeholder(g), Whole: 1}, []int{slot}); err != nil {
-		l.Conflicts[Placeholder(g)] = err.Error()
+		d.SharedOnly = true
+		return false
 	}
+	return true
 }
 
 // Release returns a tenant's slots; its groups' slots are dropped unless

@@ -121,10 +121,18 @@ func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
 	if err := placed.Ledger.Check(); err != nil {
 		t.Error(err)
 	}
-	// Releasing the tenant that fits leaves the reservation pod's slot held.
+	// Releasing the tenant that fits leaves the reservation pod's slot
+	// held for shares: idle, and not for whole-GPU pods.
 	placed.Release(tenants[0], func(g string) bool { return g == "ga" })
-	if d := placed.Ledger.Devices[placed.Groups["ga"]]; d.Whole() != Placeholder("ga") || !IsPlaceholder(d.Whole()) {
-		t.Errorf("after release the GPU is held by %q, want the reservation placeholder", d.Whole())
+	if d := placed.Ledger.Devices[placed.Groups["ga"]]; !d.Idle() || !d.SharedOnly {
+		t.Errorf("after release the GPU is idle %v, held for shares %v; want both", d.Idle(), d.SharedOnly)
+	}
+	// Retired (its pod to be deleted), it is held whole, by the placeholder.
+	if !placed.Retire("ga") {
+		t.Fatal("Retire refused an idle group")
+	}
+	if d := placed.Ledger.Devices[placed.Groups["ga"]]; d.Whole() != Placeholder("ga") || !IsPlaceholder(d.Whole()) || d.SharedOnly {
+		t.Errorf("after Retire the GPU is held by %q (held for shares %v), want the reservation placeholder", d.Whole(), d.SharedOnly)
 	}
 }
 

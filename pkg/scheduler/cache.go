@@ -94,6 +94,9 @@ type reservation struct {
 	held string
 	// failed is set when the kubelet refused the pod.
 	failed string
+	// retiring is set once the scheduler has chosen to delete the pod to
+	// give its GPU to a whole-GPU pod (Reclaim): no share joins it again.
+	retiring bool
 }
 
 // tenant is a pod holding GPUs on a node.
@@ -199,6 +202,11 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 		tenants = append(tenants, t.lt())
 	}
 	ns.Fill(tenants, slices.Collect(maps.Keys(ns.reservations)), true)
+	for g, r := range ns.reservations {
+		if r.retiring {
+			ns.Retire(g)
+		}
+	}
 	for uid, pod := range ns.waiting {
 		if t, err := tenantOf(pod, ns, c.args); err != nil {
 			ns.Conflicts[string(uid)] = err.Error()
@@ -382,16 +390,28 @@ func (ns *nodeState) groupOfUUID(uuid string) string {
 }
 
 // groupAt is the GPU group a new share on a slot joins: the live group
-// there, or the standing group holding it for shares; "" for none. A
-// standing group the node no longer asks for takes no new share, so that
-// once empty it stays so and the collector may delete it.
+// there, or the idle group whose reservation pod holds it for shares; ""
+// for none.
 func groupAt(ns *nodeState, slot int) string {
 	for g, s := range ns.Groups {
-		if s == slot && (shared(ns.Ledger.Devices[slot]) || (ns.wantsStanding(g) && ns.reservations[g].failed == "")) {
+		if s == slot && (shared(ns.Ledger.Devices[slot]) || ns.joinable(g)) {
 			return g
 		}
 	}
 	return ""
+}
+
+// joinable says whether a share may join an idle group: its reservation
+// pod is kept and not failed, not being deleted (Reclaim), and, for a
+// standing group, one the node still asks for. A group that is not
+// joinable never becomes so again, so that once empty it stays so and the
+// collector may delete it.
+func (ns *nodeState) joinable(g string) bool {
+	r := ns.reservations[g]
+	if r == nil || r.failed != "" || r.retiring {
+		return false
+	}
+	return !ledgers.IsStanding(g) || ns.wantsStanding(g)
 }
 
 // shared says whether a GPU has fractional tenants (each charges a

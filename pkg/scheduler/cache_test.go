@@ -74,8 +74,10 @@ func reservationPod(nodeName, group, uuid string) *corev1.Pod {
 }
 
 // summary describes a node's GPUs independently of slot numbering: per GPU
-// group its charged memory, compute and tenant count, plus the counts of
-// idle and whole-owned GPUs.
+// group its charged memory, compute and tenant count, and its whole-GPU
+// holder (a reservation being deleted) or "held-for-shares" for an idle
+// group whose reservation pod is kept; plus the counts of idle and
+// whole-owned GPUs.
 func summary(c *Cache, name string) string {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
@@ -86,7 +88,10 @@ func summary(c *Cache, name string) string {
 	var parts []string
 	idle, whole := 0, 0
 	for i, d := range ns.Ledger.Devices {
+		held := d.Whole()
 		switch {
+		case d.Idle() && d.SharedOnly:
+			held = "held-for-shares"
 		case d.Idle():
 			idle++
 			continue
@@ -100,7 +105,7 @@ func summary(c *Cache, name string) string {
 				group = g
 			}
 		}
-		parts = append(parts, fmt.Sprintf("%s:%dMi/%d‰/%d/%s", group, d.Charged(), d.Portion(), len(d.Shares()), d.Whole()))
+		parts = append(parts, fmt.Sprintf("%s:%dMi/%d‰/%d/%s", group, d.Charged(), d.Portion(), len(d.Shares()), held))
 	}
 	slices.Sort(parts)
 	return fmt.Sprintf("idle=%d whole=%d conflicts=%d %s", idle, whole, len(ns.Conflicts), strings.Join(parts, " "))
@@ -113,7 +118,7 @@ func TestCacheRebuildIsOrderIndependent(t *testing.T) {
 		node("n1", 4, 80000, true),
 		reservationPod("n1", "ga", "GPU-a"),
 		reservationPod("n1", "gb", "GPU-b"),
-		reservationPod("n1", "gc", "GPU-c"), // no tenant: an orphan holding its GPU
+		reservationPod("n1", "gc", "GPU-c"), // no tenant: kept, holding its GPU for shares
 		placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
 		placedPod("p2", "n1", 30000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
 		placedPod("p3", "n1", 40000, api.SMSharing, "0.5", []string{"gb"}, []string{"GPU-b"}),
@@ -136,15 +141,15 @@ func TestCacheRebuildIsOrderIndependent(t *testing.T) {
 		got := summary(c, "n1")
 		if seed == 0 {
 			want = got
-			if want != "idle=0 whole=1 conflicts=0 ga:50000Mi/0‰/2/ gb:40000Mi/500‰/1/ gc:0Mi/0‰/0/reservation/gc" {
+			if want != "idle=0 whole=1 conflicts=0 ga:50000Mi/0‰/2/ gb:40000Mi/500‰/1/ gc:0Mi/0‰/0/held-for-shares" {
 				t.Fatalf("cache after replay: %s", want)
 			}
 		}
 		if got != want {
 			t.Fatalf("seed %d: order changed the cache:\n got  %s\n want %s", seed, got, want)
 		}
-		if o := c.Orphans(); len(o) != 1 || o[0].Name != ReservationName("n1", "gc") {
-			t.Fatalf("orphans %v, want the reservation pod of gc", o)
+		if o := c.Orphans(); len(o) != 0 {
+			t.Fatalf("orphans %v, want none: an idle reservation pod is kept", o)
 		}
 	}
 }
@@ -450,39 +455,89 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 	}
 }
 
-// A reservation pod left without tenants (its pod's bind failed, or the
-// scheduler died mid-bind) stays an orphan whatever is placed next: a new
-// pod on that node opens a group of its own, never the orphan's, so the
-// collector can delete it without taking a GPU from under a tenant.
-func TestOrphanIsNeverRevived(t *testing.T) {
+// An idle reservation pod is kept for shares: the next share on its node
+// joins its group (no new reservation pod) rather than open one on the
+// GPU no reservation pod holds, which stays free for whole-GPU pods.
+func TestIdleReservationIsJoined(t *testing.T) {
 	c := NewCache(testArgs())
 	c.SetNode(node("n1", 2, 80000, true))
-	c.SetPod(reservationPod("n1", "old", "GPU-a"))
-	orphans := c.Orphans()
-	if len(orphans) != 1 {
-		t.Fatalf("orphans %v", orphans)
+	c.SetPod(reservationPod("n1", "kept", "GPU-a"))
+	if o := c.Orphans(); len(o) != 0 {
+		t.Fatalf("orphans %v, want none", o)
 	}
 	p, err := placementFor("gpufrac", c)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i := range 2 {
-		uid := fmt.Sprintf("uid-%d", i)
-		if err := c.Reserve("n1", "default", uid, ask(uid, 1000, api.TimeSlicing, 1), p, Host{}); err != nil {
-			t.Fatal(err)
-		}
-		if d, _ := c.Decision(types.UID(uid)); slices.Contains(d.Groups, "old") {
-			t.Fatalf("pod joined the orphan's group: %+v", d)
-		}
-		if !c.StillOrphan(orphans[0]) {
-			t.Fatal("the orphan gained a tenant")
-		}
-	}
-	if err := c.Reserve("n1", "default", "uid-9", ask("uid-9", 1000, api.TimeSlicing, 1), p, Host{}); err != nil {
+	if err := c.Reserve("n1", "default", "uid-0", ask("uid-0", 1000, api.TimeSlicing, 1), p, Host{}); err != nil {
 		t.Fatal(err)
 	}
-	// Only the second GPU was free; the orphan's stays held until it is gone.
-	if got := summary(c, "n1"); !strings.Contains(got, "old:0Mi/0‰/0/reservation/old") {
-		t.Fatalf("the orphan's GPU was given away: %s", got)
+	if d, _ := c.Decision("uid-0"); !slices.Equal(d.Groups, []string{"kept"}) {
+		t.Fatalf("the share opened %v, want it to join the kept group", d.Groups)
+	}
+	if got := summary(c, "n1"); got != "idle=1 whole=0 conflicts=0 kept:1000Mi/0‰/1/" {
+		t.Errorf("after the share joined: %s", got)
+	}
+	c.Unreserve("uid-0")
+	if got := summary(c, "n1"); got != "idle=1 whole=0 conflicts=0 kept:0Mi/0‰/0/held-for-shares" {
+		t.Errorf("after the share left, the group is held for shares again: %s", got)
+	}
+	// A whole-GPU pod takes the GPU no reservation pod holds.
+	if err := c.Reserve("n1", "default", "whole", Ask{UID: "uid-whole", Whole: 1}, p, Host{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := summary(c, "n1"); got != "idle=0 whole=1 conflicts=0 kept:0Mi/0‰/0/held-for-shares" {
+		t.Errorf("the whole-GPU pod: %s", got)
+	}
+}
+
+// Reclaim takes idle kept reservation pods back for a pod asking for whole
+// GPUs, on the node that needs the fewest, and only where GPUs are what
+// it lacks; a retired group is never joined again (the collector deletes
+// its pod without taking a GPU from under a tenant), and its GPU is taken
+// by nothing until the pod is gone.
+func TestReclaimRetiresIdleReservations(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 2, 80000, true))
+	c.SetNode(node("n2", 2, 80000, true))
+	c.SetPod(reservationPod("n1", "a1", "GPU-a1"))
+	c.SetPod(reservationPod("n1", "b1", "GPU-b1"))
+	c.SetPod(reservationPod("n2", "a2", "GPU-a2"))
+	c.SetPod(placedPod("busy", "n2", 1000, api.TimeSlicing, "", []string{"a2"}, []string{"GPU-a2"}))
+	if chosen, _ := c.Reclaim(1, []string{"n2"}); chosen != "" {
+		t.Fatalf("Reclaim for one GPU chose %s: n2 has an idle GPU, so GPUs are not what it lacks there", chosen)
+	}
+	chosen, retired := c.Reclaim(2, []string{"n2", "n1"})
+	if chosen != "n1" || len(retired) != 2 {
+		t.Fatalf("Reclaim for two GPUs: %s %v, want both of n1's idle reservation pods (n2's holds a tenant)", chosen, retired)
+	}
+	if o := c.Orphans(); len(o) != 2 {
+		t.Errorf("orphans %v, want the two retired pods", o)
+	}
+	p, err := placementFor("gpufrac", c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Reserve("n1", "default", "late", ask("uid-late", 1000, api.TimeSlicing, 1), p, Host{}); err == nil {
+		d, _ := c.Decision("uid-late")
+		t.Fatalf("a share was placed on n1 (%v) while both its GPUs are being given back", d.Groups)
+	}
+	for _, o := range retired {
+		if !c.StillOrphan(o) {
+			t.Errorf("%s gained a tenant", o.Name)
+		}
+	}
+	if got := summary(c, "n1"); got != "idle=0 whole=0 conflicts=0 a1:0Mi/0‰/0/reservation/a1 b1:0Mi/0‰/0/reservation/b1" {
+		t.Errorf("n1 while its reservation pods are deleted: %s", got)
+	}
+	// A rebuild (the inventory changed) keeps them retired.
+	c.SetNode(node("n1", 2, 81920, true))
+	if got := summary(c, "n1"); got != "idle=0 whole=0 conflicts=0 a1:0Mi/0‰/0/reservation/a1 b1:0Mi/0‰/0/reservation/b1" {
+		t.Errorf("n1 after a rebuild: %s", got)
+	}
+	c.DeletePod(reservationPod("n1", "a1", "GPU-a1"))
+	c.DeletePod(reservationPod("n1", "b1", "GPU-b1"))
+	if got := summary(c, "n1"); got != "idle=2 whole=0 conflicts=0 " {
+		t.Errorf("n1 once they are gone: %s", got)
 	}
 }

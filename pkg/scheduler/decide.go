@@ -3,11 +3,13 @@ package scheduler
 import (
 	"fmt"
 	"math"
+	"slices"
 
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -201,7 +203,7 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 		return nil
 	}
 	t.container = ask.Fraction.Container
-	for _, slot := range choice.Devices {
+	for _, slot := range preferHeld(ns, choice.Devices) {
 		g := groupAt(ns, slot)
 		if g == "" {
 			// A new group opens on the GPU the policy chose.
@@ -216,6 +218,87 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 		return fmt.Errorf("pod %s/%s cannot be assumed on node %s: %s", namespace, name, node, why)
 	}
 	return nil
+}
+
+// preferHeld swaps each idle GPU of the policy's choice that would open a
+// new group for an idle GPU of the node whose reservation pod is kept for
+// shares, while there is one: to a share, idle GPUs of a node are alike
+// (one model, no tenant, no mode), but joining a kept group costs no new
+// reservation pod (a create and the node agent's write), and the GPU no
+// reservation pod holds stays free for whole-GPU pods.
+func preferHeld(ns *nodeState, chosen []int) []int {
+	out := slices.Clone(chosen)
+	for i, slot := range out {
+		if !ns.Ledger.Devices[slot].Idle() || groupAt(ns, slot) != "" {
+			continue
+		}
+		for k, d := range ns.Ledger.Devices {
+			if d.Idle() && !slices.Contains(out, k) && groupAt(ns, k) != "" {
+				out[i] = k
+				break
+			}
+		}
+	}
+	return out
+}
+
+// Reclaim makes room for a pod that asks for whole GPUs and fits none of
+// the nodes only because idle reservation pods, kept for shares, hold
+// GPUs there: on the node among nodes that needs the fewest, it retires
+// that many (no share joins them again, nor does anything take their
+// GPUs) and returns them for the caller to delete. It returns "" when no
+// node would fit that way.
+func (c *Cache) Reclaim(whole int, nodes []string) (string, []Orphan) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	best, need := "", 0
+	var groups []string
+	for _, name := range slices.Sorted(slices.Values(nodes)) {
+		ns, ok := c.nodes[name]
+		if !ok || ns.Ledger == nil {
+			continue
+		}
+		free := 0
+		var kept []int
+		for slot, d := range ns.Ledger.Devices {
+			switch {
+			case d.Idle() && !d.SharedOnly:
+				free++
+			case d.Idle() && d.SharedOnly:
+				kept = append(kept, slot)
+			}
+		}
+		short := whole - free
+		if short <= 0 || (best != "" && short >= need) {
+			continue // GPUs are not what it lacks here, or another node needs fewer
+		}
+		var idle []string
+		for _, slot := range kept {
+			if g := groupAt(ns, slot); g != "" && !ledgers.IsStanding(g) {
+				idle = append(idle, g)
+			}
+		}
+		if len(idle) < short {
+			continue
+		}
+		slices.Sort(idle)
+		best, need, groups = name, short, idle[:short]
+	}
+	if best == "" {
+		return "", nil
+	}
+	ns := c.nodes[best]
+	var out []Orphan
+	for _, g := range groups {
+		r := ns.reservations[g]
+		if !ns.Retire(g) {
+			continue
+		}
+		r.retiring = true
+		out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, node: best, group: g})
+	}
+	c.markDirty() // the collector deletes them if the caller cannot
+	return best, out
 }
 
 // Unreserve forgets a pod this scheduler assumed and did not bind.
@@ -265,15 +348,16 @@ func (c *Cache) ReservationState(node, group string) (known bool, uuid, failed s
 	return true, r.uuid, r.failed
 }
 
-// Orphan is a reservation pod whose GPU group has no tenant.
+// Orphan is a reservation pod to delete: its GPU group has no tenant and
+// takes none.
 type Orphan struct {
 	Namespace, Name string
 	UID             types.UID
 	node, group     string
 }
 
-// Orphans lists the reservation pods whose GPU group has no tenant, so
-// that their GPUs go back to the device plugin.
+// Orphans lists the reservation pods to delete (see orphan), so that
+// their GPUs go back to the device plugin.
 func (c *Cache) Orphans() []Orphan {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
@@ -289,9 +373,9 @@ func (c *Cache) Orphans() []Orphan {
 }
 
 // StillOrphan says whether an orphan still has no tenant: checked again
-// just before it is deleted. A group never gains a tenant once empty
-// (new pods only join groups with tenants, and group names are never
-// reused), so the answer cannot change after this.
+// just before it is deleted. An orphan's group is not joinable (see
+// nodeState.joinable), so it never gains a tenant (and group names are
+// never reused): the answer cannot change after this.
 func (c *Cache) StillOrphan(o Orphan) bool {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
@@ -303,16 +387,15 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 	return !ok || r.uid != o.UID || c.orphan(ns, o.group)
 }
 
-// orphan says whether a GPU group's reservation pod holds its GPU for
-// nothing: no tenant, and not a standing group the node still asks for.
+// orphan says whether a GPU group's reservation pod is to be deleted: no
+// tenant, and no share may join it any more (it failed, it is being
+// reclaimed for a whole-GPU pod, or it is a standing group the node no
+// longer asks for). An idle reservation pod otherwise is kept: the next
+// share on its GPU joins it.
 func (c *Cache) orphan(ns *nodeState, g string) bool {
-	if c.live(ns, g) {
-		return false
-	}
 	// A standing pod the kubelet refused holds nothing: delete it, and
 	// the collector makes it again.
-	r := ns.reservations[g]
-	return !ns.wantsStanding(g) || (r != nil && r.failed != "")
+	return !c.live(ns, g) && !ns.joinable(g)
 }
 
 // live says whether a GPU group has a tenant.

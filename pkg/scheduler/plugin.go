@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,6 +28,7 @@ import (
 	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/gpu"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -58,6 +60,7 @@ var (
 	_ fwk.PreBindPlugin     = (*Plugin)(nil)
 	_ fwk.BindPlugin        = (*Plugin)(nil)
 	_ fwk.PostBindPlugin    = (*Plugin)(nil)
+	_ fwk.PostFilterPlugin  = (*Plugin)(nil)
 	_ fwk.EnqueueExtensions = (*Plugin)(nil)
 )
 
@@ -371,6 +374,65 @@ func (p *Plugin) Reserve(_ context.Context, state fwk.CycleState, pod *corev1.Po
 		return fwk.NewStatus(fwk.Unschedulable, err.Error())
 	}
 	return nil
+}
+
+// PostFilter gives GPUs back to a pod that asks for whole GPUs and fits
+// nowhere only because reservation pods kept for shares hold idle GPUs:
+// on the node that needs the fewest deleted, it deletes them and
+// nominates the node, as preemption would; the deletions queue the pod
+// again. Only nodes that refused the pod for GPUs alone are considered
+// (kube-scheduler's count of nvidia.com/gpu, or this plugin's ledger);
+// a filter that runs after NodeResourcesFit may still refuse the node, and
+// then the pod tries again elsewhere. Listed ahead of DefaultPreemption
+// (deploy/scheduler/config.yaml), so that an idle GPU is taken back before
+// a running pod is preempted.
+func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, statuses fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
+	c, ok := readCycle(state)
+	if !ok || c.ask.Whole == 0 {
+		return nil, fwk.NewStatus(fwk.Unschedulable)
+	}
+	infos, err := statuses.NodesForStatusCode(p.handle.SnapshotSharedLister().NodeInfos(), fwk.Unschedulable)
+	if err != nil {
+		return nil, fwk.AsStatus(err)
+	}
+	var nodes []string
+	for _, info := range infos {
+		if name := info.Node().Name; shortOfGPUsOnly(statuses.Get(name)) {
+			nodes = append(nodes, name)
+		}
+	}
+	node, retired := p.cache.Reclaim(c.ask.Whole, nodes)
+	if node == "" {
+		return nil, fwk.NewStatus(fwk.Unschedulable, "no node would fit it by deleting idle reservation pods")
+	}
+	logger := klog.FromContext(ctx)
+	for _, o := range retired {
+		// A delete that fails here is the collector's to retry: the group
+		// is retired, so the pod is an orphan to it.
+		if err := deleteReservation(ctx, p.handle.ClientSet(), o); err != nil {
+			logger.Error(err, "Could not delete an idle reservation pod to make room for a whole-GPU pod; the collector retries", "pod", klog.KRef(o.Namespace, o.Name))
+		}
+	}
+	logger.V(2).Info("Deleted idle reservation pods to make room for a whole-GPU pod", "pod", klog.KObj(pod), "node", node, "reservationPods", len(retired))
+	return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride}}, fwk.NewStatus(fwk.Success)
+}
+
+// shortOfGPUsOnly says whether a node refused a pod for its GPUs alone:
+// NodeResourcesFit for nvidia.com/gpu and nothing else, or this plugin's
+// ledger for idle GPUs.
+func shortOfGPUsOnly(s *fwk.Status) bool {
+	if s.Code() != fwk.Unschedulable || len(s.Reasons()) == 0 {
+		return false
+	}
+	for _, r := range s.Reasons() {
+		switch {
+		case s.Plugin() == "NodeResourcesFit" && r == "Insufficient "+string(api.ResourceGPU):
+		case s.Plugin() == Name && strings.HasPrefix(r, string(gpu.ReasonWhole)+":"):
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // Unreserve rolls Reserve back exactly.

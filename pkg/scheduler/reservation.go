@@ -129,16 +129,16 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	if ns.Ledger == nil {
 		return
 	}
-	if ledgers.IsStanding(group) {
-		// Its slot was held for shares, with no placeholder to release.
-		c.rebuild(pod.Spec.NodeName, ns)
-		return
-	}
-	if slot, ok := ns.Groups[group]; ok && ns.Ledger.Devices[slot].Whole() == placeholder(group) {
+	if slot, ok := ns.Groups[group]; ok && ns.Ledger.Devices[slot].Idle() {
+		// Held for shares, with no tenant: the GPU is free again.
+		ns.Ledger.Devices[slot].SharedOnly = false
+		delete(ns.Groups, group)
+	} else if ok && ns.Ledger.Devices[slot].Whole() == placeholder(group) {
+		// Retired for a whole-GPU pod: the GPU is free again.
 		_ = ns.Ledger.Release(placeholder(group))
 		delete(ns.Groups, group)
 	}
-	if len(ns.Conflicts) > 0 {
+	if ledgers.IsStanding(group) || len(ns.Conflicts) > 0 {
 		c.rebuild(pod.Spec.NodeName, ns)
 	}
 }

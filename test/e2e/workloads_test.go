@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"maps"
 	"path/filepath"
 	"testing"
 	"time"
@@ -95,9 +94,10 @@ func auditClean(t *testing.T, c *localcluster.Cluster) {
 	}
 }
 
-// reservationsMatchTenants waits until the reservation pods hold exactly
-// the GPU groups live pods still use, one each: what a workload's deletion
-// leaves.
+// reservationsMatchTenants waits until every GPU group live pods still
+// use has its one reservation pod, and no group has two: what a workload's
+// deletion leaves. The other reservation pods are idle ones, kept for the
+// next shares (the scheduler deletes them for whole-GPU pods).
 func reservationsMatchTenants(t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
 	var used, held map[string]int
@@ -116,10 +116,20 @@ func reservationsMatchTenants(t *testing.T, c *localcluster.Cluster) {
 				used[g] = 1
 			}
 		}
-		return maps.Equal(used, held), nil
+		for g := range used {
+			if held[g] != 1 {
+				return false, nil
+			}
+		}
+		for _, n := range held {
+			if n != 1 {
+				return false, nil
+			}
+		}
+		return true, nil
 	})
 	if err != nil {
-		t.Fatalf("reservation pods by GPU group %v, want one for each group live pods use %v", held, used)
+		t.Fatalf("reservation pods by GPU group %v, want one for each group live pods use %v, and none twice", held, used)
 	}
 }
 

@@ -25,7 +25,11 @@ import (
 // created first, then a fresh scheduler places it, so that pod creation
 // (and the webhooks it calls) does not compete for the CPU: throughput is
 // measured between the first and the last bind the scheduler logged.
-// Reported: pods/s of both, their ratio, and the scheduler's CPU per pod.
+// The fractional batch runs twice: cold (every shared GPU's reservation
+// pod is made) and warm (the same pods again after the first are deleted:
+// they join the idle reservation pods the first left, kept for shares).
+// Reported: pods/s of each, the ratios to whole-GPU pods, the scheduler's
+// CPU per pod and the rest's, and the reservation pods each batch left.
 // Run with -benchtime 1x.
 func BenchmarkSchedulerThroughput(b *testing.B) {
 	for _, nodes := range []int{1000, 5000} {
@@ -53,7 +57,7 @@ func benchmarkThroughput(b *testing.B, nodes int) {
 	}
 	fractions := []string{"0.1", "0.25", "0.5", "0.3", "0.75", "0.2"}
 	for i := 0; b.Loop(); i++ {
-		batch := func(kind string, pod func(ns string, j int) *corev1.Pod) (podsPerSecond float64) {
+		batch := func(kind string, keep bool, pod func(ns string, j int) *corev1.Pod) (podsPerSecond float64) {
 			ns := namespace(b, fmt.Sprintf("bench-%s-%d-%d", kind, i, time.Now().UnixNano()))
 			parallel(pods, func(j int) {
 				if _, err := shared.alice.CoreV1().Pods(ns).Create(context.Background(), pod(ns, j), metav1.CreateOptions{}); err != nil {
@@ -90,22 +94,32 @@ func benchmarkThroughput(b *testing.B, nodes int) {
 			if err := shared.admin.CoreV1().Pods(ns).DeleteCollection(context.Background(), now, metav1.ListOptions{}); err != nil {
 				b.Fatal(err)
 			}
-			if err := shared.admin.CoreV1().Pods(reservationNS).DeleteCollection(context.Background(), now, metav1.ListOptions{}); err != nil {
-				b.Fatal(err)
-			}
 			waitAllBound(b, ns, 0)
-			waitReservations(b, 0, names...)
+			if !keep {
+				if err := shared.admin.CoreV1().Pods(reservationNS).DeleteCollection(context.Background(), now, metav1.ListOptions{}); err != nil {
+					b.Fatal(err)
+				}
+				waitReservations(b, 0, names...)
+			}
 			return float64(pods-1) / last.Sub(first).Seconds()
 		}
-		whole := batch("whole", func(ns string, j int) *corev1.Pod {
+		whole := batch("whole", false, func(ns string, j int) *corev1.Pod {
 			return wholeGPUPod(ns, fmt.Sprintf("w-%d", j), "gpufrac-bench", "bench", 1)
 		})
-		frac := batch("frac", func(ns string, j int) *corev1.Pod {
+		fractional := func(ns string, j int) *corev1.Pod {
 			return workload(ns, fmt.Sprintf("f-%d", j), "gpufrac-bench", "bench", fraction(fractions[j%len(fractions)]))
-		})
+		}
+		// Cold: every shared GPU needs its reservation pod made. Warm: the
+		// same pods again once the first ones are gone, as in a cluster
+		// whose fractions come and go: the idle reservation pods the
+		// first batch left are kept, and the shares join them.
+		frac := batch("frac", true, fractional)
+		warm := batch("warm", false, fractional)
 		b.ReportMetric(whole, "whole-pods/s")
 		b.ReportMetric(frac, "frac-pods/s")
+		b.ReportMetric(warm, "warm-pods/s")
 		b.ReportMetric(frac/whole, "ratio")
+		b.ReportMetric(warm/whole, "warm-ratio")
 	}
 }
 

@@ -78,9 +78,11 @@ func pending(t *testing.T, ns, name string) string {
 }
 
 // Two halves share one GPU and one reservation pod; a third half opens
-// the second GPU. Deleting a GPU's last tenant deletes its reservation pod
-// and gives the GPU back, whole.
-func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
+// the second GPU. A GPU whose last tenant went keeps its reservation pod
+// for the next share, which joins it (no new reservation pod); a pod that
+// asks for the GPU whole gets it: the scheduler deletes the idle
+// reservation pod and places the pod once it is gone.
+func TestSchedulerPacksFractionsAndGivesIdleGPUsBack(t *testing.T) {
 	e := schedulerEnv(t)
 	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-pack")
@@ -124,19 +126,49 @@ func TestSchedulerPacksFractionsAndFreesEmptyGPUs(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	del("half-0")
 	del("half-2")
-	waitReservations(t, 1, "pack-0")
-	if r := reservationPods(t, "pack-0"); r[0].Annotations[api.ReservedGPUAnnotation] != d1[0] {
-		t.Fatalf("the reservation pod left holds %s, want the GPU of half-1 (%s)", r[0].Annotations[api.ReservedGPUAnnotation], d1[0])
+	waitGone(t, ns, "half-2")
+	create(t, workload(ns, "half-3", testScheduler, "pack", fraction("0.5")))
+	if d3 := devices(placed(t, ns, "half-3")); !slices.Equal(d3, d2) {
+		t.Errorf("half-3 got %v, want the GPU half-2 left (%v), whose reservation pod was kept", d3, d2)
 	}
+	if r := reservationPods(t, "pack-0"); len(r) != 2 {
+		t.Errorf("%d reservation pods on pack-0 after half-3, want the same 2", len(r))
+	}
+	del("half-0")
+	del("half-3")
+	waitGone(t, ns, "half-0", "half-3")
+	if r := reservationPods(t, "pack-0"); len(r) != 2 {
+		t.Fatalf("%d reservation pods on pack-0 with one GPU idle, want 2: the idle one is kept", len(r))
+	}
+	e.audit(t, "pack")
 	create(t, wholeGPUPod(ns, "whole-1", testScheduler, "pack", 1))
 	placed(t, ns, "whole-1")
+	if r := reservationPods(t, "pack-0"); len(r) != 1 || r[0].Annotations[api.ReservedGPUAnnotation] != d1[0] {
+		t.Fatalf("reservation pods left on pack-0: %d, want only half-1's (GPU %s)", len(r), d1[0])
+	}
 	del("half-1")
-	waitReservations(t, 0, "pack-0")
+	waitGone(t, ns, "half-1")
 	create(t, wholeGPUPod(ns, "whole-2", testScheduler, "pack", 1))
 	placed(t, ns, "whole-2")
+	waitReservations(t, 0, "pack-0")
 	e.audit(t, "pack")
+}
+
+// waitGone waits until the pods are deleted.
+func waitGone(t testing.TB, ns string, names ...string) {
+	t.Helper()
+	err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		for _, n := range names {
+			if _, err := shared.admin.CoreV1().Pods(ns).Get(ctx, n, metav1.GetOptions{}); err == nil {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Fatalf("pods %v still there", names)
+	}
 }
 
 // A share that joins a GPU whose reservation pod already names it is
