@@ -117,6 +117,31 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 	}
 }
 
+// A GPU that an ordinary group's idle reservation pod keeps (a share
+// placed before the node's standing pods existed) goes to the standing
+// pod the node lacks: the idle pod is retired for the collector to
+// delete, and once it is gone the standing pod takes the GPU.
+func TestStandingGPUsTakeBackIdleReservations(t *testing.T) {
+	c := NewCache(testArgs())
+	n := node("n1", 2, 80000, true)
+	c.SetNode(n)
+	c.SetPod(reservationPod("n1", "early", "GPU-a"))
+	n = n.DeepCopy()
+	n.Labels[api.LabelStandingGPUs] = "2"
+	c.SetNode(n)
+	if taken := c.TakeStanding(); len(taken) != 1 {
+		t.Fatalf("TakeStanding: %v, want one standing pod (one GPU is idle)", taken)
+	}
+	o := c.Orphans()
+	if len(o) != 1 || o[0].Name != ReservationName("n1", "early") {
+		t.Fatalf("orphans %v, want the idle reservation pod of group early", o)
+	}
+	c.DeletePod(reservationPod("n1", "early", "GPU-a"))
+	if taken := c.TakeStanding(); len(taken) != 1 || taken[0].Group != ledgers.StandingGroup(1) {
+		t.Fatalf("TakeStanding once the idle pod is gone: %v, want standing-1", taken)
+	}
+}
+
 // The collector is woken when a standing reservation pod's GPU becomes
 // known, not left to its half-minute tick: until it writes what the
 // GPU's annotation shares hold, the node offers DRA claims nothing there.

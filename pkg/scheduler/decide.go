@@ -9,7 +9,6 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
-	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -252,52 +251,32 @@ func (c *Cache) Reclaim(whole int, nodes []string) (string, []Orphan) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	best, need := "", 0
-	var groups []string
 	for _, name := range slices.Sorted(slices.Values(nodes)) {
 		ns, ok := c.nodes[name]
 		if !ok || ns.Ledger == nil {
 			continue
 		}
 		free := 0
-		var kept []int
-		for slot, d := range ns.Ledger.Devices {
-			switch {
-			case d.Idle() && !d.SharedOnly:
+		for _, d := range ns.Ledger.Devices {
+			if d.Idle() && !d.SharedOnly {
 				free++
-			case d.Idle() && d.SharedOnly:
-				kept = append(kept, slot)
 			}
 		}
 		short := whole - free
-		if short <= 0 || (best != "" && short >= need) {
-			continue // GPUs are not what it lacks here, or another node needs fewer
+		if short <= 0 || (best != "" && short >= need) || len(ns.keptIdle()) < short {
+			continue // GPUs are not what it lacks here, another node needs fewer, or too few are kept
 		}
-		var idle []string
-		for _, slot := range kept {
-			if g := groupAt(ns, slot); g != "" && !ledgers.IsStanding(g) {
-				idle = append(idle, g)
-			}
-		}
-		if len(idle) < short {
-			continue
-		}
-		slices.Sort(idle)
-		best, need, groups = name, short, idle[:short]
+		best, need = name, short
 	}
 	if best == "" {
 		return "", nil
 	}
 	ns := c.nodes[best]
 	var out []Orphan
-	for _, g := range groups {
+	for _, g := range c.retireIdle(ns, need) {
 		r := ns.reservations[g]
-		if !ns.Retire(g) {
-			continue
-		}
-		r.retiring = true
 		out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, node: best, group: g})
 	}
-	c.markDirty() // the collector deletes them if the caller cannot
 	return best, out
 }
 

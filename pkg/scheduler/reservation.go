@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -179,18 +180,63 @@ func (c *Cache) TakeStanding() []Standing {
 				idle++
 			}
 		}
-		for i := 0; i < ns.standing && idle > 0; i++ {
+		missing := 0
+		for i := 0; i < ns.standing; i++ {
 			g := ledgers.StandingGroup(i)
-			if ns.reserved(g) {
-				continue
+			switch {
+			case ns.reserved(g):
+			case idle > 0:
+				ns.reservations[g] = &reservation{name: ReservationName(name, g)}
+				ns.Hold(g)
+				out = append(out, Standing{Node: name, Group: g})
+				idle--
+			default:
+				missing++
 			}
-			ns.reservations[g] = &reservation{name: ReservationName(name, g)}
-			ns.Hold(g)
-			out = append(out, Standing{Node: name, Group: g})
-			idle--
+		}
+		// A GPU that an idle reservation pod of an ordinary group keeps
+		// (a share placed before the standing pods existed) goes to a
+		// standing one the node lacks: retired here, its pod is the
+		// collector's to delete, and a later pass takes the GPU.
+		if missing > 0 {
+			c.retireIdle(ns, missing)
 		}
 	}
 	return out
+}
+
+// keptIdle lists the node's idle groups of ordinary reservation pods that
+// a share may still join, in the order of their names: the GPUs that
+// Reclaim and TakeStanding may take back.
+func (ns *nodeState) keptIdle() []string {
+	var idle []string
+	for g, slot := range ns.Groups {
+		if !ledgers.IsStanding(g) && ns.Ledger.Devices[slot].Idle() && ns.joinable(g) {
+			idle = append(idle, g)
+		}
+	}
+	slices.Sort(idle)
+	return idle
+}
+
+// retireIdle retires up to n of the node's keptIdle groups: from now on
+// no share joins them and nothing takes their GPUs, and their pods are
+// the collector's to delete. It returns the groups retired.
+func (c *Cache) retireIdle(ns *nodeState, n int) []string {
+	var retired []string
+	for _, g := range ns.keptIdle() {
+		if len(retired) == n {
+			break
+		}
+		if ns.Retire(g) {
+			ns.reservations[g].retiring = true
+			retired = append(retired, g)
+		}
+	}
+	if len(retired) > 0 {
+		c.markDirty()
+	}
+	return retired
 }
 
 // DropStanding forgets a standing reservation TakeStanding booked whose
