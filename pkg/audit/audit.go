@@ -119,7 +119,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 			}
 		}
 		// A reservation pod is used when a tenant names its group or its GPU.
-		usedGroups, usedUUIDs := map[string]bool{}, map[string]bool{}
+		usedGroups := map[string]bool{}
 		reservedUUIDs := map[string]bool{}
 		for _, r := range n.Reservations {
 			if r.UUID != "" {
@@ -132,7 +132,6 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 				usedGroups[g] = true
 			}
 			for _, uuid := range t.UUIDs {
-				usedUUIDs[strings.ToLower(uuid)] = true
 				if !reservedUUIDs[strings.ToLower(uuid)] {
 					add(NoReservation, t.Pod, "uses GPU %s on %s, which no reservation pod on that node holds: the device plugin may give it to another pod", uuid, name)
 				}

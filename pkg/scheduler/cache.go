@@ -165,6 +165,9 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
 	if standing := api.StandingGPUs(node, inv.Count); standing != ns.standing {
 		ns.standing = standing
+		for g := range ns.reservations {
+			ns.settle(g) // a standing group no longer asked for is retired
+		}
 		c.markDirty() // the collector adds or removes standing reservation pods
 	}
 	changed := inv != ns.inv || (ns.Ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
@@ -202,10 +205,8 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 		tenants = append(tenants, t.lt())
 	}
 	ns.Fill(tenants, slices.Collect(maps.Keys(ns.reservations)), true)
-	for g, r := range ns.reservations {
-		if r.retiring {
-			ns.Retire(g)
-		}
+	for g := range ns.reservations {
+		ns.settle(g)
 	}
 	for uid, pod := range ns.waiting {
 		if t, err := tenantOf(pod, ns, c.args); err != nil {
@@ -223,6 +224,9 @@ func (c *Cache) remove(ns *nodeState, t *tenant) {
 	ns.Release(t.lt(), ns.reserved)
 	delete(ns.tenants, t.uid)
 	delete(c.pods, t.uid)
+	for _, g := range t.groups {
+		ns.settle(g)
+	}
 	c.markDirty()
 	// A conflict may have cleared now that room was freed.
 	if len(ns.Conflicts) > 0 {
@@ -399,6 +403,30 @@ func groupAt(ns *nodeState, slot int) string {
 		}
 	}
 	return ""
+}
+
+// settle retires a reservation pod's group that holds no tenant and that
+// no share may join (see joinable), so that nothing takes or joins its GPU
+// until the pod is gone: one that failed, was retired, is being deleted,
+// is a standing one the node no longer asks for, or found no GPU on the
+// ledger (not a standing one: the node's standing pods are made again).
+// Retiring sticks: such a group never becomes joinable again.
+func (ns *nodeState) settle(g string) {
+	r := ns.reservations[g]
+	if r == nil || ns.Ledger == nil {
+		return
+	}
+	slot, ok := ns.Groups[g]
+	if !ok {
+		if !ledgers.IsStanding(g) {
+			r.retiring = true
+		}
+		return
+	}
+	if ns.Ledger.Devices[slot].Idle() && !ns.joinable(g) {
+		r.retiring = r.retiring || !ledgers.IsStanding(g) || !ns.wantsStanding(g)
+		ns.Retire(g)
+	}
 }
 
 // joinable says whether a share may join an idle group: its reservation

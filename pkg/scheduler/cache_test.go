@@ -461,7 +461,14 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 func TestIdleReservationIsJoined(t *testing.T) {
 	c := NewCache(testArgs())
 	c.SetNode(node("n1", 2, 80000, true))
+	// The kept group on the second GPU: the policy, on a tie, takes the
+	// lowest idle one, which would open a group.
+	c.SetPod(wholePod("first", "n1", 1))
 	c.SetPod(reservationPod("n1", "kept", "GPU-a"))
+	c.DeletePod(wholePod("first", "n1", 1))
+	if c.nodes["n1"].Groups["kept"] != 1 {
+		t.Fatalf("the kept group is on slot %d, want 1", c.nodes["n1"].Groups["kept"])
+	}
 	if o := c.Orphans(); len(o) != 0 {
 		t.Fatalf("orphans %v, want none", o)
 	}
@@ -488,6 +495,31 @@ func TestIdleReservationIsJoined(t *testing.T) {
 	}
 	if got := summary(c, "n1"); got != "idle=0 whole=1 conflicts=0 kept:0Mi/0‰/0/held-for-shares" {
 		t.Errorf("the whole-GPU pod: %s", got)
+	}
+}
+
+// A reservation pod the kubelet refused holds its GPU whole until it is
+// gone: a share neither joins its group nor opens another on its GPU.
+func TestFailedReservationIsNeitherJoinedNorShared(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 1, 80000, true))
+	failed := reservationPod("n1", "bad", "")
+	failed.Status.Phase = corev1.PodFailed
+	c.SetPod(failed)
+	p, err := placementFor("gpufrac", c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Reserve("n1", "default", "s", ask("uid-s", 1000, api.TimeSlicing, 1), p, Host{}); err == nil {
+		d, _ := c.Decision("uid-s")
+		t.Fatalf("a share was placed on the failed reservation pod's GPU: %v", d.Groups)
+	}
+	if o := c.Orphans(); len(o) != 1 {
+		t.Errorf("orphans %v, want the failed pod", o)
+	}
+	c.DeletePod(failed)
+	if err := c.Reserve("n1", "default", "s", ask("uid-s", 1000, api.TimeSlicing, 1), p, Host{}); err != nil {
+		t.Errorf("once the failed pod is gone: %v", err)
 	}
 }
 
@@ -522,10 +554,22 @@ func TestReclaimRetiresIdleReservations(t *testing.T) {
 		d, _ := c.Decision("uid-late")
 		t.Fatalf("a share was placed on n1 (%v) while both its GPUs are being given back", d.Groups)
 	}
+	// The API's update as it deletes a pod (deletionTimestamp), or any
+	// other, leaves it retired.
+	gone := reservationPod("n1", "a1", "GPU-a1")
+	gone.DeletionTimestamp = &metav1.Time{}
+	c.SetPod(gone)
+	c.SetPod(reservationPod("n1", "b1", "GPU-b1"))
+	if err := c.Reserve("n1", "default", "later", ask("uid-later", 1000, api.TimeSlicing, 1), p, Host{}); err == nil {
+		t.Fatal("a share was placed on n1 after updates of its retired reservation pods")
+	}
 	for _, o := range retired {
 		if !c.StillOrphan(o) {
 			t.Errorf("%s gained a tenant", o.Name)
 		}
+	}
+	if chosen, more := c.Reclaim(2, []string{"n1"}); chosen != "" {
+		t.Errorf("Reclaim again while n1's retired pods are being deleted: %s %v, want none (they count as free)", chosen, more)
 	}
 	if got := summary(c, "n1"); got != "idle=0 whole=0 conflicts=0 a1:0Mi/0‰/0/reservation/a1 b1:0Mi/0‰/0/reservation/b1" {
 		t.Errorf("n1 while its reservation pods are deleted: %s", got)

@@ -103,7 +103,10 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}
 	old, known := ns.reservations[group]
+	// Retiring sticks (see joinable); a pod being deleted is retiring.
+	r.retiring = (known && old.retiring) || pod.DeletionTimestamp != nil
 	ns.reservations[group] = r
+	defer ns.settle(group)
 	switch {
 	case !known:
 		ns.Hold(group)
@@ -127,6 +130,7 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	}
 	delete(ns.reservations, group)
 	delete(ns.Conflicts, placeholder(group))
+	c.markDirty() // a standing pod the node lacks may take the GPU now
 	if ns.Ledger == nil {
 		return
 	}
@@ -198,7 +202,7 @@ func (c *Cache) TakeStanding() []Standing {
 		// (a share placed before the standing pods existed) goes to a
 		// standing one the node lacks: retired here, its pod is the
 		// collector's to delete, and a later pass takes the GPU.
-		if missing > 0 {
+		if missing -= ns.retiringCount(); missing > 0 {
 			c.retireIdle(ns, missing)
 		}
 	}
@@ -217,6 +221,18 @@ func (ns *nodeState) keptIdle() []string {
 	}
 	slices.Sort(idle)
 	return idle
+}
+
+// retiringCount is how many of the node's ordinary reservation pods are
+// retired and not yet gone: GPUs about to come free.
+func (ns *nodeState) retiringCount() int {
+	n := 0
+	for g, r := range ns.reservations {
+		if r.retiring && !ledgers.IsStanding(g) {
+			n++
+		}
+	}
+	return n
 }
 
 // retireIdle retires up to n of the node's keptIdle groups: from now on
