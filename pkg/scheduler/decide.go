@@ -256,15 +256,9 @@ func (c *Cache) Reclaim(whole int, nodes []string) (string, []Orphan) {
 		if !ok || ns.Ledger == nil {
 			continue
 		}
-		free := 0
-		for _, d := range ns.Ledger.Devices {
-			if d.Idle() && !d.SharedOnly {
-				free++
-			}
-		}
 		// GPUs retired and not yet gone count as free: the pod waits for
 		// them rather than have more taken back.
-		short := whole - free - ns.retiringCount()
+		short := whole - ns.unheld() - ns.retiringCount()
 		if short <= 0 || (best != "" && short >= need) || len(ns.keptIdle()) < short {
 			continue // GPUs are not what it lacks here, another node needs fewer, or too few are kept
 		}

@@ -178,12 +178,7 @@ func (c *Cache) TakeStanding() []Standing {
 		if ns.standing == 0 || ns.Ledger == nil {
 			continue
 		}
-		idle := 0
-		for _, d := range ns.Ledger.Devices {
-			if d.Idle() && !d.SharedOnly {
-				idle++
-			}
-		}
+		idle := ns.unheld()
 		missing := 0
 		for i := 0; i < ns.standing; i++ {
 			g := ledgers.StandingGroup(i)
@@ -221,6 +216,18 @@ func (ns *nodeState) keptIdle() []string {
 	}
 	slices.Sort(idle)
 	return idle
+}
+
+// unheld is how many of the node's GPUs nothing holds: no tenant, and no
+// reservation pod (what the device plugin could still give a pod).
+func (ns *nodeState) unheld() int {
+	n := 0
+	for _, d := range ns.Ledger.Devices {
+		if d.Idle() && !d.SharedOnly {
+			n++
+		}
+	}
+	return n
 }
 
 // retiringCount is how many of the node's ordinary reservation pods are
