@@ -19,12 +19,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
 	"sigs.k8s.io/yaml"
 
 	"github.com/gpufrac/gpufrac/internal/localcluster"
@@ -137,27 +137,57 @@ func setUpScheduler() (*schedEnv, error) {
 // runDevicePlugin plays the kubelet's device plugin and the node agent for
 // reservation pods, the one stand-in here (no kubelet runs): each gets the
 // lowest GPU of its node that no other reservation pod holds, written as
-// the node agent writes it.
+// the node agent writes it. Like one node agent per node, it looks at a
+// node's own reservation pods only, when one of them changes, and works on
+// up to 16 nodes at once: the CPU it costs the shared machine per pod does
+// not grow with the cluster (it shares the cores with what is measured).
 func runDevicePlugin(ctx context.Context, client kubernetes.Interface) {
 	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(reservationNS))
-	pods := factory.Core().V1().Pods()
-	work := make(chan struct{}, 1)
-	kick := func(any) {
-		select {
-		case work <- struct{}{}:
-		default:
+	informer := factory.Core().V1().Pods().Informer()
+	const byNode = "node"
+	if err := informer.AddIndexers(toolscache.Indexers{byNode: func(obj any) ([]string, error) {
+		if p, ok := obj.(*corev1.Pod); ok && p.Spec.NodeName != "" {
+			return []string{p.Spec.NodeName}, nil
 		}
+		return nil, nil
+	}}); err != nil {
+		panic(err) // only before the informer starts, which it has not
 	}
-	_, _ = pods.Informer().AddEventHandler(toolscache.ResourceEventHandlerFuncs{AddFunc: kick, UpdateFunc: func(_, o any) { kick(o) }, DeleteFunc: kick})
+	queue := workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]())
+	var mu sync.Mutex
+	given := map[types.UID]string{} // what was written, before the informer shows it
+	onEvent := func(obj any, deleted bool) {
+		if d, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+			obj = d.Obj
+		}
+		p, ok := obj.(*corev1.Pod)
+		if !ok || p.Spec.NodeName == "" {
+			return
+		}
+		if deleted {
+			mu.Lock()
+			delete(given, p.UID)
+			mu.Unlock()
+		}
+		queue.Add(p.Spec.NodeName)
+	}
+	_, _ = informer.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { onEvent(o, false) },
+		UpdateFunc: func(_, o any) { onEvent(o, false) },
+		DeleteFunc: func(o any) { onEvent(o, true) },
+	})
 	factory.Start(ctx.Done())
 	factory.WaitForCacheSync(ctx.Done())
-	given := map[types.UID]string{} // what this loop wrote, before the informer shows it
-	for range work {
-		all, _ := pods.Lister().List(labels.Everything())
+	// agent writes the GPU of each of the node's reservation pods that has
+	// none; false: a write failed, and the node is tried again.
+	agent := func(node string) bool {
+		objs, _ := informer.GetIndexer().ByIndex(byNode, node)
+		pods := make([]*corev1.Pod, 0, len(objs))
 		held := map[string]bool{}
-		live := map[types.UID]bool{}
-		for _, p := range all {
-			live[p.UID] = true
+		mu.Lock()
+		for _, o := range objs {
+			p := o.(*corev1.Pod)
+			pods = append(pods, p)
 			uuid := p.Annotations[api.ReservedGPUAnnotation]
 			if uuid == "" {
 				uuid = given[p.UID]
@@ -166,41 +196,54 @@ func runDevicePlugin(ctx context.Context, client kubernetes.Interface) {
 				held[uuid] = true
 			}
 		}
-		for uid := range given {
-			if !live[uid] {
-				delete(given, uid)
-			}
-		}
-		slices.SortFunc(all, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
-		// Assign in one pass, then write in parallel, as one node agent
-		// per node would.
-		var mu sync.Mutex
-		var writes sync.WaitGroup
-		limit := make(chan struct{}, 16)
-		for _, p := range all {
-			if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Annotations[api.ReservedGPUAnnotation] != "" || given[p.UID] != "" {
+		mu.Unlock()
+		slices.SortFunc(pods, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
+		ok := true
+		for _, p := range pods {
+			mu.Lock()
+			done := given[p.UID] != ""
+			mu.Unlock()
+			if p.DeletionTimestamp != nil || p.Annotations[api.ReservedGPUAnnotation] != "" || done {
 				continue
 			}
 			var uuid string
 			for i := 0; ; i++ {
-				if uuid = fmt.Sprintf("GPU-%x-%d", p.Spec.NodeName, i); !held[uuid] {
+				if uuid = fmt.Sprintf("GPU-%x-%d", node, i); !held[uuid] {
 					break
 				}
 			}
-			given[p.UID], held[uuid] = uuid, true
-			limit <- struct{}{}
-			writes.Go(func() {
-				defer func() { <-limit }()
-				patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, api.ReservedGPUAnnotation, uuid)
-				if _, err := client.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-					mu.Lock()
-					delete(given, p.UID) // try again on the next event
-					mu.Unlock()
-				}
-			})
+			held[uuid] = true
+			mu.Lock()
+			given[p.UID] = uuid
+			mu.Unlock()
+			patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, api.ReservedGPUAnnotation, uuid)
+			if _, err := client.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+				mu.Lock()
+				delete(given, p.UID)
+				mu.Unlock()
+				ok = false
+			}
 		}
-		writes.Wait()
+		return ok
 	}
+	for range 16 {
+		go func() {
+			for {
+				node, shutdown := queue.Get()
+				if shutdown {
+					return
+				}
+				if agent(node) {
+					queue.Forget(node)
+				} else {
+					queue.AddRateLimited(node)
+				}
+				queue.Done(node)
+			}
+		}()
+	}
+	<-ctx.Done()
+	queue.ShutDown()
 }
 
 // schedulerProcess is `gpufrac scheduler` running as a child process.
