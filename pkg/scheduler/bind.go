@@ -93,9 +93,12 @@ func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuid
 }
 
 // decisionBinding is what Bind writes with a fractional pod's Binding:
-// the decision's annotations and its GPU-group label.
+// the decision's annotations and its GPU-group label; or, with reserve,
+// that Bind must first make the decision's reservation pods and wait for
+// their GPUs (PreBind, which would have, was skipped).
 type decisionBinding struct {
 	annotations, labels map[string]string
+	reserve             bool
 }
 
 // Clone implements fwk.StateData; it is never changed once written.

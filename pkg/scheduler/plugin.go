@@ -445,33 +445,60 @@ func (p *Plugin) Unreserve(_ context.Context, state fwk.CycleState, pod *corev1.
 // PreBindPreFlight implements fwk.PreBindPlugin: only fractional pods have
 // anything to write.
 //
-// A share that joins GPUs whose reservation pods already name them has
-// nothing to wait for either: its Binding is made here and PreBind is
-// skipped. That matters beyond PreBind's few microseconds: for a pod
-// whose PreBind runs, kube-scheduler first writes the node it chose into
-// the pod's status (nominatedNodeName, for the cluster autoscaler's sake:
-// the bind is to take a while), one more API write per pod, which a pod
-// bound at once does not need.
+// When this plugin binds first (deploy/scheduler/config.yaml), PreBind is
+// skipped for a fraction whose decision a Binding can carry: its Binding
+// is made in Bind, which first makes the reservation pods its GPUs lack
+// and waits for their UUIDs (nothing to wait for when it joins GPUs whose
+// pods already name them). That matters beyond PreBind's few
+// microseconds: for a pod whose PreBind runs, kube-scheduler first writes
+// the node it chose into the pod's status (nominatedNodeName,
+// NominatedNodeNameForExpectation), one more API write per pod, which a
+// whole-GPU pod does not cost. The write tells autoscalers that a pod they
+// see as unschedulable is about to be bound; so a pod already marked
+// unschedulable (PodScheduled=False) that must wait for a new reservation
+// pod still goes through PreBind and gets it.
 func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, pod *corev1.Pod, node string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
 	if c, ok := readCycle(state); !ok || c.ask.Fraction == nil {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
-	if d, ok := p.cache.Decision(pod.UID); ok && d.Node == node {
-		if uuids, waitingFor, err := p.reservedUUIDs(d); err == nil && waitingFor == "" {
-			if b, ok := bindingOf(d, uuids, p.args.CDIKind(), pod); ok && p.bindsFirst() {
-				state.Write(bindKey, b)
-				return nil, fwk.NewStatus(fwk.Skip)
-			}
+	d, ok := p.cache.Decision(pod.UID)
+	if !ok || d.Node != node || !p.bindsFirst() {
+		return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
+	}
+	uuids, waitingFor, err := p.reservedUUIDs(d)
+	if err != nil {
+		return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil // PreBind reports it
+	}
+	if waitingFor == "" {
+		if b, ok := bindingOf(d, uuids, p.args.CDIKind(), pod); ok {
+			state.Write(bindKey, b)
+			return nil, fwk.NewStatus(fwk.Skip)
 		}
+	} else if _, ok := bindingOf(d, make([]string, len(d.Groups)), p.args.CDIKind(), pod); ok && !markedUnschedulable(pod) {
+		state.Write(bindKey, &decisionBinding{reserve: true})
+		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
 }
 
-// PreBind makes the reservation pods exist and waits until each names its
-// GPU; the decision then goes onto the pod with its Binding (Bind). It is
-// patched here instead when it must remove a key (a Binding cannot), or
-// when the profile does not run this plugin's Bind first: a DefaultBinder
-// ahead of it would bind the pod without its decision.
+// markedUnschedulable says whether the scheduler has reported the pod
+// unschedulable (what autoscalers act on).
+func markedUnschedulable(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+			return true
+		}
+	}
+	return false
+}
+
+// PreBind implements fwk.PreBindPlugin. For a fraction PreBindPreFlight
+// sends through it, it makes the reservation pods exist and waits until
+// each names its GPU; the decision then goes onto the pod with its
+// Binding (Bind). It is patched here instead when it must remove a key (a
+// Binding cannot), or when the profile does not run this plugin's Bind
+// first: a DefaultBinder ahead of it would bind the pod without its
+// decision.
 func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
 	c, ok := readCycle(state)
 	if !ok || c.ask.Fraction == nil {
@@ -516,7 +543,9 @@ func (p *Plugin) bindsFirst() bool {
 
 // Bind binds a fractional pod with a Binding that carries its decision,
 // which the API server copies onto the pod as it binds it: one write
-// where a patch and a binding were two. Other pods go to DefaultBinder.
+// where a patch and a binding were two. When PreBind was skipped for a
+// share that opens a GPU, its reservation pods are made and their GPUs
+// waited for here first. Other pods go to DefaultBinder.
 func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
 	raw, err := state.Read(bindKey)
 	if err != nil {
@@ -525,6 +554,20 @@ func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod
 	b, ok := raw.(*decisionBinding)
 	if !ok {
 		return fwk.NewStatus(fwk.Skip)
+	}
+	if b.reserve {
+		d, ok := p.cache.Decision(pod.UID)
+		if !ok || d.Node != node {
+			return fwk.AsStatus(fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node))
+		}
+		uuids, err := p.reserveGPUs(ctx, d)
+		if err != nil {
+			return fwk.AsStatus(err)
+		}
+		if b, ok = bindingOf(d, uuids, p.args.CDIKind(), pod); !ok {
+			// PreBindPreFlight checked it: the UUIDs are strings either way.
+			return fwk.AsStatus(fmt.Errorf("pod %s/%s: its GPU decision cannot be carried by a Binding", pod.Namespace, pod.Name))
+		}
 	}
 	binding := &corev1.Binding{
 		ObjectMeta: metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID, Annotations: b.annotations, Labels: b.labels},

@@ -180,17 +180,17 @@ func waitGone(t testing.TB, ns string, names ...string) {
 	}
 }
 
-// A share that joins a GPU whose reservation pod already names it is
-// bound in one write, the Binding: kube-scheduler writes the node it chose
-// into a pod's status first (nominatedNodeName) only when a PreBind is to
-// run, and a joining share has nothing to wait for. The share that opens
-// the GPU waits for its reservation pod, and that write is seen for it,
-// which shows the watch would see it.
-func TestSchedulerBindsAJoiningShareInOneWrite(t *testing.T) {
+// A share costs the API server what a whole-GPU pod does, its Binding,
+// whether it opens a GPU (plus that GPU's reservation pod, once) or joins
+// one: kube-scheduler never writes its node into its status first
+// (nominatedNodeName). The one that does get it: a pod already reported
+// unschedulable that waits for its GPU's reservation pod, for the sake of
+// autoscalers, which act on such pods; it also shows that the watch sees
+// the write it checks for.
+func TestSchedulerBindsAShareInOneWrite(t *testing.T) {
 	e := schedulerEnv(t)
 	e.startScheduler(t, testScheduler, nil)
 	ns := namespace(t, "sched-onewrite")
-	gpuNode(t, "onewrite-0", "onewrite", 1, 81920, true)
 	cleanUp(t, ns, "onewrite-0")
 	list, err := shared.admin.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{})
 	if err != nil {
@@ -201,14 +201,34 @@ func TestSchedulerBindsAJoiningShareInOneWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer w.Stop()
-	create(t, workload(ns, "open", testScheduler, "onewrite", fraction("0.25")))
+	// No node yet: the first share is reported unschedulable.
+	create(t, workload(ns, "waited", testScheduler, "onewrite", fraction("0.25")))
+	pending(t, ns, "waited")
+	if err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		pod, err := shared.admin.CoreV1().Pods(ns).Get(ctx, "waited", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range pod.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Reason == corev1.PodReasonUnschedulable {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatalf("pod waited is not marked unschedulable: %v", err)
+	}
+	gpuNode(t, "onewrite-0", "onewrite", 2, 81920, true)
+	placed(t, ns, "waited")
+	create(t, workload(ns, "open", testScheduler, "onewrite", fraction("0.8"))) // too big for the first GPU
 	placed(t, ns, "open")
-	create(t, workload(ns, "join", testScheduler, "onewrite", fraction("0.25")))
+	create(t, workload(ns, "join", testScheduler, "onewrite", fraction("0.1")))
 	placed(t, ns, "join")
+	names := []string{"waited", "open", "join"}
 	nominated := map[string]bool{}
 	bound := map[string]bool{}
 	timeout := time.After(30 * time.Second)
-	for !bound["open"] || !bound["join"] {
+	for len(bound) < len(names) {
 		select {
 		case ev := <-w.ResultChan():
 			pod, ok := ev.Object.(*corev1.Pod)
@@ -222,17 +242,23 @@ func TestSchedulerBindsAJoiningShareInOneWrite(t *testing.T) {
 				bound[pod.Name] = true
 			}
 		case <-timeout:
-			t.Fatalf("the watch did not show both pods bound: %v", bound)
+			t.Fatalf("the watch did not show every pod bound: %v", bound)
 		}
 	}
-	if !nominated["open"] {
-		t.Error("the share that opened the GPU was bound without kube-scheduler nominating it first: this test no longer sees the write it checks for")
+	if !nominated["waited"] {
+		t.Error("the share reported unschedulable was bound without kube-scheduler nominating it first while its reservation pod came up: autoscalers see it pending, and this test no longer sees the write it checks for")
 	}
-	if nominated["join"] {
-		t.Error("the share that joined a GPU whose reservation pod names it had its node written into its status before its Binding: one write more than a whole-GPU pod")
+	for _, name := range names[1:] {
+		if nominated[name] {
+			t.Errorf("share %s had its node written into its status before its Binding: one write more than a whole-GPU pod", name)
+		}
 	}
-	if a, b := devices(placed(t, ns, "open")), devices(placed(t, ns, "join")); len(a) != 1 || !slices.Equal(a, b) {
-		t.Errorf("devices %v and %v: want both shares on the one GPU", a, b)
+	waited, open, join := devices(placed(t, ns, "waited")), devices(placed(t, ns, "open")), devices(placed(t, ns, "join"))
+	if len(waited) != 1 || len(open) != 1 || slices.Equal(waited, open) || !slices.Equal(join, waited) && !slices.Equal(join, open) {
+		t.Errorf("devices %v, %v and %v: want the first two on different GPUs and the third joining one of them", waited, open, join)
+	}
+	if got := len(reservationPods(t, "onewrite-0")); got != 2 {
+		t.Errorf("%d reservation pods on the node, want 2: one per shared GPU", got)
 	}
 }
 
