@@ -504,11 +504,7 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.
 	if !ok || c.ask.Fraction == nil {
 		return nil
 	}
-	d, ok := p.cache.Decision(pod.UID)
-	if !ok || d.Node != node {
-		return fwk.AsStatus(fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node))
-	}
-	uuids, err := p.reserveGPUs(ctx, d)
+	d, uuids, err := p.reservedDecision(ctx, pod, node)
 	if err != nil {
 		return fwk.AsStatus(err)
 	}
@@ -520,6 +516,18 @@ func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.
 		return fwk.AsStatus(err)
 	}
 	return nil
+}
+
+// reservedDecision is the pod's decision for node, once its GPUs'
+// reservation pods exist and name them (PreBind's work, done in Bind
+// when PreBind was skipped).
+func (p *Plugin) reservedDecision(ctx context.Context, pod *corev1.Pod, node string) (Decision, []string, error) {
+	d, ok := p.cache.Decision(pod.UID)
+	if !ok || d.Node != node {
+		return Decision{}, nil, fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node)
+	}
+	uuids, err := p.reserveGPUs(ctx, d)
+	return d, uuids, err
 }
 
 // bindsFirst says whether this plugin's Bind runs before any other bind
@@ -556,11 +564,7 @@ func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod
 		return fwk.NewStatus(fwk.Skip)
 	}
 	if b.reserve {
-		d, ok := p.cache.Decision(pod.UID)
-		if !ok || d.Node != node {
-			return fwk.AsStatus(fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node))
-		}
-		uuids, err := p.reserveGPUs(ctx, d)
+		d, uuids, err := p.reservedDecision(ctx, pod, node)
 		if err != nil {
 			return fwk.AsStatus(err)
 		}
