@@ -10,9 +10,13 @@ import (
 // BenchmarkFilterScore is the plugin's work per node and pod: Filter and
 // Score of a 0.3 share on an 8-GPU node with half its GPUs partly used,
 // under each policy, against the Filter of a whole-GPU pod as baseline.
+// Filter is the plugin's: FilterAt the scheduler's snapshot of the node
+// (the Node the cache has, as almost always).
 func BenchmarkFilterScore(b *testing.B) {
 	c := NewCache(testArgs())
-	c.SetNode(node("n1", 8, 81920, true))
+	n := node("n1", 8, 81920, true)
+	n.ResourceVersion = "4242"
+	c.SetNode(n)
 	for i := range 4 {
 		g := fmt.Sprintf("g%d", i)
 		uuid := fmt.Sprintf("GPU-%04x", i)
@@ -22,7 +26,7 @@ func BenchmarkFilterScore(b *testing.B) {
 	share := ask("new", 24576, api.TimeSlicing, 1)
 	b.Run("whole/filter", func(b *testing.B) {
 		for b.Loop() {
-			c.Filter("n1", Ask{UID: "w", Whole: 1})
+			c.FilterAt(n, Ask{UID: "w", Whole: 1})
 		}
 	})
 	for _, name := range PolicyNames() {
@@ -32,7 +36,7 @@ func BenchmarkFilterScore(b *testing.B) {
 		}
 		b.Run("share/"+name, func(b *testing.B) {
 			for b.Loop() {
-				if !c.Filter("n1", share).Fits {
+				if !c.FilterAt(n, share).Fits {
 					b.Fatal("does not fit")
 				}
 				c.Score("n1", share, p, Host{})

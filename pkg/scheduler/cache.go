@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/resourceversion"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
@@ -61,6 +62,9 @@ type nodeState struct {
 	cpu   int64
 	ready bool
 	why   string // why fractions cannot land here, when !ready
+	// rv is the ResourceVersion of the Node object last applied (SetNode):
+	// an older one is never applied over it.
+	rv string
 	// Layout is the node's ledger (nil without a GPU inventory), its slots
 	// by GPU group, and its conflicts: tenants the ledger could not place,
 	// pods the API says are there though they do not fit (bound by
@@ -156,12 +160,17 @@ func (c *Cache) node(name string) *nodeState {
 }
 
 // SetNode records a node's inventory and readiness; when the inventory
-// changes the node's ledger is rebuilt from its pods.
+// changes the node's ledger is rebuilt from its pods. A Node older than
+// the one last recorded (FilterAt may have applied a newer one) is ignored.
 func (c *Cache) SetNode(node *corev1.Node) {
 	inv, ready, why := api.InventoryOf(node)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(node.Name)
+	if olderVersion(node.ResourceVersion, ns.rv) {
+		return
+	}
+	ns.rv = node.ResourceVersion
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
 	if standing := api.StandingGPUs(node, inv.Count); standing != ns.standing {
 		ns.standing = standing
@@ -176,6 +185,14 @@ func (c *Cache) SetNode(node *corev1.Node) {
 		ns.inv = inv
 		c.rebuild(node.Name, ns)
 	}
+}
+
+// olderVersion says whether ResourceVersion a is known to be older than
+// b (resourceversion.CompareResourceVersion; a version it cannot compare,
+// such as an unset one, is never older).
+func olderVersion(a, b string) bool {
+	cmp, err := resourceversion.CompareResourceVersion(a, b)
+	return err == nil && cmp < 0
 }
 
 // DeleteNode forgets a node. Its pods are forgotten with it: the API

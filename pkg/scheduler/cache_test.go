@@ -585,3 +585,40 @@ func TestReclaimRetiresIdleReservations(t *testing.T) {
 		t.Errorf("n1 once they are gone: %s", got)
 	}
 }
+
+// The scheduler's snapshot of a node can be newer than the cache's (the
+// two follow the informer through separate handlers): FilterAt applies
+// it, and the handler's late delivery of an older Node does not undo it.
+// A node the cache has never seen, or an older snapshot, is not applied.
+func TestFilterAtAppliesOnlyANewerNode(t *testing.T) {
+	at := func(ready bool, rv string) *corev1.Node {
+		n := node("n1", 2, 80000, ready)
+		n.ResourceVersion = rv
+		return n
+	}
+	share := ask("a", 1000, api.TimeSlicing, 1)
+	c := NewCache(testArgs())
+	c.SetNode(at(false, "5"))
+	if v := c.FilterAt(at(false, "5"), share); v.Fits {
+		t.Fatalf("not-ready node took a share: %+v", v)
+	}
+	if v := c.FilterAt(at(true, "4"), share); v.Fits {
+		t.Fatalf("an older snapshot (rv 4 < 5) was applied: %+v", v)
+	}
+	if v := c.FilterAt(at(true, "6"), share); !v.Fits {
+		t.Fatalf("the newer snapshot (rv 6) was not applied: %+v", v)
+	}
+	c.SetNode(at(false, "5")) // the handler, late
+	if v := c.Filter("n1", share); !v.Fits {
+		t.Fatalf("a late older Node (rv 5) undid the newer one: %+v", v)
+	}
+	c.SetNode(at(false, "7"))
+	if v := c.Filter("n1", share); v.Fits {
+		t.Fatalf("a newer Node from the handler (rv 7) was not applied: %+v", v)
+	}
+	gone := node("gone", 2, 80000, true)
+	gone.ResourceVersion = "9"
+	if v := c.FilterAt(gone, share); v.Fits || !strings.Contains(v.Reason, "not reported") {
+		t.Fatalf("FilterAt made up a node the cache did not know: %+v", v)
+	}
+}

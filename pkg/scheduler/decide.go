@@ -5,6 +5,7 @@ import (
 	"math"
 	"slices"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -66,6 +67,33 @@ func (c *Cache) Filter(node string, ask Ask) Verdict {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	ns, ok := c.nodes[node]
+	return c.filter(ns, ok, ask)
+}
+
+// FilterAt is Filter on the scheduler's snapshot of a node, applied first
+// when it is newer than the Node this cache last recorded. The scheduler's
+// queue and this cache follow the same informer through separate
+// handlers, in no set order: a pod requeued by the update that made a
+// node ready can be filtered before the cache has seen that update, and
+// no later event would requeue it (only kube-scheduler's five-minute
+// flush). A node the cache does not know yet is left to its Add event: a
+// deleted node still in a snapshot must not come back.
+func (c *Cache) FilterAt(node *corev1.Node, ask Ask) Verdict {
+	c.mu.RLock()
+	ns, ok := c.nodes[node.Name]
+	if ok && ns.rv != node.ResourceVersion && olderVersion(ns.rv, node.ResourceVersion) {
+		c.mu.RUnlock()
+		c.SetNode(node)
+		c.mu.RLock()
+		ns, ok = c.nodes[node.Name]
+	}
+	defer c.mu.RUnlock()
+	return c.filter(ns, ok, ask)
+}
+
+// filter is Filter's verdict on a node's state (ok: the node is known);
+// the caller holds the read lock.
+func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	if ask.Fraction == nil {
 		// Whole GPUs: the default plugins count the device plugin's
 		// GPUs; here only the shared ones are kept out of reach.

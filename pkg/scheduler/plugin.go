@@ -265,7 +265,7 @@ func (p *Plugin) Filter(_ context.Context, state fwk.CycleState, _ *corev1.Pod, 
 	if !ok {
 		return nil
 	}
-	v := p.cache.Filter(nodeInfo.Node().Name, c.ask)
+	v := p.cache.FilterAt(nodeInfo.Node(), c.ask)
 	switch {
 	case v.Fits:
 		return nil
