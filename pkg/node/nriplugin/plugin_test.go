@@ -596,7 +596,10 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	c := cfg
 	c.MPSRoot, c.Backend = root, nodeapi.BackendMPSPinned
 	rec := &recorder{}
-	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc, DrainTimeout: 300 * time.Millisecond})
+	// The drains' MPS commands re-execute the test binary (mpstest): the
+	// deadline leaves them room on a loaded machine; only the wedged
+	// client below waits it out.
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc, DrainTimeout: 3 * time.Second})
 	p.EnableMPS(m)
 	connect(t, p, rt)
 	ctx := context.Background()

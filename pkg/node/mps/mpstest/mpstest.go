@@ -482,7 +482,9 @@ func StartDaemon(t *testing.T, root string, release int, configure ...func(*mps.
 	}()
 	stop := func() { cancel(); <-done }
 	t.Cleanup(stop)
-	c := mps.Control{Binary: os.Args[0], Root: root, Protocol: d.Protocol(), Timeout: time.Second}
+	// Each command re-executes the test binary, built with -race in make
+	// test: on a loaded 2-core machine that has taken over a second.
+	c := mps.Control{Binary: os.Args[0], Root: root, Protocol: d.Protocol(), Timeout: 5 * time.Second}
 	for deadline := time.Now().Add(10 * time.Second); c.Ping(context.Background()) != nil; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			stop()
