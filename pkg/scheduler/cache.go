@@ -62,9 +62,11 @@ type nodeState struct {
 	cpu   int64
 	ready bool
 	why   string // why fractions cannot land here, when !ready
-	// rv is the ResourceVersion of the Node object last applied (SetNode):
-	// an older one is never applied over it.
-	rv string
+	// seen is the Node object last applied (SetNode): one with an older
+	// ResourceVersion is never applied over it. Kept as the object, not
+	// its version, so that FilterAt's usual case (the snapshot holds the
+	// informer's very object) costs a pointer comparison.
+	seen *corev1.Node
 	// Layout is the node's ledger (nil without a GPU inventory), its slots
 	// by GPU group, and its conflicts: tenants the ledger could not place,
 	// pods the API says are there though they do not fit (bound by
@@ -167,10 +169,10 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(node.Name)
-	if olderVersion(node.ResourceVersion, ns.rv) {
+	if ns.seen != nil && olderVersion(node.ResourceVersion, ns.seen.ResourceVersion) {
 		return
 	}
-	ns.rv = node.ResourceVersion
+	ns.seen = node
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
 	if standing := api.StandingGPUs(node, inv.Count); standing != ns.standing {
 		ns.standing = standing

@@ -616,6 +616,13 @@ func TestFilterAtAppliesOnlyANewerNode(t *testing.T) {
 	if v := c.Filter("n1", share); v.Fits {
 		t.Fatalf("a newer Node from the handler (rv 7) was not applied: %+v", v)
 	}
+	// A node known only from a pod bound there (its Add not yet seen).
+	c.SetPod(placedPod("early", "n2", 1000, api.TimeSlicing, "", []string{"g"}, []string{"GPU-1"}))
+	n2 := node("n2", 2, 80000, true)
+	n2.ResourceVersion = "8"
+	if v := c.FilterAt(n2, share); !v.Fits {
+		t.Fatalf("the snapshot of a node known from its pods was not applied: %+v", v)
+	}
 	gone := node("gone", 2, 80000, true)
 	gone.ResourceVersion = "9"
 	if v := c.FilterAt(gone, share); v.Fits || !strings.Contains(v.Reason, "not reported") {

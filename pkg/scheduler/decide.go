@@ -76,12 +76,13 @@ func (c *Cache) Filter(node string, ask Ask) Verdict {
 // handlers, in no set order: a pod requeued by the update that made a
 // node ready can be filtered before the cache has seen that update, and
 // no later event would requeue it (only kube-scheduler's five-minute
-// flush). A node the cache does not know yet is left to its Add event: a
-// deleted node still in a snapshot must not come back.
+// flush). A node the cache knows only from its pods takes the snapshot
+// too; one it does not know at all is left to its Add event: a deleted
+// node still in a snapshot must not come back.
 func (c *Cache) FilterAt(node *corev1.Node, ask Ask) Verdict {
 	c.mu.RLock()
 	ns, ok := c.nodes[node.Name]
-	if ok && ns.rv != node.ResourceVersion && olderVersion(ns.rv, node.ResourceVersion) {
+	if ok && ns.seen != node && (ns.seen == nil || olderVersion(ns.seen.ResourceVersion, node.ResourceVersion)) {
 		c.mu.RUnlock()
 		c.SetNode(node)
 		c.mu.RLock()
