@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -48,7 +49,7 @@ included), waits for their pods to be placed, adds a claim on a GPU an
 annotated pod already shares, prints the cluster view and an invalid pod's
 refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
+		RunE: func(cmd *cobra.Command, _ []string) (rerr error) {
 			if standing < -1 {
 				return fmt.Errorf("--dra-standing-gpus %d: must be -1 (all GPUs), 0 (no DRA) or a count", standing)
 			}
@@ -84,7 +85,13 @@ refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpu
 			}
 			defer func() {
 				fmt.Fprintln(out, "gpufrac up: stopping dashboard, kube-controller-manager, scheduler, KWOK, node agents, webhook, kube-apiserver and etcd …")
-				cluster.Down()
+				if err := cluster.Shutdown(); err != nil {
+					fmt.Fprintf(out, "gpufrac up: %v; `gpufrac down` tries again\n", err)
+					if rerr == nil {
+						rerr = err
+					}
+					return
+				}
 				fmt.Fprintln(out, "gpufrac up: stopped; no process left")
 			}()
 			fmt.Fprintf(out, "gpufrac up: ready in %.1fs\n  export KUBECONFIG=%s\n  kubectl get nodes; bin/gpufrac top\n  dashboard: %s\n",
@@ -129,13 +136,30 @@ func newDownCommand() *cobra.Command {
 				}
 				dir = filepath.Join(root, ".gpufrac")
 			}
-			if err := localcluster.Stop(dir, 15*time.Second); err != nil {
+			report, err := localcluster.Stop(dir, 30*time.Second)
+			out := cmd.OutOrStdout()
+			if len(report.Gone) > 0 {
+				fmt.Fprintf(out, "gpufrac down: already gone (died, or replaced by a process up did not start): %s\n", procList(report.Gone))
+			}
+			if len(report.Stopped) > 0 {
+				fmt.Fprintf(out, "gpufrac down: stopped %s\n", procList(report.Stopped))
+			}
+			if err != nil {
 				return err
 			}
-			fmt.Fprintln(cmd.OutOrStdout(), "gpufrac down: stopped")
+			fmt.Fprintln(out, "gpufrac down: no process of that gpufrac up is left")
 			return nil
 		},
 	}
 	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
 	return cmd
+}
+
+// procList names processes for a person: "etcd (pid 12), kube-apiserver (pid 13)".
+func procList(procs []localcluster.Proc) string {
+	names := make([]string, len(procs))
+	for i, p := range procs {
+		names[i] = p.String()
+	}
+	return strings.Join(names, ", ")
 }

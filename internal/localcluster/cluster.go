@@ -12,7 +12,6 @@ import (
 	"context"
 	"crypto/tls"
 	_ "embed"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -96,6 +95,8 @@ type Cluster struct {
 	// DashboardURL is where the dashboard serves.
 	DashboardURL string
 	procs        []*process
+	// controlPlane are etcd and kube-apiserver, which envtest runs.
+	controlPlane []Proc
 	stopHook     context.CancelFunc
 	hookDone     chan error
 }
@@ -186,44 +187,20 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := c.step("waiting for the nodes to report gpu-fractioning.nvidia.com/Ready", func() error { return c.waitReady(ctx) }); err != nil {
 		return nil, err
 	}
+	if opts.DRAStandingGPUs != 0 && len(opts.Shapes) > 0 {
+		// Ready is not enough for claims: until the scheduler holds a
+		// node's standing GPUs, a share placed there opens an ordinary GPU
+		// that the node's DRA driver never offers. Whatever comes next (the
+		// demo, the tour, a user's claim) must not depend on which happens
+		// first.
+		if err := c.step("waiting for every node's standing GPUs to be held and offered to DRA claims", func() error { return c.waitOffered(ctx) }); err != nil {
+			return nil, err
+		}
+	}
 	if err := c.writePIDs(); err != nil {
 		return nil, err
 	}
 	return c, nil
-}
-
-// writePIDs writes the pid file: this process first, then its children
-// (etcd and kube-apiserver included), so that `gpufrac down` can clean up
-// even after this process was killed outright.
-func (c *Cluster) writePIDs() error {
-	pids := append([]int{os.Getpid()}, children(os.Getpid())...)
-	var lines []string
-	for _, p := range pids {
-		lines = append(lines, strconv.Itoa(p))
-	}
-	return os.WriteFile(filepath.Join(c.opts.Dir, "up.pid"), []byte(strings.Join(lines, "\n")+"\n"), 0o644)
-}
-
-// children lists the processes whose parent is pid.
-func children(pid int) []int {
-	var out []int
-	dirs, _ := os.ReadDir("/proc")
-	for _, d := range dirs {
-		child, err := strconv.Atoi(d.Name())
-		if err != nil {
-			continue
-		}
-		status, err := os.ReadFile(filepath.Join("/proc", d.Name(), "status"))
-		if err != nil {
-			continue
-		}
-		for _, line := range strings.Split(string(status), "\n") {
-			if ppid, ok := strings.CutPrefix(line, "PPid:"); ok && strings.TrimSpace(ppid) == strconv.Itoa(pid) {
-				out = append(out, child)
-			}
-		}
-	}
-	return out
 }
 
 // step runs one step and reports it with its duration.
@@ -279,6 +256,26 @@ func (c *Cluster) startControlPlane() error {
 		return err
 	}
 	c.env = env
+	// envtest keeps their pids to itself; they are found as this
+	// process's children running its binaries, for the pid file.
+	kubeDir, err := testenv.AssetsDir()
+	if err != nil {
+		return err
+	}
+	var bins []string
+	for _, name := range []string{"etcd", "kube-apiserver"} {
+		bin, err := filepath.EvalSymlinks(filepath.Join(kubeDir, name))
+		if err != nil {
+			return err
+		}
+		if bin, err = filepath.Abs(bin); err != nil {
+			return err
+		}
+		bins = append(bins, bin)
+	}
+	if c.controlPlane = childrenRunning(os.Getpid(), bins...); len(c.controlPlane) != 2 {
+		return fmt.Errorf("found %v running of etcd and kube-apiserver (%s), want one each", c.controlPlane, strings.Join(bins, ", "))
+	}
 	kc, err := testenv.KubeConfig(env, "gpufrac-admin", "system:masters")
 	if err != nil {
 		return err
@@ -712,10 +709,60 @@ func (c *Cluster) waitReady(ctx context.Context) error {
 	})
 }
 
-// Down stops everything in reverse order: the dashboard,
-// kube-controller-manager, the scheduler, KWOK and the node agents (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
-// etcd. No process is left behind.
+// waitOffered waits until every simulated node offers DRA claims all the
+// GPUs it asks to have held for shares (its api.LabelStandingGPUs): the
+// scheduler has made their standing reservation pods, the node agent has
+// told it which GPU each holds and published them in the node's
+// ResourceSlices. Only then does every share placed on the node join a GPU
+// its DRA driver offers.
+func (c *Cluster) waitOffered(ctx context.Context) error {
+	var behind string
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		for _, p := range c.procs {
+			if err := c.exited(p.name); err != nil {
+				return false, err
+			}
+		}
+		offered, err := c.offeredGPUs(ctx)
+		if err != nil {
+			return false, err
+		}
+		for _, shape := range c.opts.Shapes {
+			node, err := c.Admin.CoreV1().Nodes().Get(ctx, shape.Name, metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			want := api.StandingGPUs(node, shape.gpus)
+			if _, labelled := node.Labels[api.LabelStandingGPUs]; !labelled || len(offered[shape.Name]) < want {
+				behind = fmt.Sprintf("node %s offers %d of the %d GPUs its label %s=%q asks to have held",
+					shape.Name, len(offered[shape.Name]), want, api.LabelStandingGPUs, node.Labels[api.LabelStandingGPUs])
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil && behind != "" {
+		return fmt.Errorf("%s: %w (see %s)", behind, err, filepath.Join(c.opts.Dir, "logs"))
+	}
+	return err
+}
+
+// Down is Shutdown for a deferred call: what it could not stop is
+// written to the progress output.
 func (c *Cluster) Down() {
+	if err := c.Shutdown(); err != nil {
+		fmt.Fprintf(c.opts.Progress, "  %v\n", err)
+	}
+}
+
+// Shutdown stops everything in reverse order: the dashboard,
+// kube-controller-manager, the scheduler, KWOK and the node agents
+// (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
+// etcd (envtest: SIGTERM, SIGKILL after 20 s). A component that died or
+// was replaced meanwhile is simply gone. Whatever still runs afterwards is
+// killed; the error names what not even that stopped, and the pid file is
+// then kept for `gpufrac down`.
+func (c *Cluster) Shutdown() error {
 	for i := len(c.procs) - 1; i >= 0; i-- {
 		p := c.procs[i]
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
@@ -740,74 +787,27 @@ func (c *Cluster) Down() {
 		c.stopHook = nil
 	}
 	if c.env != nil {
-		_ = c.env.Stop()
+		// A timeout here is envtest's SIGKILL, not a process left: that is
+		// checked below.
+		if err := c.env.Stop(); err != nil {
+			fmt.Fprintf(c.opts.Progress, "  control plane: %v\n", err)
+		}
 		c.env = nil
 	}
-	_ = os.Remove(filepath.Join(c.opts.Dir, "up.pid"))
-}
-
-// Stop asks the `gpufrac up` recorded in dir to stop and waits until it
-// has; if it is gone already (killed outright), it stops the processes it
-// had started that are still running.
-func Stop(dir string, timeout time.Duration) error {
-	path := filepath.Join(dir, "up.pid")
-	raw, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("no local cluster is running (no %s)", path)
-	}
-	if err != nil {
-		return err
-	}
-	var pids []int
-	for _, f := range strings.Fields(string(raw)) {
-		pid, err := strconv.Atoi(f)
-		if err != nil {
-			return fmt.Errorf("%s: %q is not a process id", path, f)
+	// envtest's Stop gives up on a process after its timeout; this does not.
+	terminate(c.controlPlane, time.Second)
+	var left []string
+	for _, p := range c.controlPlane {
+		if p.Running() {
+			left = append(left, p.String())
 		}
-		pids = append(pids, pid)
 	}
-	if len(pids) == 0 {
-		return fmt.Errorf("%s is empty", path)
+	c.controlPlane = nil
+	if len(left) > 0 {
+		return fmt.Errorf("could not stop %s: still running after SIGKILL", strings.Join(left, ", "))
 	}
-	targets := pids[:1]
-	if !alive(pids[0]) {
-		targets = pids[1:] // up is gone: stop what it left behind
-	}
-	running := func() []int {
-		var out []int
-		for _, pid := range targets {
-			if alive(pid) {
-				out = append(out, pid)
-			}
-		}
-		return out
-	}
-	// SIGTERM, then SIGKILL for what has not stopped within the timeout.
-	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGKILL} {
-		for _, pid := range running() {
-			_ = syscall.Kill(pid, sig)
-		}
-		_ = wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
-			return len(running()) == 0, nil
-		})
-	}
-	if left := running(); len(left) > 0 {
-		return fmt.Errorf("processes %v still running", left)
-	}
-	_ = os.Remove(path)
+	_ = os.Remove(filepath.Join(c.opts.Dir, pidFile))
 	return nil
-}
-
-// alive reports whether a process runs: it exists and is not a zombie
-// (a child whose parent was killed may wait a while to be reaped).
-func alive(pid int) bool {
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	rest := string(stat[strings.LastIndexByte(string(stat), ')')+1:])
-	fields := strings.Fields(rest)
-	return len(fields) > 0 && fields[0] != "Z" && fields[0] != "X"
 }
 
 // setPolicy sets the GPUFractions plugin's policy in a

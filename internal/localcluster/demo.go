@@ -103,7 +103,7 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		return err
 	}
 	if c.opts.DRAStandingGPUs != 0 {
-		if err := c.demoClaimBeside(ctx, nodes.Items, pods.Items, out); err != nil {
+		if err := c.demoClaimBeside(ctx, out); err != nil {
 			return err
 		}
 		if pods, err = c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{}); err != nil {
@@ -151,36 +151,68 @@ func (c *Cluster) claims(ctx context.Context) ([]resourceapi.ResourceClaim, erro
 // device's uuid). The scheduler books the claim on the same ledger as the
 // pod, the node offers the allocator only what the pod leaves, and the
 // node would enforce both alike.
-func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods []corev1.Pod, out io.Writer) error {
+// besideCandidate finds a time-slicing GPU that an annotated pod shares,
+// that the node's DRA driver offers, with at least share MiB free: its
+// node, UUID and the pod. When there is none, it says why, GPU by GPU.
+func (c *Cluster) besideCandidate(ctx context.Context, share int64) (node, gpu, beside, why string, err error) {
+	nodes, err := c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "", "", "", "", err
+	}
+	pods, err := c.Admin.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "", "", "", "", err
+	}
 	claims, err := c.claims(ctx)
 	if err != nil {
-		return err
+		return "", "", "", "", err
 	}
-	const share = 4096
 	offered, err := c.offeredGPUs(ctx)
 	if err != nil {
-		return err
+		return "", "", "", "", err
 	}
-	view := clusterview.Build(nodes, pods, claims, scheduler.DefaultReservationNamespace, nil)
-	var node, gpu, beside string
+	view := clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace, nil)
+	var seen []string
 	for _, n := range view.Nodes {
 		for _, g := range n.Shared {
-			// Only a GPU the node's DRA driver offers (a standing one): a
-			// pod placed before the node's standing GPUs were held sits on
-			// another, which no claim can be given.
-			if node != "" || g.Mode != api.TimeSlicing || g.FreeMiB < share || !strings.HasPrefix(g.UUID, "GPU-") || !offered[n.Name][strings.ToLower(g.UUID)] {
-				continue
-			}
+			pod := ""
 			for _, t := range g.Tenants {
 				if !t.Claim {
-					node, gpu, beside = n.Name, g.UUID, t.Pod
+					pod = t.Pod
 					break
 				}
 			}
+			switch {
+			case pod == "" || g.Mode != api.TimeSlicing:
+				continue
+			case !strings.HasPrefix(g.UUID, "GPU-") || !offered[n.Name][strings.ToLower(g.UUID)]:
+				seen = append(seen, fmt.Sprintf("%s %s: not offered to claims", n.Name, g.UUID))
+			case g.FreeMiB < share:
+				seen = append(seen, fmt.Sprintf("%s %s: %dMi free", n.Name, g.UUID, g.FreeMiB))
+			default:
+				return n.Name, g.UUID, pod, "", nil
+			}
 		}
 	}
+	if len(seen) == 0 {
+		return "", "", "", "no annotated pod shares a time-slicing GPU", nil
+	}
+	return "", "", "", strings.Join(seen, "; "), nil
+}
+
+func (c *Cluster) demoClaimBeside(ctx context.Context, out io.Writer) error {
+	const share = 4096
+	// What the step needs (an annotated time-slicing pod on a GPU the DRA
+	// driver offers, with room) is waited for, not assumed: the slices
+	// follow the standing pods' annotations a resync later.
+	var node, gpu, beside, why string
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		var err error
+		node, gpu, beside, why, err = c.besideCandidate(ctx, share)
+		return node != "", err
+	})
 	if node == "" {
-		return errors.New("no time-slicing GPU that the DRA driver offers, with an annotated pod and 4Gi free, to show a claim beside it")
+		return fmt.Errorf("no time-slicing GPU that the DRA driver offers, with an annotated pod and 4Gi free, to show a claim beside it (%s): %w", why, err)
 	}
 	claim := &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: "beside", Namespace: demoNamespace},
@@ -214,7 +246,7 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, nodes []corev1.Node, pods
 		return fmt.Errorf("create pod %s: %w", pod.Name, err)
 	}
 	fmt.Fprintf(out, "\n  a DRA claim beside an annotated pod: claim %s/beside asks for 4Gi of GPU %s on %s, which %s shares …\n", demoNamespace, gpu, node, beside)
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		p, err := c.Admin.CoreV1().Pods(demoNamespace).Get(ctx, pod.Name, metav1.GetOptions{})
 		return err == nil && p.Status.Phase == corev1.PodRunning, err
 	})

@@ -279,21 +279,23 @@ func TestEndToEnd(t *testing.T) {
 	})
 
 	t.Run("down leaves no process", func(t *testing.T) {
-		raw, err := os.ReadFile(filepath.Join(dir, "up.pid"))
+		procs, err := localcluster.ReadPIDs(dir)
 		if err != nil {
 			t.Fatal(err)
 		}
 		// The pid file names this test process first, then its children:
 		// etcd, kube-apiserver, the node agents, KWOK, the scheduler,
 		// kube-controller-manager and the dashboard.
-		pids := strings.Fields(string(raw))[1:]
-		if len(pids) != 8+6 {
-			t.Errorf("up.pid names %d children, want 14 (etcd, kube-apiserver, 8 node agents, KWOK, scheduler, kube-controller-manager, dashboard)", len(pids))
+		children := procs[1:]
+		if len(children) != 8+6 {
+			t.Errorf("up.pid names %d children, want 14 (etcd, kube-apiserver, 8 node agents, KWOK, scheduler, kube-controller-manager, dashboard): %v", len(children), children)
 		}
-		c.Down()
-		for _, pid := range pids {
-			if stat, err := os.ReadFile("/proc/" + pid + "/stat"); err == nil && !strings.Contains(string(stat), ") Z ") {
-				t.Errorf("process %s still running after down: %s", pid, stat)
+		if err := c.Shutdown(); err != nil {
+			t.Error(err)
+		}
+		for _, p := range children {
+			if p.Running() {
+				t.Errorf("%v still running after down", p)
 			}
 		}
 	})

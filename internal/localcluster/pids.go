@@ -1,0 +1,256 @@
+package localcluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+)
+
+// pidFile is where `gpufrac up` records the processes it runs, for
+// `gpufrac down`: itself first, then every process it started.
+const pidFile = "up.pid"
+
+// Proc is a process `gpufrac up` started, as the pid file records it: its
+// pid, its start time (clock ticks after boot, /proc/<pid>/stat field 22)
+// and its component's name. The start time tells a process from a later
+// one the kernel gave the same pid, which down must never signal.
+type Proc struct {
+	PID   int
+	Start uint64
+	Name  string
+}
+
+func (p Proc) String() string { return fmt.Sprintf("%s (pid %d)", p.Name, p.PID) }
+
+// Running says whether the process still runs: its pid exists, started
+// when recorded, and is not a zombie (a child whose parent was killed
+// may wait a while to be reaped). A Start of 0 (not known) matches any.
+func (p Proc) Running() bool {
+	state, start, ok := procStat(p.PID)
+	return ok && (p.Start == 0 || start == p.Start) && state != "Z" && state != "X"
+}
+
+// procStat reads a process's state and start time from /proc/<pid>/stat.
+func procStat(pid int) (state string, start uint64, ok bool) {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return "", 0, false
+	}
+	// The command name (field 2) may hold spaces and parentheses: the
+	// fields are counted after its last ')'.
+	rest := string(stat)
+	if i := strings.LastIndexByte(rest, ')'); i >= 0 {
+		rest = rest[i+1:]
+	}
+	fields := strings.Fields(rest) // fields[0] is field 3, the state
+	if len(fields) < 20 {
+		return "", 0, false
+	}
+	start, err = strconv.ParseUint(fields[19], 10, 64)
+	return fields[0], start, err == nil
+}
+
+// procOf is the running process pid, named name, with its start time.
+func procOf(pid int, name string) (Proc, bool) {
+	_, start, ok := procStat(pid)
+	return Proc{PID: pid, Start: start, Name: name}, ok
+}
+
+// childrenRunning lists the processes whose parent is pid and whose
+// executable is one of bins (by path), named after the executable.
+func childrenRunning(pid int, bins ...string) []Proc {
+	var out []Proc
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		child, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		status, err := os.ReadFile(filepath.Join("/proc", d.Name(), "status"))
+		if err != nil || !strings.Contains(string(status), "\nPPid:\t"+strconv.Itoa(pid)+"\n") {
+			continue
+		}
+		exe, err := os.Readlink(filepath.Join("/proc", d.Name(), "exe"))
+		if err != nil {
+			continue
+		}
+		for _, bin := range bins {
+			if exe == bin {
+				if p, ok := procOf(child, filepath.Base(bin)); ok {
+					out = append(out, p)
+				}
+			}
+		}
+	}
+	return out
+}
+
+// writePIDs writes the pid file: this process first, then every process
+// it started (etcd and kube-apiserver included), so that `gpufrac down`
+// can stop them all, also after this process was killed outright. It is
+// written again whenever a component is replaced (Crash).
+func (c *Cluster) writePIDs() error {
+	self, ok := procOf(os.Getpid(), "gpufrac up")
+	if !ok {
+		return errors.New("cannot read this process's own /proc entry")
+	}
+	procs := append([]Proc{self}, c.controlPlane...)
+	for _, p := range c.procs {
+		if q, ok := procOf(p.cmd.Process.Pid, p.name); ok {
+			procs = append(procs, q)
+		}
+	}
+	var b strings.Builder
+	b.WriteString("# pid start-time name: the processes of a gpufrac up, itself first (gpufrac down reads it)\n")
+	for _, p := range procs {
+		fmt.Fprintf(&b, "%d %d %s\n", p.PID, p.Start, p.Name)
+	}
+	return os.WriteFile(filepath.Join(c.opts.Dir, pidFile), []byte(b.String()), 0o644)
+}
+
+// ReadPIDs reads the pid file of the `gpufrac up` whose state is in dir:
+// up itself first, then the processes it started. A line of a bare pid
+// (an older file) has no start time or name.
+func ReadPIDs(dir string) ([]Proc, error) {
+	path := filepath.Join(dir, pidFile)
+	raw, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("no local cluster is running (no %s)", path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []Proc
+	for i, line := range strings.Split(string(raw), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		f := strings.SplitN(line, " ", 3)
+		p := Proc{Name: "process"}
+		if p.PID, err = strconv.Atoi(f[0]); err != nil || p.PID <= 0 {
+			return nil, fmt.Errorf("%s line %d: %q is not a process id", path, i+1, f[0])
+		}
+		if len(f) > 1 {
+			if p.Start, err = strconv.ParseUint(f[1], 10, 64); err != nil {
+				return nil, fmt.Errorf("%s line %d: start time %q is not a number", path, i+1, f[1])
+			}
+		}
+		if len(f) > 2 {
+			p.Name = f[2]
+		}
+		out = append(out, p)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s names no process", path)
+	}
+	return out, nil
+}
+
+// StopReport is what Stop did, process by process.
+type StopReport struct {
+	// Stopped were running and are not any more.
+	Stopped []Proc
+	// Gone had exited before Stop began: they died, or were replaced by a
+	// process up did not start.
+	Gone []Proc
+	// Left still run: not even SIGKILL stopped them.
+	Left []Proc
+}
+
+// Stop stops the `gpufrac up` whose state is in dir and every process it
+// started. It asks up to stop first (up stops its children in order) and
+// waits for it up to timeout, then SIGKILLs it if need be; then it stops,
+// by SIGTERM and after timeout SIGKILL, every process of the pid file
+// still running: a child up could not stop, or all of them when up was
+// killed outright. It never trusts that up's exit means its children's.
+// The error names every process left running.
+func Stop(dir string, timeout time.Duration) (StopReport, error) {
+	procs, err := ReadPIDs(dir)
+	if err != nil {
+		return StopReport{}, err
+	}
+	var report StopReport
+	var wasRunning []Proc
+	for _, p := range procs {
+		if p.Running() {
+			wasRunning = append(wasRunning, p)
+		} else {
+			report.Gone = append(report.Gone, p)
+		}
+	}
+	if up := procs[0]; up.Running() {
+		terminate([]Proc{up}, timeout)
+	}
+	// What up left, in the order up stops it: its components, then
+	// kube-apiserver, then etcd (stopped under a live kube-apiserver, etcd
+	// would leave it retrying until its own grace period ends).
+	var components, apiserver, etcd []Proc
+	for _, p := range procs[1:] {
+		switch p.Name {
+		case "kube-apiserver":
+			apiserver = append(apiserver, p)
+		case "etcd":
+			etcd = append(etcd, p)
+		default:
+			components = append(components, p)
+		}
+	}
+	for _, group := range [][]Proc{components, apiserver, etcd} {
+		terminate(group, min(timeout, 10*time.Second))
+	}
+	for _, p := range wasRunning {
+		if p.Running() {
+			report.Left = append(report.Left, p)
+		} else {
+			report.Stopped = append(report.Stopped, p)
+		}
+	}
+	if len(report.Left) > 0 {
+		var names []string
+		for _, p := range report.Left {
+			names = append(names, p.String())
+		}
+		return report, fmt.Errorf("could not stop %s: still running after SIGKILL", strings.Join(names, ", "))
+	}
+	_ = os.Remove(filepath.Join(dir, pidFile))
+	return report, nil
+}
+
+// terminate sends SIGTERM to those of procs still running, waits up to
+// timeout, then SIGKILLs what still runs and waits a few seconds more for
+// the kernel to end them.
+func terminate(procs []Proc, timeout time.Duration) {
+	running := func() []Proc {
+		var out []Proc
+		for _, p := range procs {
+			if p.Running() {
+				out = append(out, p)
+			}
+		}
+		return out
+	}
+	for _, step := range []struct {
+		sig  syscall.Signal
+		wait time.Duration
+	}{{syscall.SIGTERM, timeout}, {syscall.SIGKILL, 5 * time.Second}} {
+		left := running()
+		if len(left) == 0 {
+			return
+		}
+		for _, p := range left {
+			_ = syscall.Kill(p.PID, step.sig)
+		}
+		_ = wait.PollUntilContextTimeout(context.Background(), 100*time.Millisecond, step.wait, true, func(context.Context) (bool, error) {
+			return len(running()) == 0, nil
+		})
+	}
+}
