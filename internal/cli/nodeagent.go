@@ -98,8 +98,11 @@ with no GPU, kubelet or container runtime.`,
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", 30*time.Second, "how often to re-read the GPUs, republish and annotate reservation pods")
 	f.BoolVar(&opts.DRA.Enabled, "dra", false, "also serve GPU shares through Dynamic Resource Allocation (driver gpu.gpufrac.io): publish the node's shared GPUs as ResourceSlices and prepare claims as the NRI plugin injects annotated containers (Kubernetes 1.36+)")
 	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", -1, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")
-	f.StringVar(&opts.DRA.PluginDir, "dra-plugin-dir", "/var/lib/kubelet/plugins/"+api.DRADriver, "with --dra, the kubelet plugin's directory (its gRPC socket)")
-	f.StringVar(&opts.DRA.RegistrarDir, "dra-registrar-dir", "/var/lib/kubelet/plugins_registry", "with --dra, the kubelet's plugin registration directory")
-	f.StringVar(&opts.DRA.CDIDir, "dra-cdi-dir", "/var/run/cdi", "with --dra, where the container runtime reads CDI specs: prepared claims' specs go there")
+	// Empty defaults: the agent picks the kubelet's directories on a real
+	// node and its own state directory on a simulated one, so that the
+	// agents of a local cluster never share (or touch) the host's.
+	f.StringVar(&opts.DRA.PluginDir, "dra-plugin-dir", "", "with --dra, the kubelet plugin's directory (its gRPC socket); default "+agent.DefaultDRAPluginDir+", or STATE-DIR/dra-plugin with --simulate-gpus")
+	f.StringVar(&opts.DRA.RegistrarDir, "dra-registrar-dir", "", "with --dra, the kubelet's plugin registration directory; default "+agent.DefaultDRARegistrarDir+", or STATE-DIR/dra-registry with --simulate-gpus")
+	f.StringVar(&opts.DRA.CDIDir, "dra-cdi-dir", "", "with --dra, where the container runtime reads CDI specs: prepared claims' specs go there; default "+agent.DefaultCDIDir+", or STATE-DIR/cdi with --simulate-gpus")
 	return cmd
 }

@@ -163,3 +163,35 @@ func procList(procs []localcluster.Proc) string {
 	}
 	return strings.Join(names, ", ")
 }
+
+func newWaitCommand() *cobra.Command {
+	var (
+		dir     string
+		timeout time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "wait",
+		Short: "Wait until the local cluster of gpufrac up is ready (for scripts: gpufrac up & gpufrac wait)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if timeout <= 0 {
+				return fmt.Errorf("--timeout %v: must be positive", timeout)
+			}
+			if dir == "" {
+				root, err := testenv.RepoRoot()
+				if err != nil {
+					return err
+				}
+				dir = filepath.Join(root, ".gpufrac")
+			}
+			if err := localcluster.WaitReady(cmd.Context(), dir, timeout); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "gpufrac wait: ready; export KUBECONFIG=%s\n", filepath.Join(dir, "kubeconfig"))
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	cmd.Flags().DurationVar(&timeout, "timeout", 15*time.Minute, "how long to wait; the first up builds kube-apiserver and KWOK (minutes)")
+	return cmd
+}

@@ -254,3 +254,28 @@ func terminate(procs []Proc, timeout time.Duration) {
 		})
 	}
 }
+
+// WaitReady waits until the `gpufrac up` whose state is in dir is ready:
+// up writes its pid file only once every node is ready (and, with DRA,
+// offers claims its standing GPUs), and removes it when it stops. A file
+// left by an up that was killed names a process that no longer runs, and
+// is not taken for a ready cluster.
+func WaitReady(ctx context.Context, dir string, timeout time.Duration) error {
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
+		procs, err := ReadPIDs(dir)
+		if err != nil {
+			last = err
+			return false, nil
+		}
+		if !procs[0].Running() {
+			last = fmt.Errorf("%s names %v, which is not running (a pid file left by an up that was killed)", filepath.Join(dir, pidFile), procs[0])
+			return false, nil
+		}
+		return true, nil
+	})
+	if err != nil && last != nil {
+		return fmt.Errorf("no gpufrac up became ready within %v: %w", timeout, last)
+	}
+	return err
+}

@@ -89,6 +89,11 @@ func TestLocalClusterDown(t *testing.T) {
 	if len(procs) != 8 { // up, etcd, kube-apiserver, an agent, KWOK, the scheduler, kube-controller-manager, the dashboard
 		t.Fatalf("up.pid lists %v, want up and its 7 children", procs)
 	}
+	// gpufrac wait, the tour's second line, returns for a ready cluster
+	// and gives up on a stopped one.
+	if out, err := exec.Command(gpufracBinary(t), "wait", "--dir", dir, "--timeout", "30s").CombinedOutput(); err != nil || !strings.Contains(string(out), "gpufrac wait: ready") {
+		t.Errorf("gpufrac wait on a running up: %v\n%s", err, out)
+	}
 	out, err := exec.Command(gpufracBinary(t), "down", "--dir", dir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("gpufrac down: %v\n%s", err, out)
@@ -99,6 +104,9 @@ func TestLocalClusterDown(t *testing.T) {
 	checkNoneLeft(t, procs)
 	if !strings.Contains(string(out), "no process of that gpufrac up is left") {
 		t.Errorf("gpufrac down did not say so:\n%s", out)
+	}
+	if out, err := exec.Command(gpufracBinary(t), "wait", "--dir", dir, "--timeout", "1s").CombinedOutput(); err == nil || !strings.Contains(string(out), "no gpufrac up became ready within 1s") {
+		t.Errorf("gpufrac wait after down: %v\n%s", err, out)
 	}
 }
 
@@ -241,6 +249,12 @@ func TestUpIsReadyForClaimsWhenItSaysSo(t *testing.T) {
 	for _, node := range []string{"gpu-node-1", "gpu-node-2"} {
 		if len(now[node]) != 8 {
 			t.Errorf("up is running, and %s offers DRA claims %d of its 8 GPUs held for shares", node, len(now[node]))
+		}
+		// Each simulated node serves its DRA plugin from its own directory:
+		// agents sharing the host kubelet's socket raced to bind it, and
+		// the loser took the whole demo down.
+		if _, err := os.Stat(filepath.Join(dir, "nodes", node, "dra-plugin", "dra.sock")); err != nil {
+			t.Errorf("%s's DRA plugin socket: %v", node, err)
 		}
 	}
 	pod := &corev1.Pod{

@@ -5,6 +5,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -30,6 +31,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
@@ -425,23 +427,33 @@ func (a *Agent) standingGPUs(inv inventory.Inventory, invErr error) int {
 	return n
 }
 
+// The kubelet's directories for the DRA driver's plugin and CDI specs on
+// a real node, where --dra-plugin-dir, --dra-registrar-dir and
+// --dra-cdi-dir do not say otherwise.
+const (
+	DefaultDRAPluginDir    = "/var/lib/kubelet/plugins/" + api.DRADriver
+	DefaultDRARegistrarDir = "/var/lib/kubelet/plugins_registry"
+	DefaultCDIDir          = "/var/run/cdi"
+)
+
 // startDRA starts the DRA driver's kubelet plugin. Its devices are
 // published by each resync, once the standing reservation pods say which
 // GPUs are held for shares.
 func (a *Agent) startDRA(ctx context.Context) (func(), error) {
 	o := a.opts.DRA
+	plugin, registrar, cdi := DefaultDRAPluginDir, DefaultDRARegistrarDir, DefaultCDIDir
 	if a.opts.SimulateGPUs != "" {
-		// No kubelet calls a simulated node's plugin; it serves all the same.
-		if o.PluginDir == "" {
-			o.PluginDir = filepath.Join(a.opts.StateDir, "dra-plugin")
-		}
-		if o.RegistrarDir == "" {
-			o.RegistrarDir = filepath.Join(a.opts.StateDir, "dra-registry")
-		}
-		if o.CDIDir == "" {
-			o.CDIDir = filepath.Join(a.opts.StateDir, "cdi")
-		}
+		// No kubelet calls a simulated node's plugin; it serves all the
+		// same, from the node's own directories: the agents of a local
+		// cluster on one host must not share one socket (they raced to
+		// bind it, and one failed) nor write into the host's kubelet's.
+		plugin = filepath.Join(a.opts.StateDir, "dra-plugin")
+		registrar = filepath.Join(a.opts.StateDir, "dra-registry")
+		cdi = filepath.Join(a.opts.StateDir, "cdi")
 	}
+	o.PluginDir = cmp.Or(o.PluginDir, plugin)
+	o.RegistrarDir = cmp.Or(o.RegistrarDir, registrar)
+	o.CDIDir = cmp.Or(o.CDIDir, cdi)
 	for _, dir := range []string{o.PluginDir, o.RegistrarDir, o.CDIDir} {
 		if err := os.MkdirAll(dir, 0o750); err != nil {
 			return nil, fmt.Errorf("DRA driver directory %s: %w", dir, err)
