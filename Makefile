@@ -215,7 +215,7 @@ sim: build ## one seed of every policy on the default Alibaba trace (TRACES=dir)
 		--policy all --seeds 42 --out _output/sim
 
 .PHONY: sim-table
-sim-table: build ## the README's table: every policy on every trace in TRACES, seeds 42-51 (about 40 min on 2 cores)
+sim-table: build ## docs/placement.md's table: every policy on every trace in TRACES, seeds 42-51 (about 40 min on 2 cores)
 	hack/sim-table.sh $(TRACES) _output/sim-table
 
 .PHONY: replay

@@ -2,7 +2,7 @@
 # Runs every policy on every pod trace in a trace directory, and on the
 # variants derived from its default trace (VARIANTS), seeds 42-51 unless
 # SEEDS says otherwise, and writes one JSON line per run to
-# OUT/runs.jsonl, then the README's table (mean allocation at 130% arrived
+# OUT/runs.jsonl, then docs/placement.md's table (mean allocation at 130% arrived
 # per policy and trace, with the study's published FGD mean and our
 # margin over it) to OUT/table.md.
 set -euo pipefail

@@ -1,6 +1,6 @@
 // Command simtable turns the JSON lines of `gpufrac sim --json` runs
 // (each with a "trace" field added, as hack/sim-table.sh does) into the
-// README's Markdown table: the mean allocation at 130% arrived per trace
+// Markdown table of docs/placement.md: the mean allocation at 130% arrived per trace
 // and policy, the study's published FGD mean where it has one, and our
 // default policy's margin over FGD (published, and as run here).
 package main

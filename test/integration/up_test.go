@@ -314,6 +314,13 @@ func TestReadmeTour(t *testing.T) {
 		t.Fatalf("the tour has %d shell blocks, want 3 (set-up, apply, refusals)", len(blocks))
 	}
 
+	// The set-up block starts up in the background and waits for it
+	// before anything is applied: a tour that raced up would fail for
+	// whoever pastes it at once.
+	if !regexp.MustCompile(`(?m)^bin/gpufrac up &.*\n(?:\s*#.*\n)*bin/gpufrac wait\b`).MatchString(blocks[0][1]) {
+		t.Errorf("the tour's set-up block does not wait for up before going on:\n%s", blocks[0][1])
+	}
+
 	bin := gpufracBinary(t)
 	dir, done := startUp(t, 2)
 	t.Cleanup(func() {
