@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -252,12 +253,9 @@ func (c *Cluster) startControlPlane() error {
 		return err
 	}
 	env.WebhookInstallOptions.Paths = []string{filepath.Join(c.opts.Root, "deploy", "webhook")}
-	if _, err := env.Start(); err != nil {
-		return err
-	}
-	c.env = env
-	// envtest keeps their pids to itself; they are found as this
-	// process's children running its binaries, for the pid file.
+	// envtest keeps the pids of etcd and kube-apiserver to itself; they are
+	// found, for the pid file, as the children running its binaries that
+	// were not there before it started (a test may run another cluster).
 	kubeDir, err := testenv.AssetsDir()
 	if err != nil {
 		return err
@@ -273,8 +271,18 @@ func (c *Cluster) startControlPlane() error {
 		}
 		bins = append(bins, bin)
 	}
-	if c.controlPlane = childrenRunning(os.Getpid(), bins...); len(c.controlPlane) != 2 {
-		return fmt.Errorf("found %v running of etcd and kube-apiserver (%s), want one each", c.controlPlane, strings.Join(bins, ", "))
+	before := childrenRunning(os.Getpid(), bins...)
+	if _, err := env.Start(); err != nil {
+		return err
+	}
+	c.env = env
+	for _, p := range childrenRunning(os.Getpid(), bins...) {
+		if !slices.Contains(before, p) {
+			c.controlPlane = append(c.controlPlane, p)
+		}
+	}
+	if len(c.controlPlane) != 2 {
+		return fmt.Errorf("found %v of etcd and kube-apiserver (%s) started, want one each", c.controlPlane, strings.Join(bins, ", "))
 	}
 	kc, err := testenv.KubeConfig(env, "gpufrac-admin", "system:masters")
 	if err != nil {
