@@ -224,7 +224,11 @@ func replayLive(cmd *cobra.Command, o replayOptions, root, self, dir string, sli
 	if err != nil {
 		return sim.Result{}, err
 	}
-	defer cluster.Down()
+	defer func() {
+		if err := cluster.Shutdown(); err != nil {
+			fmt.Fprintf(cmd.ErrOrStderr(), "gpufrac replay: %v; run gpufrac down --dir %s\n", err, dir)
+		}
+	}()
 	start := time.Now()
 	placed, err := cluster.Replay(cmd.Context(), workload, nil)
 	if err != nil {

@@ -136,7 +136,7 @@ func newDownCommand() *cobra.Command {
 				}
 				dir = filepath.Join(root, ".gpufrac")
 			}
-			report, err := localcluster.Stop(dir, 30*time.Second)
+			report, err := localcluster.Stop(dir, localcluster.StopGrace)
 			out := cmd.OutOrStdout()
 			if len(report.Gone) > 0 {
 				fmt.Fprintf(out, "gpufrac down: already gone (died, or replaced by a process up did not start): %s\n", procList(report.Gone))

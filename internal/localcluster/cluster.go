@@ -130,6 +130,14 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := os.MkdirAll(filepath.Join(opts.Dir, "logs"), 0o755); err != nil {
 		return nil, err
 	}
+	if procs, _, err := ReadPIDs(opts.Dir); err == nil && procs[0].Running() {
+		return nil, fmt.Errorf("%v already runs a local cluster in %s: stop it first (gpufrac down --dir %s)", procs[0], opts.Dir, opts.Dir)
+	}
+	// From now on the pid file names what runs, for `gpufrac down` (also
+	// of an up still starting) and `gpufrac wait`; it is marked ready last.
+	if err := c.writePIDs(false); err != nil {
+		return nil, err
+	}
 	if len(opts.Shapes) == 0 {
 		for i := 1; i <= opts.Nodes; i++ {
 			opts.Shapes = append(opts.Shapes, NodeShape{Name: fmt.Sprintf("gpu-node-%d", i), CPUMilli: 64000, MemoryMiB: 512 << 10, Pods: 110, Machine: opts.Machine})
@@ -198,7 +206,7 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 			return nil, err
 		}
 	}
-	if err := c.writePIDs(); err != nil {
+	if err := c.writePIDs(true); err != nil {
 		return nil, err
 	}
 	return c, nil
@@ -208,7 +216,13 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 func (c *Cluster) step(what string, do func() error) error {
 	start := time.Now()
 	fmt.Fprintf(c.opts.Progress, "  %-70s ", what+" …")
-	if err := do(); err != nil {
+	err := do()
+	// What the step started is recorded even when it failed, so that
+	// `gpufrac down` stops it should this process be killed meanwhile.
+	if werr := c.writePIDs(false); err == nil {
+		err = werr
+	}
+	if err != nil {
 		fmt.Fprintln(c.opts.Progress, "failed")
 		return fmt.Errorf("%s: %w", what, err)
 	}
@@ -254,32 +268,30 @@ func (c *Cluster) startControlPlane() error {
 	}
 	env.WebhookInstallOptions.Paths = []string{filepath.Join(c.opts.Root, "deploy", "webhook")}
 	// envtest keeps the pids of etcd and kube-apiserver to itself; they are
-	// found, for the pid file, as the children running its binaries that
-	// were not there before it started (a test may run another cluster).
-	kubeDir, err := testenv.AssetsDir()
-	if err != nil {
-		return err
-	}
+	// found, for the pid file, as the children that appeared while it
+	// started, running the binaries it resolved (a test may run another
+	// cluster). Also when Start fails after starting them: Down must stop
+	// them all the same.
+	before := childPIDs(os.Getpid())
+	_, startErr := env.Start()
+	c.env = env
 	var bins []string
-	for _, name := range []string{"etcd", "kube-apiserver"} {
-		bin, err := filepath.EvalSymlinks(filepath.Join(kubeDir, name))
-		if err != nil {
-			return err
+	for _, bin := range []string{env.ControlPlane.Etcd.Path, env.ControlPlane.GetAPIServer().Path} {
+		if resolved, err := filepath.EvalSymlinks(bin); err == nil {
+			bin = resolved
 		}
-		if bin, err = filepath.Abs(bin); err != nil {
-			return err
+		if abs, err := filepath.Abs(bin); err == nil {
+			bin = abs
 		}
 		bins = append(bins, bin)
 	}
-	before := childrenRunning(os.Getpid(), bins...)
-	if _, err := env.Start(); err != nil {
-		return err
-	}
-	c.env = env
 	for _, p := range childrenRunning(os.Getpid(), bins...) {
-		if !slices.Contains(before, p) {
+		if !slices.Contains(before, p.PID) {
 			c.controlPlane = append(c.controlPlane, p)
 		}
+	}
+	if startErr != nil {
+		return startErr
 	}
 	if len(c.controlPlane) != 2 {
 		return fmt.Errorf("found %v of etcd and kube-apiserver (%s) started, want one each", c.controlPlane, strings.Join(bins, ", "))
@@ -689,7 +701,7 @@ func (c *Cluster) Crash(name string) error {
 		if err := c.startBinary(p.bin, name, p.args...); err != nil {
 			return err
 		}
-		return c.writePIDs() // the new process must be stopped by down too
+		return c.writePIDs(true) // the new process must be stopped by down too
 	}
 	return fmt.Errorf("no component %q: one of %v", name, c.Components())
 }
@@ -749,7 +761,7 @@ func (c *Cluster) waitOffered(ctx context.Context) error {
 		}
 		return true, nil
 	})
-	if err != nil && behind != "" {
+	if wait.Interrupted(err) && behind != "" {
 		return fmt.Errorf("%s: %w (see %s)", behind, err, filepath.Join(c.opts.Dir, "logs"))
 	}
 	return err
@@ -775,12 +787,14 @@ func (c *Cluster) Shutdown() error {
 		p := c.procs[i]
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	}
+	// One deadline for all: told to stop together, they get 10 s together.
+	deadline := time.After(10 * time.Second)
 	for _, p := range c.procs {
 		// Their exit status says nothing here: they were told to stop.
 		select {
 		case err := <-p.done:
 			_ = err
-		case <-time.After(10 * time.Second):
+		case <-deadline:
 			_ = p.cmd.Process.Kill()
 			err := <-p.done
 			_ = err

@@ -145,12 +145,6 @@ func (c *Cluster) claims(ctx context.Context) ([]resourceapi.ResourceClaim, erro
 	return list.Items, nil
 }
 
-// demoClaimBeside shows both front doors on one GPU: it finds a
-// time-slicing GPU an annotated pod shares, with room left, and asks for
-// 4Gi of that very GPU through a ResourceClaim (a CEL selector on the
-// device's uuid). The scheduler books the claim on the same ledger as the
-// pod, the node offers the allocator only what the pod leaves, and the
-// node would enforce both alike.
 // besideCandidate finds a time-slicing GPU that an annotated pod shares,
 // that the node's DRA driver offers, with at least share MiB free: its
 // node, UUID and the pod. When there is none, it says why, GPU by GPU.
@@ -200,6 +194,12 @@ func (c *Cluster) besideCandidate(ctx context.Context, share int64) (node, gpu, 
 	return "", "", "", strings.Join(seen, "; "), nil
 }
 
+// demoClaimBeside shows both front doors on one GPU: it finds a
+// time-slicing GPU an annotated pod shares, with room left, and asks for
+// 4Gi of that very GPU through a ResourceClaim (a CEL selector on the
+// device's uuid). The scheduler books the claim on the same ledger as the
+// pod, the node offers the allocator only what the pod leaves, and the
+// node would enforce both alike.
 func (c *Cluster) demoClaimBeside(ctx context.Context, out io.Writer) error {
 	const share = 4096
 	// What the step needs (an annotated time-slicing pod on a GPU the DRA
@@ -211,8 +211,11 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, out io.Writer) error {
 		node, gpu, beside, why, err = c.besideCandidate(ctx, share)
 		return node != "", err
 	})
-	if node == "" {
+	if node == "" && why != "" {
 		return fmt.Errorf("no time-slicing GPU that the DRA driver offers, with an annotated pod and 4Gi free, to show a claim beside it (%s): %w", why, err)
+	}
+	if node == "" {
+		return fmt.Errorf("looking for a GPU to show a claim beside an annotated pod: %w", err)
 	}
 	claim := &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: "beside", Namespace: demoNamespace},

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -13,6 +14,11 @@ import (
 
 	"k8s.io/apimachinery/pkg/util/wait"
 )
+
+// StopGrace is how long `gpufrac down` lets up stop in order before it
+// kills it: up gives its components 10 s, then envtest gives kube-apiserver
+// and etcd 20 s each.
+const StopGrace = 60 * time.Second
 
 // pidFile is where `gpufrac up` records the processes it runs, for
 // `gpufrac down`: itself first, then every process it started.
@@ -32,10 +38,10 @@ func (p Proc) String() string { return fmt.Sprintf("%s (pid %d)", p.Name, p.PID)
 
 // Running says whether the process still runs: its pid exists, started
 // when recorded, and is not a zombie (a child whose parent was killed
-// may wait a while to be reaped). A Start of 0 (not known) matches any.
+// may wait a while to be reaped).
 func (p Proc) Running() bool {
 	state, start, ok := procStat(p.PID)
-	return ok && (p.Start == 0 || start == p.Start) && state != "Z" && state != "X"
+	return ok && start == p.Start && state != "Z" && state != "X"
 }
 
 // procStat reads a process's state and start time from /proc/<pid>/stat.
@@ -64,10 +70,9 @@ func procOf(pid int, name string) (Proc, bool) {
 	return Proc{PID: pid, Start: start, Name: name}, ok
 }
 
-// childrenRunning lists the processes whose parent is pid and whose
-// executable is one of bins (by path), named after the executable.
-func childrenRunning(pid int, bins ...string) []Proc {
-	var out []Proc
+// childPIDs lists the processes whose parent is pid.
+func childPIDs(pid int) []int {
+	var out []int
 	dirs, _ := os.ReadDir("/proc")
 	for _, d := range dirs {
 		child, err := strconv.Atoi(d.Name())
@@ -75,29 +80,42 @@ func childrenRunning(pid int, bins ...string) []Proc {
 			continue
 		}
 		status, err := os.ReadFile(filepath.Join("/proc", d.Name(), "status"))
-		if err != nil || !strings.Contains(string(status), "\nPPid:\t"+strconv.Itoa(pid)+"\n") {
-			continue
-		}
-		exe, err := os.Readlink(filepath.Join("/proc", d.Name(), "exe"))
-		if err != nil {
-			continue
-		}
-		for _, bin := range bins {
-			if exe == bin {
-				if p, ok := procOf(child, filepath.Base(bin)); ok {
-					out = append(out, p)
-				}
-			}
+		if err == nil && strings.Contains(string(status), "\nPPid:\t"+strconv.Itoa(pid)+"\n") {
+			out = append(out, child)
 		}
 	}
 	return out
 }
 
+// childrenRunning lists the processes whose parent is pid and whose
+// executable is one of bins (by path), named after the executable.
+func childrenRunning(pid int, bins ...string) []Proc {
+	var out []Proc
+	for _, child := range childPIDs(pid) {
+		exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", child))
+		if err != nil || !slices.Contains(bins, exe) {
+			continue
+		}
+		if p, ok := procOf(child, filepath.Base(exe)); ok {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// The pid file's first line says whether up is still starting or ready.
+const (
+	headerStarting = "# starting: pid start-time name of a gpufrac up, itself first (gpufrac down and wait read it)"
+	headerReady    = "# ready: pid start-time name of a gpufrac up, itself first (gpufrac down and wait read it)"
+)
+
 // writePIDs writes the pid file: this process first, then every process
 // it started (etcd and kube-apiserver included), so that `gpufrac down`
-// can stop them all, also after this process was killed outright. It is
-// written again whenever a component is replaced (Crash).
-func (c *Cluster) writePIDs() error {
+// can stop them all, also after this process was killed outright. Up
+// writes it as it starts each process, then marks it ready; Crash writes
+// it again. It is replaced whole (a rename), so that a reader never sees
+// half of it.
+func (c *Cluster) writePIDs(ready bool) error {
 	self, ok := procOf(os.Getpid(), "gpufrac up")
 	if !ok {
 		return errors.New("cannot read this process's own /proc entry")
@@ -109,50 +127,56 @@ func (c *Cluster) writePIDs() error {
 		}
 	}
 	var b strings.Builder
-	b.WriteString("# pid start-time name: the processes of a gpufrac up, itself first (gpufrac down reads it)\n")
+	b.WriteString(map[bool]string{false: headerStarting, true: headerReady}[ready] + "\n")
 	for _, p := range procs {
 		fmt.Fprintf(&b, "%d %d %s\n", p.PID, p.Start, p.Name)
 	}
-	return os.WriteFile(filepath.Join(c.opts.Dir, pidFile), []byte(b.String()), 0o644)
+	path := filepath.Join(c.opts.Dir, pidFile)
+	if err := os.WriteFile(path+".tmp", []byte(b.String()), 0o644); err != nil {
+		return err
+	}
+	return os.Rename(path+".tmp", path)
 }
 
 // ReadPIDs reads the pid file of the `gpufrac up` whose state is in dir:
-// up itself first, then the processes it started. A line of a bare pid
-// (an older file) has no start time or name.
-func ReadPIDs(dir string) ([]Proc, error) {
+// up itself first, then the processes it started, and whether up said it
+// was ready.
+func ReadPIDs(dir string) (procs []Proc, ready bool, err error) {
 	path := filepath.Join(dir, pidFile)
 	raw, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("no local cluster is running (no %s)", path)
+		return nil, false, fmt.Errorf("no local cluster is running (no %s)", path)
 	}
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	var out []Proc
 	for i, line := range strings.Split(string(raw), "\n") {
 		line = strings.TrimSpace(line)
+		if line == headerReady {
+			ready = true
+		}
 		if line == "" || strings.HasPrefix(line, "#") {
 			continue
 		}
-		f := strings.SplitN(line, " ", 3)
-		p := Proc{Name: "process"}
+		f := strings.Fields(line)
+		if len(f) < 3 {
+			return nil, false, fmt.Errorf("%s line %d: %q: want pid, start time and name", path, i+1, line)
+		}
+		p := Proc{Name: strings.Join(f[2:], " ")}
 		if p.PID, err = strconv.Atoi(f[0]); err != nil || p.PID <= 0 {
-			return nil, fmt.Errorf("%s line %d: %q is not a process id", path, i+1, f[0])
+			return nil, false, fmt.Errorf("%s line %d: %q is not a process id", path, i+1, f[0])
 		}
-		if len(f) > 1 {
-			if p.Start, err = strconv.ParseUint(f[1], 10, 64); err != nil {
-				return nil, fmt.Errorf("%s line %d: start time %q is not a number", path, i+1, f[1])
-			}
+		// A start time of 0 would match any process of that pid: down must
+		// never signal a process it cannot tell is up's.
+		if p.Start, err = strconv.ParseUint(f[1], 10, 64); err != nil || p.Start == 0 {
+			return nil, false, fmt.Errorf("%s line %d: start time %q is not a positive number", path, i+1, f[1])
 		}
-		if len(f) > 2 {
-			p.Name = f[2]
-		}
-		out = append(out, p)
+		procs = append(procs, p)
 	}
-	if len(out) == 0 {
-		return nil, fmt.Errorf("%s names no process", path)
+	if len(procs) == 0 {
+		return nil, false, fmt.Errorf("%s names no process", path)
 	}
-	return out, nil
+	return procs, ready, nil
 }
 
 // StopReport is what Stop did, process by process.
@@ -174,7 +198,7 @@ type StopReport struct {
 // killed outright. It never trusts that up's exit means its children's.
 // The error names every process left running.
 func Stop(dir string, timeout time.Duration) (StopReport, error) {
-	procs, err := ReadPIDs(dir)
+	procs, _, err := ReadPIDs(dir)
 	if err != nil {
 		return StopReport{}, err
 	}
@@ -256,25 +280,41 @@ func terminate(procs []Proc, timeout time.Duration) {
 }
 
 // WaitReady waits until the `gpufrac up` whose state is in dir is ready:
-// up writes its pid file only once every node is ready (and, with DRA,
-// offers claims its standing GPUs), and removes it when it stops. A file
-// left by an up that was killed names a process that no longer runs, and
-// is not taken for a ready cluster.
+// up marks its pid file ready once every node is (and, with DRA, offers
+// claims its standing GPUs), and removes the file when it stops. It gives
+// up at once when an up it saw running ends before it was ready; a file
+// left by an up that was killed earlier names a process that no longer
+// runs, and is waited past (a new up replaces it as it starts).
 func WaitReady(ctx context.Context, dir string, timeout time.Duration) error {
-	var last error
+	var (
+		seen *Proc
+		last error
+	)
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
-		procs, err := ReadPIDs(dir)
-		if err != nil {
+		procs, ready, err := ReadPIDs(dir)
+		switch {
+		case err != nil && seen != nil:
+			return false, fmt.Errorf("%v stopped before it was ready (see its output)", *seen)
+		case err != nil:
 			last = err
 			return false, nil
+		case procs[0].Running():
+			seen = &procs[0]
+			return ready, nil
+		case seen != nil && *seen == procs[0]:
+			return false, fmt.Errorf("%v exited before it was ready (see its output)", *seen)
 		}
-		if !procs[0].Running() {
-			last = fmt.Errorf("%s names %v, which is not running (a pid file left by an up that was killed)", filepath.Join(dir, pidFile), procs[0])
-			return false, nil
-		}
-		return true, nil
+		last = fmt.Errorf("%s names %v, which is not running (left by an up that was killed?)", filepath.Join(dir, pidFile), procs[0])
+		return false, nil
 	})
-	if err != nil && last != nil {
+	switch {
+	case err == nil:
+		return nil
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case wait.Interrupted(err) && seen != nil:
+		return fmt.Errorf("%v was not ready within %v", *seen, timeout)
+	case wait.Interrupted(err) && last != nil:
 		return fmt.Errorf("no gpufrac up became ready within %v: %w", timeout, last)
 	}
 	return err

@@ -279,7 +279,7 @@ func TestEndToEnd(t *testing.T) {
 	})
 
 	t.Run("down leaves no process", func(t *testing.T) {
-		procs, err := localcluster.ReadPIDs(dir)
+		procs, _, err := localcluster.ReadPIDs(dir)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -170,9 +170,9 @@ func TestDownAfterUpWasKilled(t *testing.T) {
 // recorded reads the pid file of the up in dir: up, then its children.
 func recorded(t *testing.T, dir string) []localcluster.Proc {
 	t.Helper()
-	procs, err := localcluster.ReadPIDs(dir)
-	if err != nil {
-		t.Fatal(err)
+	procs, ready, err := localcluster.ReadPIDs(dir)
+	if err != nil || !ready {
+		t.Fatalf("the pid file of a running up: ready %v, %v", ready, err)
 	}
 	for _, p := range procs {
 		if !p.Running() {

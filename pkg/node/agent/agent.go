@@ -92,10 +92,12 @@ type DRAOptions struct {
 	// StandingGPUs is how many GPUs the node asks to have held for shares
 	// (api.LabelStandingGPUs); -1 for all. Only those are offered claims.
 	StandingGPUs int
-	// PluginDir, RegistrarDir: the kubelet plugin's directories; on a
-	// simulated node, under StateDir when empty.
+	// PluginDir, RegistrarDir: the kubelet plugin's directories. When
+	// empty: the kubelet's (DefaultDRAPluginDir, DefaultDRARegistrarDir),
+	// or, on a simulated node, under StateDir.
 	PluginDir, RegistrarDir string
-	// CDIDir is where prepared claims' CDI specs go.
+	// CDIDir is where prepared claims' CDI specs go; when empty,
+	// DefaultCDIDir, or under StateDir on a simulated node.
 	CDIDir string
 }
 
