@@ -743,7 +743,7 @@ func (c *Cluster) waitOffered(ctx context.Context) error {
 				return false, err
 			}
 		}
-		offered, err := c.offeredGPUs(ctx)
+		offered, err := OfferedGPUs(ctx, c.Admin)
 		if err != nil {
 			return false, err
 		}

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -161,7 +162,7 @@ func (c *Cluster) besideCandidate(ctx context.Context, share int64) (node, gpu, 
 	if err != nil {
 		return "", "", "", "", err
 	}
-	offered, err := c.offeredGPUs(ctx)
+	offered, err := OfferedGPUs(ctx, c.Admin)
 	if err != nil {
 		return "", "", "", "", err
 	}
@@ -271,10 +272,10 @@ func (c *Cluster) demoClaimBeside(ctx context.Context, out io.Writer) error {
 	return nil
 }
 
-// offeredGPUs lists, by node, the GPUs (lower-case UUIDs) that a device
+// OfferedGPUs lists, by node, the GPUs (lower-case UUIDs) that a device
 // of gpufrac's DRA driver offers claims in the published ResourceSlices.
-func (c *Cluster) offeredGPUs(ctx context.Context) (map[string]map[string]bool, error) {
-	list, err := c.Admin.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+func OfferedGPUs(ctx context.Context, client kubernetes.Interface) (map[string]map[string]bool, error) {
+	list, err := client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, err
 	}

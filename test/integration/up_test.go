@@ -22,7 +22,6 @@ import (
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/node/dra"
 )
 
 // `gpufrac up --demo` brings the whole stack up on loopback, places the
@@ -225,23 +224,9 @@ func TestUpIsReadyForClaimsWhenItSaysSo(t *testing.T) {
 	client := kubernetes.NewForConfigOrDie(cfg)
 	ctx := context.Background()
 	offered := func() map[string]map[string]bool {
-		list, err := client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		out, err := localcluster.OfferedGPUs(ctx, client)
 		if err != nil {
 			t.Fatal(err)
-		}
-		out := map[string]map[string]bool{}
-		for _, s := range list.Items {
-			if s.Spec.Driver != api.DRADriver || s.Spec.NodeName == nil {
-				continue
-			}
-			for _, d := range s.Spec.Devices {
-				if a, ok := d.Attributes[dra.AttrUUID]; ok && a.StringValue != nil {
-					if out[*s.Spec.NodeName] == nil {
-						out[*s.Spec.NodeName] = map[string]bool{}
-					}
-					out[*s.Spec.NodeName][strings.ToLower(*a.StringValue)] = true
-				}
-			}
 		}
 		return out
 	}
