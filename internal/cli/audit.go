@@ -19,7 +19,6 @@ func newAuditCommand() *cobra.Command {
 	var (
 		kubeconfig  string
 		namespace   string
-		reserve     int64
 		orphanGrace time.Duration
 		selector    string
 	)
@@ -67,7 +66,6 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 			}
 			found := audit.Check(nodes.Items, pods.Items, claims, audit.Options{
 				ReservationNamespace: namespace,
-				ReserveMiB:           func(string) int64 { return reserve },
 				OrphanGrace:          orphanGrace,
 				Now:                  time.Now(),
 			})
@@ -85,7 +83,6 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 	f := cmd.Flags()
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
-	f.Int64Var(&reserve, "gpu-memory-reserve-mib", 0, "per-GPU memory the scheduler keeps back (its gpuMemoryReserveMiB)")
 	f.StringVar(&selector, "node-selector", "", "audit only the nodes with these labels (e.g. pool=gpu-a), and the pods on them")
 	f.DurationVar(&orphanGrace, "orphan-grace", time.Minute, "spare reservation pods younger than this (the scheduler creates one just before it binds)")
 	return cmd

@@ -16,8 +16,6 @@ func newDashboardCommand() *cobra.Command {
 		kubeconfig string
 		listen     string
 		namespace  string
-		reserve    int64
-		byModel    map[string]int64
 	)
 	cmd := &cobra.Command{
 		Use:   "dashboard",
@@ -36,14 +34,6 @@ in the binary. /api/view is the view as JSON (gpufrac top -o json, with the
 reasons).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if reserve < 0 {
-				return fmt.Errorf("--gpu-memory-reserve-mib %d: must be 0 or more", reserve)
-			}
-			for model, v := range byModel {
-				if v < 0 {
-					return fmt.Errorf("--gpu-memory-reserve-mib-by-model %s=%d: must be 0 or more", model, v)
-				}
-			}
 			client, err := clusterClient(kubeconfig)
 			if err != nil {
 				return fmt.Errorf("dashboard: %w", err)
@@ -53,12 +43,7 @@ reasons).`,
 				return fmt.Errorf("dashboard: --listen %q: %w", listen, err)
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "gpufrac dashboard: http://%s/\n", l.Addr())
-			srv := dashboard.New(dashboard.Options{Client: client, ReservationNamespace: namespace, Reserve: func(model string) int64 {
-				if v, ok := byModel[model]; ok {
-					return v
-				}
-				return reserve
-			}})
+			srv := dashboard.New(dashboard.Options{Client: client, ReservationNamespace: namespace})
 			return srv.Run(klog.NewContext(cmd.Context(), klog.Background()), l)
 		},
 	}
@@ -66,7 +51,5 @@ reasons).`,
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve on (host:port; port 0 picks a free one)")
 	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
-	f.Int64Var(&reserve, "gpu-memory-reserve-mib", 0, "per-GPU memory the scheduler keeps back (its gpuMemoryReserveMiB): free memory is what it would still place")
-	f.StringToInt64Var(&byModel, "gpu-memory-reserve-mib-by-model", nil, "per GPU model (nvidia.com/gpu.product), MODEL=MIB,... overriding --gpu-memory-reserve-mib, as the scheduler's gpuMemoryReserveMiBByModel")
 	return cmd
 }

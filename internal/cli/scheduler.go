@@ -24,8 +24,6 @@ NvFractions annotations.
 
 Plugin arguments (pluginConfig, name GPUFractions):
   policy                        gpufrac (default), fgd, bestfit, gpupacking, dotprod, spread
-  gpuMemoryReserveMiB           MiB kept back on every GPU (default 0)
-  gpuMemoryReserveMiBByModel    per nvidia.com/gpu.product override
   reservationNamespace          namespace of reservation pods (default gpufrac-reservations)
   reservationImage              image reservation pods run (default registry.k8s.io/pause:3.10)
   reservationPriorityClassName  their priority class (default system-node-critical)

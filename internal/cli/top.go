@@ -18,7 +18,6 @@ func newTopCommand() *cobra.Command {
 		kubeconfig string
 		namespace  string
 		output     string
-		reserve    int64
 	)
 	cmd := &cobra.Command{
 		Use:   "top",
@@ -54,7 +53,7 @@ PATH, then run "kubectl gpufrac top".`,
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
 			}
-			view := clusterview.Build(nodes.Items, pods.Items, claims, namespace, func(string) int64 { return reserve })
+			view := clusterview.Build(nodes.Items, pods.Items, claims, namespace)
 			if output == "json" {
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")
@@ -67,6 +66,5 @@ PATH, then run "kubectl gpufrac top".`,
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringVarP(&output, "output", "o", "", "json for machines")
-	f.Int64Var(&reserve, "gpu-memory-reserve-mib", 0, "per-GPU memory the scheduler keeps back (its gpuMemoryReserveMiB): free memory is what it would still place")
 	return cmd
 }

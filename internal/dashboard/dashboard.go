@@ -44,9 +44,6 @@ type Options struct {
 	Client kubernetes.Interface
 	// ReservationNamespace holds the reservation pods.
 	ReservationNamespace string
-	// Reserve is the per-GPU memory the scheduler keeps back, by model
-	// (nil for none), so that free memory is what it would still place.
-	Reserve func(model string) int64
 	// Settle is how long a change waits for more before the view is
 	// rebuilt (a burst of pod updates becomes one push); default 200 ms.
 	Settle time.Duration
@@ -191,7 +188,7 @@ func (s *Server) view() (clusterview.View, error) {
 		}
 		claims = deref(list)
 	}
-	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), claims, s.opts.ReservationNamespace, s.opts.Reserve), deref(events)), nil
+	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), claims, s.opts.ReservationNamespace), deref(events)), nil
 }
 
 // servesClaims says whether the cluster serves ResourceClaims

@@ -105,7 +105,7 @@ func TestViewIsTopsView(t *testing.T) {
 	if err := json.NewDecoder(resp.Body).Decode(&got); err != nil {
 		t.Fatal(err)
 	}
-	top := clusterview.Build([]corev1.Node{*n}, []corev1.Pod{*pods[0], *pods[1], *pods[2]}, nil, "gpufrac-reservations", nil)
+	top := clusterview.Build([]corev1.Node{*n}, []corev1.Pod{*pods[0], *pods[1], *pods[2]}, nil, "gpufrac-reservations")
 	raw, _ := json.Marshal(top)
 	var want clusterview.View
 	if err := json.Unmarshal(raw, &want); err != nil {

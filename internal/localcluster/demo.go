@@ -116,7 +116,7 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		return err
 	}
 	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
-	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace, nil)); err != nil {
+	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace)); err != nil {
 		return err
 	}
 	if v := audit.Check(nodes.Items, pods.Items, claims, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now(), OrphanGrace: time.Minute}); len(v) > 0 {
@@ -166,7 +166,7 @@ func (c *Cluster) besideCandidate(ctx context.Context, share int64) (node, gpu, 
 	if err != nil {
 		return "", "", "", "", err
 	}
-	view := clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace, nil)
+	view := clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace)
 	var seen []string
 	for _, n := range view.Nodes {
 		for _, g := range n.Shared {

@@ -15,7 +15,14 @@ type Inventory struct {
 	// MemoryMiB is each GPU's memory.
 	MemoryMiB int64
 	Model     string
+	// ReserveMiB is kept back on each GPU (LabelGPUMemoryReserve): what
+	// shares divide is MemoryMiB − ReserveMiB.
+	ReserveMiB int64
 }
+
+// SchedulableMiB is what shares of one GPU divide: its memory less the
+// reserve.
+func (inv Inventory) SchedulableMiB() int64 { return inv.MemoryMiB - inv.ReserveMiB }
 
 // InventoryOf reads a node's GPU inventory. ready is whether the node
 // takes fractional pods; when it does not, why says so in words that
@@ -37,6 +44,13 @@ func InventoryOf(node *corev1.Node) (inv Inventory, ready bool, why string) {
 		return inv, false, fmt.Sprintf("node label %s=%q must be a positive number of MiB", LabelGPUMemory, raw)
 	}
 	inv.MemoryMiB = mem
+	if raw, ok := node.Labels[LabelGPUMemoryReserve]; ok {
+		reserve, err := strconv.ParseInt(raw, 10, 64)
+		if err != nil || reserve < 0 || reserve >= mem {
+			return inv, false, fmt.Sprintf("node label %s=%q must be a number of MiB from 0 to below the GPU's %d", LabelGPUMemoryReserve, raw, mem)
+		}
+		inv.ReserveMiB = reserve
+	}
 	if raw, ok := node.Labels[LabelGPUCount]; !ok {
 		return inv, false, fmt.Sprintf("node has no %s label: its GPU inventory is unknown (is the gpufrac node agent running?)", LabelGPUCount)
 	} else if n, err := strconv.Atoi(raw); err != nil || n <= 0 {

@@ -102,6 +102,13 @@ const (
 	// device plugin cannot give a whole-GPU pod, so the scheduler keeps a
 	// standing reservation pod on each (see StandingGPUs).
 	LabelStandingGPUs = "gpufrac.io/standing-gpus"
+	// LabelGPUMemoryReserve is the MiB the node keeps back on each GPU,
+	// published by its node agent (--gpu-memory-reserve-mib, the one place
+	// it is configured) and read by every reader of the node's GPUs: the
+	// scheduler, audit, top, the dashboard, explain. A share of a GPU is a
+	// share of its memory less this. Absent (a node of another operator):
+	// 0, KAI's default.
+	LabelGPUMemoryReserve = "gpufrac.io/gpu-memory-reserve-mib"
 	// StandingLabel marks a standing reservation pod (value "true"): one
 	// that holds its GPU for shares whether or not any share is there
 	// (kubectl get pods -n gpufrac-reservations -l gpufrac.io/standing).

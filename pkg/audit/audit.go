@@ -53,9 +53,6 @@ func (v Violation) String() string { return fmt.Sprintf("%s %s: %s", v.Kind, v.O
 type Options struct {
 	// ReservationNamespace holds the reservation pods.
 	ReservationNamespace string
-	// ReserveMiB is the per-GPU memory the scheduler keeps back; a GPU is
-	// over-committed when its tenants' requests exceed total − reserve.
-	ReserveMiB func(model string) int64
 	// OrphanGrace spares reservation pods younger than this: the
 	// scheduler creates one before it binds its first tenant.
 	OrphanGrace time.Duration
@@ -83,7 +80,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	add := func(kind Kind, object, format string, args ...any) {
 		out = append(out, Violation{Kind: kind, Object: object, Message: fmt.Sprintf(format, args...)})
 	}
-	cluster := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: o.ReservationNamespace, Reserve: o.ReserveMiB})
+	cluster := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: o.ReservationNamespace})
 	for _, p := range cluster.Problems {
 		if p.NoDecision {
 			add(NoDevices, p.Pod, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", p.Node, api.SuffixDevices)

@@ -123,13 +123,13 @@ type Summary struct {
 
 // Build makes the view from nodes and pods, read into ledgers as the
 // scheduler reads them (package ledgers): reservationNamespace holds the
-// reservation pods, which tell which GPU a group shares, and reserve is
-// the per-GPU memory the scheduler keeps back (by model; nil for none), so
-// that free memory is what the scheduler would still place. claims are
+// reservation pods, which tell which GPU a group shares; each node's
+// reserve is the one it publishes (api.LabelGPUMemoryReserve), so that
+// free memory is what the scheduler would still place. claims are
 // the cluster's ResourceClaims, whose DRA shares sit beside the pods'.
-func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, reservationNamespace string, reserve func(model string) int64) View {
+func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, reservationNamespace string) View {
 	v := View{Pending: []PendingPod{}}
-	c := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: reservationNamespace, Reserve: reserve})
+	c := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: reservationNamespace})
 	annotations := map[string]map[string]string{} // namespace/name → GPU-fraction annotations
 	for i := range pods {
 		p := &pods[i]
@@ -163,7 +163,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	for _, ln := range c.Nodes {
 		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready,
 			ReadyReason: conditions[ln.Name].Reason, ReadyMessage: conditions[ln.Name].Message,
-			Enforcement: enforcement[ln.Name], ReserveMiB: ln.ReserveMiB}
+			Enforcement: enforcement[ln.Name], ReserveMiB: ln.Inventory.ReserveMiB}
 		for _, t := range ln.Tenants {
 			if t.Request.Whole > 0 {
 				n.Whole = append(n.Whole, WholePod{Pod: t.Pod, GPUs: t.Request.Whole})

@@ -56,13 +56,19 @@ func reservation(node, group string) corev1.Pod {
 	return p
 }
 
-func cluster() View { return clusterWithReserve(nil) }
+func cluster() View { return clusterWithReserve("") }
 
-func clusterWithReserve(reserve func(string) int64) View {
+// clusterWithReserve is the cluster with n1 publishing reserve as its
+// api.LabelGPUMemoryReserve ("" for none).
+func clusterWithReserve(reserve string) View {
 	pending := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", UID: "uid-waiting", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	pending.Spec.Containers = []corev1.Container{{Name: "main"}}
+	n1 := gpuNode("n1", 4, true)
+	if reserve != "" {
+		n1.Labels[api.LabelGPUMemoryReserve] = reserve
+	}
 	return Build(
-		[]corev1.Node{gpuNode("n1", 4, true), gpuNode("cpu-only", 0, false), gpuNode("n0", 2, false)},
+		[]corev1.Node{n1, gpuNode("cpu-only", 0, false), gpuNode("n0", 2, false)},
 		[]corev1.Pod{
 			reservation("n1", "ga"), reservation("n1", "gb"),
 			tenant("big", "n1", 40960, api.TimeSlicing, "", "GPU-a"),
@@ -71,18 +77,13 @@ func clusterWithReserve(reserve func(string) int64) View {
 			whole("trainer", "n1", 1),
 			pending,
 		},
-		nil, "gpufrac-reservations", reserve)
+		nil, "gpufrac-reservations")
 }
 
-// Free memory is what the scheduler would still place: the reserve it
-// keeps back on each GPU is not free.
-func TestBuildCountsTheSchedulersReserve(t *testing.T) {
-	v := clusterWithReserve(func(model string) int64 {
-		if model == "NVIDIA-H100-80GB-HBM3" {
-			return 1024
-		}
-		return 0
-	})
+// Free memory is what the scheduler would still place: the reserve the
+// node publishes, kept back on each GPU, is not free.
+func TestBuildCountsTheNodesReserve(t *testing.T) {
+	v := clusterWithReserve("1024")
 	a, b := v.Nodes[1].Shared[0], v.Nodes[1].Shared[1]
 	if a.FreeMiB != 20480-1024 || b.FreeMiB != 71680-1024 {
 		t.Errorf("free %d, %d: want the reserve off each", a.FreeMiB, b.FreeMiB)
@@ -164,7 +165,7 @@ func TestPendingReasonFromTheCondition(t *testing.T) {
 	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	p.Spec.Containers = []corev1.Container{{Name: "main"}}
 	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: "Unschedulable", Message: "0/1 nodes are available: 1 no GPU"}}
-	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, nil, "gpufrac-reservations", nil)
+	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, nil, "gpufrac-reservations")
 	if len(v.Pending) != 1 || v.Pending[0].Reason != "0/1 nodes are available: 1 no GPU" {
 		t.Errorf("pending: %+v", v.Pending)
 	}

@@ -166,13 +166,13 @@ type Layout struct {
 }
 
 // NewLayout returns an empty layout over the node's GPUs, each of
-// inv.MemoryMiB with reserve kept back; without GPUs it has no ledger.
-func NewLayout(name string, inv api.Inventory, reserve int64) Layout {
+// inv.MemoryMiB with inv.ReserveMiB kept back; without GPUs it has no ledger.
+func NewLayout(name string, inv api.Inventory) Layout {
 	l := Layout{Groups: map[string]int{}, Conflicts: map[string]string{}}
 	if inv.Count > 0 {
 		devices := make([]*gpu.Device, inv.Count)
 		for i := range devices {
-			devices[i] = &gpu.Device{Index: i, Model: inv.Model, Total: inv.MemoryMiB, Reserve: reserve}
+			devices[i] = &gpu.Device{Index: i, Model: inv.Model, Total: inv.MemoryMiB, Reserve: inv.ReserveMiB}
 		}
 		l.Ledger = gpu.NewNode(name, 0, 0, devices...)
 	}
@@ -354,9 +354,6 @@ func (l *Layout) Fill(tenants []Tenant, reservations []string, place bool) {
 type Options struct {
 	// ReservationNamespace holds the reservation pods.
 	ReservationNamespace string
-	// Reserve is the per-GPU memory the scheduler keeps back, by model;
-	// nil keeps none.
-	Reserve func(model string) int64
 }
 
 // Reservation is a reservation pod.
@@ -372,8 +369,6 @@ type Node struct {
 	Name      string
 	Inventory api.Inventory
 	Ready     bool
-	// ReserveMiB is kept back on each GPU.
-	ReserveMiB int64
 	Layout
 	// Tenants are the pods holding GPUs here, by ledger tenant (pod UID).
 	Tenants map[string]Tenant
@@ -433,12 +428,8 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		if inv.Count <= 0 {
 			continue
 		}
-		reserve := int64(0)
-		if o.Reserve != nil {
-			reserve = o.Reserve(inv.Model)
-		}
-		c.Nodes[nodes[i].Name] = &Node{Name: nodes[i].Name, Inventory: inv, Ready: ready, ReserveMiB: reserve,
-			Layout: NewLayout(nodes[i].Name, inv, reserve), Tenants: map[string]Tenant{}, Reservations: map[string]Reservation{}}
+		c.Nodes[nodes[i].Name] = &Node{Name: nodes[i].Name, Inventory: inv, Ready: ready,
+			Layout: NewLayout(nodes[i].Name, inv), Tenants: map[string]Tenant{}, Reservations: map[string]Reservation{}}
 	}
 	live := func(p *corev1.Pod) *Node {
 		if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
@@ -462,7 +453,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 			continue
 		}
 		n.WholeGPUs += api.WholeGPUs(&p.Spec)
-		t, held, err := TenantOf(p, n.groupOf, n.Inventory.MemoryMiB-n.ReserveMiB)
+		t, held, err := TenantOf(p, n.groupOf, n.Inventory.SchedulableMiB())
 		switch {
 		case err != nil:
 			c.Problems = append(c.Problems, Problem{Pod: p.Namespace + "/" + p.Name, Node: n.Name,

@@ -60,7 +60,9 @@ func decision(mib int64, mode api.ComputeMode, portion, devices, groups string) 
 // Build reads gpufrac's pods by their groups, KAI's by their GPUs joined
 // with the reservation pods, and books them all on the node's ledger.
 func TestBuildReadsBothSchedulersPods(t *testing.T) {
-	c := Build([]corev1.Node{node("n1", 4), {ObjectMeta: metav1.ObjectMeta{Name: "cpu"}}}, []corev1.Pod{
+	n1 := node("n1", 4)
+	n1.Labels[api.LabelGPUMemoryReserve] = "1024"
+	c := Build([]corev1.Node{n1, {ObjectMeta: metav1.ObjectMeta{Name: "cpu"}}}, []corev1.Pod{
 		reservation("n1", "ga", "GPU-aa"),
 		pod("ours", "n1", decision(40960, api.TimeSlicing, "", "GPU-aa", "ga")),
 		// KAI's binder: CDI names, no groups of ours, sm-sharing without a portion.
@@ -69,7 +71,7 @@ func TestBuildReadsBothSchedulersPods(t *testing.T) {
 		pod("bare", "n1", map[string]string{api.KeyFraction: "0.5"}),
 		pod("broken", "n1", decision(1, api.TimeSlicing, "", "0", "")),
 		pod("elsewhere", "n9", decision(1, api.TimeSlicing, "", "GPU-cc", "")),
-	}, nil, Options{ReservationNamespace: ns, Reserve: func(string) int64 { return 1024 }})
+	}, nil, Options{ReservationNamespace: ns})
 	if len(c.Nodes) != 1 {
 		t.Fatalf("nodes %v: want only n1", c.Nodes)
 	}
@@ -112,7 +114,7 @@ func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
 		t.Errorf("recorded: violations %v, conflicts %v", v, n.Conflicts)
 	}
 
-	placed := NewLayout("n1", n.Inventory, 0)
+	placed := NewLayout("n1", n.Inventory)
 	tenants := []Tenant{n.Tenants["uid-big1"], n.Tenants["uid-big2"]}
 	placed.Fill(tenants, []string{"ga"}, true)
 	if v := placed.Ledger.Violations(); len(v) != 0 || len(placed.Conflicts) != 1 || placed.Conflicts["uid-big2"] == "" {
@@ -186,7 +188,7 @@ func TestSMSharingWithoutPortionNeedsTheNodesMemory(t *testing.T) {
 // groups never get it, shares of either front door join it, and it stays
 // held (no placeholder) when its last share goes.
 func TestStandingGroupsHoldAGPUForShares(t *testing.T) {
-	l := NewLayout("n", api.Inventory{Count: 2, MemoryMiB: 81920, Model: "H100"}, 0)
+	l := NewLayout("n", api.Inventory{Count: 2, MemoryMiB: 81920, Model: "H100"})
 	standing := StandingGroup(0)
 	reserved := func(g string) bool { return g == standing }
 	l.Fill(nil, []string{standing}, true)

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -23,11 +22,12 @@ type Args struct {
 	// Policy is the placement policy: one of placement.Names, or spread
 	// (least-allocated GPUs first). Default: gpufrac.
 	Policy string `json:"policy,omitempty"`
-	// GPUMemoryReserveMiB is kept back on every GPU for the driver and CUDA
-	// contexts: fractions share total − reserve. Default 0, as KAI does.
-	GPUMemoryReserveMiB int64 `json:"gpuMemoryReserveMiB,omitempty"`
-	// GPUMemoryReserveMiBByModel overrides the reserve per GPU model (the
-	// node's nvidia.com/gpu.product label).
+	// GPUMemoryReserveMiB and GPUMemoryReserveMiBByModel are no longer
+	// the scheduler's: the reserve is configured once, on the node agent
+	// (--gpu-memory-reserve-mib), which enforces it and publishes it on its
+	// node (api.LabelGPUMemoryReserve) for every reader. They are decoded
+	// only to refuse a configuration that still sets them.
+	GPUMemoryReserveMiB        int64            `json:"gpuMemoryReserveMiB,omitempty"`
 	GPUMemoryReserveMiBByModel map[string]int64 `json:"gpuMemoryReserveMiBByModel,omitempty"`
 	// ReservationNamespace holds the reservation pods; the node agent
 	// watches the same namespace. Default gpufrac-reservations.
@@ -166,13 +166,9 @@ func (a Args) Validate() error {
 	if !slices.Contains(PolicyNames(), a.Policy) {
 		return fmt.Errorf("GPUFractions args: policy %q is not known: use one of %s", a.Policy, strings.Join(PolicyNames(), ", "))
 	}
-	if a.GPUMemoryReserveMiB < 0 {
-		return fmt.Errorf("GPUFractions args: gpuMemoryReserveMiB %d must be 0 or more", a.GPUMemoryReserveMiB)
-	}
-	for _, model := range slices.Sorted(maps.Keys(a.GPUMemoryReserveMiBByModel)) {
-		if v := a.GPUMemoryReserveMiBByModel[model]; v < 0 {
-			return fmt.Errorf("GPUFractions args: gpuMemoryReserveMiBByModel[%q] %d must be 0 or more", model, v)
-		}
+	if a.GPUMemoryReserveMiB != 0 || len(a.GPUMemoryReserveMiBByModel) > 0 {
+		return fmt.Errorf("GPUFractions args: gpuMemoryReserveMiB %d / gpuMemoryReserveMiBByModel %v: the reserve is set once, on the node agent (--gpu-memory-reserve-mib, --gpu-memory-reserve-mib-by-model), which publishes it on each node as %s; remove it from the scheduler's args",
+			a.GPUMemoryReserveMiB, a.GPUMemoryReserveMiBByModel, api.LabelGPUMemoryReserve)
 	}
 	if errs := validation.IsDNS1123Label(a.ReservationNamespace); len(errs) > 0 {
 		return fmt.Errorf("GPUFractions args: reservationNamespace %q is not a namespace name: %s", a.ReservationNamespace, strings.Join(errs, "; "))
@@ -188,12 +184,4 @@ func (a Args) Validate() error {
 			a.DeviceNaming, DeviceNamingUUID, DeviceNamingCDI, api.CDIKindNVIDIAGPU)
 	}
 	return nil
-}
-
-// Reserve returns the per-GPU memory reserve for a GPU model.
-func (a Args) Reserve(model string) int64 {
-	if v, ok := a.GPUMemoryReserveMiBByModel[model]; ok {
-		return v
-	}
-	return a.GPUMemoryReserveMiB
 }

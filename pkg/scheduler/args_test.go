@@ -14,15 +14,15 @@ func TestDecodeArgs(t *testing.T) {
 		a.DeviceNaming != DeviceNamingUUID || a.CDIKind() != "" {
 		t.Fatalf("defaults: %+v, %v", a, err)
 	}
-	a, err = DecodeArgs(&runtime.Unknown{Raw: []byte("policy: spread\ngpuMemoryReserveMiB: 512\ngpuMemoryReserveMiBByModel: {H100: 1024}\nbindTimeout: 30s\n"), ContentType: runtime.ContentTypeYAML})
-	if err != nil || a.Policy != "spread" || a.Reserve("H100") != 1024 || a.Reserve("A100") != 512 || a.BindTimeout.Duration != 30*time.Second {
+	a, err = DecodeArgs(&runtime.Unknown{Raw: []byte("policy: spread\nbindTimeout: 30s\n"), ContentType: runtime.ContentTypeYAML})
+	if err != nil || a.Policy != "spread" || a.BindTimeout.Duration != 30*time.Second {
 		t.Fatalf("YAML args: %+v, %v", a, err)
 	}
 	for raw, want := range map[string]string{
 		`{"policy":"best"}`:                                `policy "best" is not known: use one of gpufrac, fgd, bestfit, gpupacking, dotprod, spread`,
 		`{"polcy":"fgd"}`:                                  `unknown field "polcy"`,
-		`{"gpuMemoryReserveMiB":-1}`:                       "gpuMemoryReserveMiB -1 must be 0 or more",
-		`{"gpuMemoryReserveMiBByModel":{"A100":-5}}`:       `gpuMemoryReserveMiBByModel["A100"] -5 must be 0 or more`,
+		`{"gpuMemoryReserveMiB":512}`:                      "the reserve is set once, on the node agent (--gpu-memory-reserve-mib",
+		`{"gpuMemoryReserveMiBByModel":{"A100":5}}`:        "remove it from the scheduler's args",
 		`{"reservationNamespace":"Bad_NS"}`:                `reservationNamespace "Bad_NS" is not a namespace name`,
 		`{"bindTimeout":"soon"}`:                           `time: invalid duration "soon"`,
 		`{"bindTimeout":"10ms"}`:                           "bindTimeout 10ms must be at least 1s",

@@ -155,7 +155,7 @@ func (c *Cache) markDirty() {
 func (c *Cache) node(name string) *nodeState {
 	ns, ok := c.nodes[name]
 	if !ok {
-		ns = &nodeState{Layout: ledgers.NewLayout(name, api.Inventory{}, 0), reservations: map[string]*reservation{}, tenants: map[types.UID]*tenant{}, waiting: map[types.UID]*corev1.Pod{}}
+		ns = &nodeState{Layout: ledgers.NewLayout(name, api.Inventory{}), reservations: map[string]*reservation{}, tenants: map[types.UID]*tenant{}, waiting: map[types.UID]*corev1.Pod{}}
 		c.nodes[name] = ns
 	}
 	return ns
@@ -218,7 +218,7 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 	if inv.MemoryMiB <= 0 {
 		inv.Count = 0 // no ledger until the GPUs' memory is known
 	}
-	ns.Layout = ledgers.NewLayout(name, inv, c.args.Reserve(inv.Model))
+	ns.Layout = ledgers.NewLayout(name, inv)
 	tenants := make([]ledgers.Tenant, 0, len(ns.tenants))
 	for _, t := range ns.tenants {
 		tenants = append(tenants, t.lt())
@@ -363,7 +363,7 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 // fit it best. It returns nil for a pod that holds no GPU.
 func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 	t := &tenant{uid: pod.UID, namespace: pod.Namespace, name: pod.Name, node: pod.Spec.NodeName}
-	if lt, held, err := ledgers.TenantOf(pod, ns.groupOfUUID, ns.inv.MemoryMiB-args.Reserve(ns.inv.Model)); err == nil && held {
+	if lt, held, err := ledgers.TenantOf(pod, ns.groupOfUUID, ns.inv.SchedulableMiB()); err == nil && held {
 		t.request, t.groups = lt.Request, lt.Groups
 		if a := lt.Assignment; a != nil {
 			t.container = a.Container
@@ -481,14 +481,13 @@ func newGroup() string {
 // for sm-sharing, a compute portion in proportion to the memory, so that
 // memory that fits always brings compute that fits.
 func shareOn(r api.Request, ns *nodeState, args Args) (gpu.Share, api.Resolved, error) {
-	reserve := args.Reserve(ns.inv.Model)
-	resolved, err := r.Resolve(ns.inv.MemoryMiB, reserve)
+	resolved, err := r.Resolve(ns.inv.MemoryMiB, ns.inv.ReserveMiB)
 	if err != nil {
 		return gpu.Share{}, api.Resolved{}, err
 	}
 	share := gpu.Share{Request: resolved.RequestMiB, Limit: resolved.LimitMiB, Mode: r.Mode}
 	if r.Mode == api.SMSharing {
-		share.Portion = api.PortionOfMemory(resolved.RequestMiB, ns.inv.MemoryMiB-reserve).Of(gpu.FullPortion)
+		share.Portion = api.PortionOfMemory(resolved.RequestMiB, ns.inv.SchedulableMiB()).Of(gpu.FullPortion)
 	}
 	return share, resolved, nil
 }

@@ -217,8 +217,7 @@ func TestKAIPortionLimitResolvesIntoTheLimit(t *testing.T) {
 		t.Fatalf("Parse: %v, %v", reqs, err)
 	}
 	args := testArgs()
-	args.GPUMemoryReserveMiB = 1024
-	share, resolved, err := shareOn(reqs[0], &nodeState{inv: api.Inventory{Count: 1, MemoryMiB: 81920, Model: "H100"}}, args)
+	share, resolved, err := shareOn(reqs[0], &nodeState{inv: api.Inventory{Count: 1, MemoryMiB: 81920, Model: "H100", ReserveMiB: 1024}}, args)
 	if err != nil || resolved.RequestMiB != 20224 || resolved.LimitMiB != 40448 || share.Request != 20224 || share.Limit != 40448 {
 		t.Errorf("resolved %+v, share %+v, %v: want request 20224Mi and limit 40448Mi of 80896Mi schedulable", resolved, share, err)
 	}

@@ -434,7 +434,7 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Suppl
 			sum += d.Schedulable()
 		}
 		capacity.GPU = max(capacity.GPU, sum)
-		usable[ns.inv.MemoryMiB-c.args.Reserve(ns.inv.Model)]++
+		usable[ns.inv.SchedulableMiB()]++
 	}
 	var common int64
 	for mib, n := range usable {

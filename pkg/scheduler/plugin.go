@@ -104,7 +104,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		p.collect(ctx)
 	}()
 	klog.FromContext(ctx).Info("GPUFractions plugin ready", "policy", args.Policy, "reservationNamespace", args.ReservationNamespace,
-		"gpuMemoryReserveMiB", args.GPUMemoryReserveMiB, "bindTimeout", args.BindTimeout.Duration, "deviceNaming", args.DeviceNaming)
+		"bindTimeout", args.BindTimeout.Duration, "deviceNaming", args.DeviceNaming)
 	return p, nil
 }
 

@@ -237,7 +237,7 @@ func TestChartSaysWhatDeploySays(t *testing.T) {
 func TestChartSchedulerConfigIsValid(t *testing.T) {
 	for _, set := range []string{
 		"",
-		"scheduler.policy=fgd,scheduler.gpuMemoryReserveMiB=1024,scheduler.gpuMemoryReserveMiBByModel.NVIDIA-H100-80GB-HBM3=2048,scheduler.bindTimeout=30s,scheduler.schedulerName=fractions",
+		"scheduler.policy=fgd,nodeAgent.gpuMemoryReserveMiB=1024,nodeAgent.gpuMemoryReserveMiBByModel.NVIDIA-H100-80GB-HBM3=2048,scheduler.bindTimeout=30s,scheduler.schedulerName=fractions",
 	} {
 		var args []string
 		if set != "" {
@@ -270,10 +270,25 @@ func TestChartSchedulerConfigIsValid(t *testing.T) {
 		if !found {
 			t.Fatalf("--set %q: no %s arguments", set, scheduler.Name)
 		}
-		if set != "" && (pluginArgs.Policy != "fgd" || pluginArgs.GPUMemoryReserveMiB != 1024 ||
-			pluginArgs.GPUMemoryReserveMiBByModel["NVIDIA-H100-80GB-HBM3"] != 2048 || cfg.Profiles[0].SchedulerName != "fractions") {
+		if set != "" && (pluginArgs.Policy != "fgd" || cfg.Profiles[0].SchedulerName != "fractions") {
 			t.Errorf("--set %q: got %+v, profile %s", set, pluginArgs, cfg.Profiles[0].SchedulerName)
 		}
+		if set != "" {
+			// The reserve is the node agent's alone: it publishes it on
+			// its node, where the scheduler reads it.
+			var ds appsv1.DaemonSet
+			if err := runtime.DefaultUnstructuredConverter.FromUnstructured(find(mustRender(t, args...), "DaemonSet", namespace, "gpufrac-node-agent").Object, &ds); err != nil {
+				t.Fatal(err)
+			}
+			agentArgs := ds.Spec.Template.Spec.Containers[0].Args
+			if !slices.Contains(agentArgs, "--gpu-memory-reserve-mib=1024") || !slices.Contains(agentArgs, "--gpu-memory-reserve-mib-by-model=NVIDIA-H100-80GB-HBM3=2048") {
+				t.Errorf("--set %q: node agent args %v lack the reserve", set, agentArgs)
+			}
+		}
+	}
+	// The scheduler's former values fail the render with where they went.
+	if _, err := render(t, "--set", "scheduler.gpuMemoryReserveMiB=1024"); err == nil || !strings.Contains(err.Error(), "moved to nodeAgent.gpuMemoryReserveMiB") {
+		t.Errorf("render with scheduler.gpuMemoryReserveMiB: %v, want it refused with where the value moved", err)
 	}
 }
 
@@ -553,14 +568,14 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 
 // The dashboard is off by default; on, it gets exactly deploy/dashboard's
 // read-only RBAC, a ClusterIP Service, and a Deployment that runs
-// `gpufrac dashboard` unprivileged with the scheduler's reserve.
+// `gpufrac dashboard` unprivileged; the reserve it reads from the nodes.
 func TestChartDashboard(t *testing.T) {
 	for _, o := range mustRender(t) {
 		if strings.Contains(o.GetName(), "dashboard") {
 			t.Errorf("the default chart has %s %s", o.GetKind(), o.GetName())
 		}
 	}
-	chart := mustRender(t, "--set", "dashboard.enabled=true", "--set", "scheduler.gpuMemoryReserveMiB=1024")
+	chart := mustRender(t, "--set", "dashboard.enabled=true", "--set", "nodeAgent.gpuMemoryReserveMiB=1024")
 	ref := readManifests(t, "dashboard/dashboard.yaml")
 	for _, r := range ref {
 		c := find(chart, r.GetKind(), r.GetNamespace(), r.GetName())
@@ -591,7 +606,7 @@ func TestChartDashboard(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := dep.Spec.Template.Spec.Containers[0]
-	if c.Args[0] != "dashboard" || !slices.Contains(c.Args, "--gpu-memory-reserve-mib=1024") || !slices.Contains(c.Args, "--reservation-namespace=gpufrac-reservations") {
+	if c.Args[0] != "dashboard" || slices.ContainsFunc(c.Args, func(a string) bool { return strings.Contains(a, "reserve-mib") }) || !slices.Contains(c.Args, "--reservation-namespace=gpufrac-reservations") {
 		t.Errorf("dashboard args %v", c.Args)
 	}
 	sc, psc := c.SecurityContext, dep.Spec.Template.Spec.SecurityContext

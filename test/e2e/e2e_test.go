@@ -422,7 +422,7 @@ func kaiPod(t *testing.T, c *localcluster.Cluster) {
 	if len(v) != 1 || v[0].Kind != audit.NoReservation || v[0].Object != ns+"/"+name {
 		t.Errorf("audit: %v, want only %s for %s/%s", v, audit.NoReservation, ns, name)
 	}
-	view := clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace, nil)
+	view := clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace)
 	found := false
 	for _, n := range view.Nodes {
 		for _, g := range n.Shared {

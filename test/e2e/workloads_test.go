@@ -185,7 +185,7 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	leastPrivilege(t, dir)
 	allocated := func() int64 {
 		nodes, pods := snapshot(t, c)
-		return clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace, nil).Summary.AllocatedMiB
+		return clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace).Summary.AllocatedMiB
 	}
 	before := allocated()
 	const ns = "apps"

@@ -48,8 +48,9 @@ import (
 type Options struct {
 	NodeName string
 	// GPUMemoryReserveMiBByModel overrides Injection.GPUMemoryReserveMiB
-	// for the node's GPU model (its nvidia.com/gpu.product label), as the
-	// scheduler's gpuMemoryReserveMiBByModel does.
+	// for the node's GPU model (its nvidia.com/gpu.product label). The
+	// reserve in effect is published on the node for every other reader
+	// (api.LabelGPUMemoryReserve): this is the one place it is set.
 	GPUMemoryReserveMiBByModel map[string]int64
 	// SimulateGPUs names a go-nvml mock machine to use instead of the real
 	// NVML library; the agent then also plays the kubelet's device plugin
@@ -344,7 +345,7 @@ func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reser
 	}
 	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
 		Backend: backend, BackendErr: backendErr, MPS: mpsProtocol, MPSErr: mpsErr, CgroupErr: cgroupErr,
-		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels, StandingGPUs: a.standingGPUs(inv, invErr)}
+		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels, StandingGPUs: a.standingGPUs(inv, invErr), ReserveMiB: cfg.GPUMemoryReserveMiB}
 	if a.plugin.Registered() {
 		// Only once synchronized does the plugin know every running
 		// container, and so which namespaces are claimed and which pods

@@ -74,9 +74,9 @@ type Config struct {
 	// GPUMemoryMiB is the memory of each of the node's GPUs, as the node
 	// publishes it (nvidia.com/gpu.memory); 0 while unknown.
 	GPUMemoryMiB int64
-	// GPUMemoryReserveMiB is what the scheduler keeps back on each GPU
-	// (its gpuMemoryReserveMiB; KAI's default is 0): a share of the GPU is
-	// a share of GPUMemoryMiB − GPUMemoryReserveMiB.
+	// GPUMemoryReserveMiB is kept back on each GPU (KAI's default is 0),
+	// as the node publishes it for the scheduler (api.LabelGPUMemoryReserve):
+	// a share of the GPU is a share of GPUMemoryMiB − GPUMemoryReserveMiB.
 	GPUMemoryReserveMiB int64
 	// FailOpen starts a fractional container that cannot be enforced
 	// anyway: with its memory caps when only its compute mode or portion

@@ -8,8 +8,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"regexp"
-	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -30,9 +30,9 @@ const (
 	LabelGPUCount       = api.LabelGPUCount
 	LabelGPUMemory      = api.LabelGPUMemory // MiB per GPU
 	LabelGPUProduct     = api.LabelGPUProduct
+	LabelEnforcement    = api.LabelMemoryEnforcement
 	LabelDriverVersion  = "gpufrac.io/driver-version"
 	LabelCUDAVersion    = "gpufrac.io/cuda-version"
-	LabelEnforcement    = api.LabelMemoryEnforcement
 	LabelInventoryOwner = "gpufrac.io/gpu-labels" // "agent" when the agent wrote nvidia.com/gpu.*
 )
 
@@ -77,6 +77,9 @@ type State struct {
 	// StandingGPUs is how many GPUs the node asks to have held for shares
 	// (its DRA driver's); 0 removes the label.
 	StandingGPUs int
+	// ReserveMiB is the memory kept back on each GPU, published for every
+	// reader of the node's GPUs (api.LabelGPUMemoryReserve).
+	ReserveMiB int64
 }
 
 // Desired is what the node should carry.
@@ -94,28 +97,21 @@ func Compute(s State, current map[string]string) Desired {
 		Condition: corev1.NodeCondition{Type: ConditionReady, Status: status, Reason: reason, Message: message},
 		Labels:    map[string]*string{},
 	}
-	enforcement := "none"
+	report := api.NodeReport{Enforcement: "none", Standing: s.StandingGPUs, ReserveMiB: s.ReserveMiB}
 	if s.InventoryErr == nil {
 		d.Labels[LabelDriverVersion] = ptr(labelValue(s.Inventory.DriverVersion))
 		d.Labels[LabelCUDAVersion] = ptr(s.Inventory.CUDAVersion())
 		if s.Backend != "" && s.Backend != nodeapi.BackendOff {
-			enforcement = string(s.Backend)
+			report.Enforcement = string(s.Backend)
 		}
 	}
-	d.Labels[LabelEnforcement] = ptr(enforcement)
-	d.Labels[api.LabelStandingGPUs] = nil
-	if s.StandingGPUs > 0 {
-		d.Labels[api.LabelStandingGPUs] = ptr(strconv.Itoa(s.StandingGPUs))
-	}
-
-	gfdOwned := current[LabelGPUProduct] != "" && current[LabelInventoryOwner] != "agent"
+	gfdOwned := api.InventoryLabelled(current) && current[LabelInventoryOwner] != "agent"
 	if s.PublishGPULabels && !gfdOwned && s.InventoryErr == nil && len(s.Inventory.GPUs) > 0 {
 		g := s.Inventory.GPUs[0]
-		d.Labels[LabelGPUCount] = ptr(strconv.Itoa(len(s.Inventory.GPUs)))
-		d.Labels[LabelGPUMemory] = ptr(strconv.FormatInt(g.MemoryMiB, 10))
-		d.Labels[LabelGPUProduct] = ptr(labelValue(g.Product))
+		report.Inventory = api.Inventory{Count: len(s.Inventory.GPUs), MemoryMiB: g.MemoryMiB, Model: labelValue(g.Product)}
 		d.Labels[LabelInventoryOwner] = ptr("agent")
 	}
+	maps.Copy(d.Labels, report.Labels())
 	return d
 }
 

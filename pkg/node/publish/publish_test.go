@@ -7,6 +7,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
@@ -63,6 +64,8 @@ func TestCompute(t *testing.T) {
 			corev1.ConditionFalse, ReasonCgroup, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver"}},
 		{"enforcement off", State{Inventory: h100, Backend: nodeapi.BackendOff, NRIRegistered: true}, nil,
 			corev1.ConditionFalse, ReasonNoEnforcement, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
+		{"the reserve is published", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true, ReserveMiB: 1024}, nil,
+			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "driver", api.LabelGPUMemoryReserve: "1024"}},
 		{"enforcement off, failing open", State{Inventory: h100, Backend: nodeapi.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
 			corev1.ConditionTrue, ReasonFailOpen, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", LabelEnforcement: "none"}},
 	}
@@ -77,6 +80,10 @@ func TestCompute(t *testing.T) {
 				if v != nil {
 					got[k] = *v
 				}
+			}
+			if _, set := tt.wantLabels[api.LabelGPUMemoryReserve]; !set {
+				// Every node publishes its reserve, 0 when none is set.
+				tt.wantLabels[api.LabelGPUMemoryReserve] = "0"
 			}
 			if diff := cmp.Diff(tt.wantLabels, got); diff != "" {
 				t.Errorf("labels (-want +got):\n%s", diff)
