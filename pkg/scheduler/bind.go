@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -75,13 +74,15 @@ func (p *Plugin) reservedUUIDs(d Decision) (uuids []string, waitingFor string, e
 	return uuids, "", nil
 }
 
-// annotate writes the decision onto the pod (SPEC §2): devices, resolved
-// memory in Mi, compute mode and, for sm-sharing, the compute portion;
-// and the GPU groups, from which a restarted scheduler rebuilds its state.
+// annotate writes the decision onto the pod with a patch (SPEC §2):
+// devices, resolved memory in Mi, compute mode and, for sm-sharing, the
+// compute portion; and the GPU groups, from which a restarted scheduler
+// rebuilds its state.
 func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuids []string) error {
+	annotations, labels := d.write(uuids, p.args.CDIKind(), pod.Annotations)
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"annotations": decisionPatch(d, uuids, p.args.CDIKind(), pod.Annotations),
-		"labels":      decisionLabels(d),
+		"annotations": annotations.MergePatch(),
+		"labels":      labels.MergePatch(),
 	}})
 	if err != nil {
 		return err
@@ -92,47 +93,95 @@ func (p *Plugin) annotate(ctx context.Context, pod *corev1.Pod, d Decision, uuid
 	return nil
 }
 
-// decisionBinding is what Bind writes with a fractional pod's Binding:
-// the decision's annotations and its GPU-group label; or, with reserve,
-// that Bind must first make the decision's reservation pods and wait for
-// their GPUs (PreBind, which would have, was skipped).
-type decisionBinding struct {
-	annotations, labels map[string]string
-	reserve             bool
+// bind binds the pod with a Binding that carries its decision, which the
+// API server copies onto the pod as it binds it: one write where a patch
+// and a binding were two. The label is copied by API servers with
+// PodTopologyLabelsAdmission (beta, on by default since Kubernetes 1.35);
+// it is for people selecting the pods of a GPU, and nothing of gpufrac's
+// reads it from a tenant.
+func (p *Plugin) bind(ctx context.Context, pod *corev1.Pod, node string, d Decision, uuids []string) error {
+	annotations, labels := d.write(uuids, p.args.CDIKind(), pod.Annotations)
+	a, okA := annotations.Additive(pod.Annotations)
+	l, okL := labels.Additive(pod.Labels)
+	if !okA || !okL {
+		// planBind chose this route only for a decision that removes
+		// nothing the pod carries.
+		return fmt.Errorf("pod %s/%s: its GPU decision must remove a key, which a Binding cannot", pod.Namespace, pod.Name)
+	}
+	binding := &corev1.Binding{
+		ObjectMeta: metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID, Annotations: a, Labels: l},
+		Target:     corev1.ObjectReference{Kind: "Node", Name: node},
+	}
+	if err := p.handle.ClientSet().CoreV1().Pods(pod.Namespace).Bind(ctx, binding, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("bind pod %s/%s to node %s with its GPU decision: %w", pod.Namespace, pod.Name, node, err)
+	}
+	return nil
 }
 
-// Clone implements fwk.StateData; it is never changed once written.
-func (b *decisionBinding) Clone() fwk.StateData { return b }
+// bindRoute is how a fractional pod's decision reaches the API server.
+type bindRoute int
 
-const bindKey fwk.StateKey = Name + "/binding"
+const (
+	// routeBinding: every GPU is named already (its group's reservation
+	// pod says which); Bind's Binding carries the decision, PreBind is
+	// skipped.
+	routeBinding bindRoute = iota
+	// routeReserveThenBinding: a GPU still lacks its reservation pod or
+	// its name; Bind makes the pods, waits for the names, then binds with
+	// the decision. PreBind is skipped.
+	routeReserveThenBinding
+	// routePreBindThenBinding: as routeReserveThenBinding, with the
+	// waiting done in PreBind, so that kube-scheduler first tells
+	// autoscalers (nominatedNodeName) about a pod already marked
+	// unschedulable; or when the reservation pod reported a failure,
+	// which PreBind reports.
+	routePreBindThenBinding
+	// routePreBindPatch: PreBind waits and patches the decision onto the
+	// pod, and DefaultBinder binds it: when the decision must remove a
+	// key (a Binding only adds), or when another bind plugin runs first.
+	routePreBindPatch
+)
 
-// bindingOf is the decision as a Binding's annotations and labels, or
-// false when it must remove a key the pod has (a Binding's annotations
-// can only add and overwrite): then PreBind patches the pod instead. The
-// label is copied by API servers with PodTopologyLabelsAdmission (beta,
-// on by default since Kubernetes 1.35); it is for people selecting the
-// pods of a GPU, and nothing of gpufrac's reads it from a tenant.
-func bindingOf(d Decision, uuids []string, cdiKind string, pod *corev1.Pod) (*decisionBinding, bool) {
-	b := &decisionBinding{annotations: map[string]string{}}
-	for k, v := range decisionPatch(d, uuids, cdiKind, pod.Annotations) {
-		s, isString := v.(string)
-		if !isString {
-			if _, present := pod.Annotations[k]; present {
-				return nil, false
-			}
-			continue
-		}
-		b.annotations[k] = s
+// naming is where a decision's GPUs stand when the bind is planned.
+type naming int
+
+const (
+	gpusNamed   naming = iota // every group's reservation pod names its GPU
+	gpusWaiting               // some reservation pod is missing or unnamed
+	gpusFailed                // a reservation pod failed or named a bad GPU
+)
+
+// planBind chooses the route: bindsFirst says this plugin's Bind runs
+// before DefaultBinder; additive that the decision removes nothing the
+// pod carries; marked that the pod is already marked unschedulable.
+func planBind(bindsFirst, additive, marked bool, gpus naming) bindRoute {
+	switch {
+	case !bindsFirst || !additive:
+		return routePreBindPatch
+	case gpus == gpusNamed:
+		return routeBinding
+	case gpus == gpusWaiting && !marked:
+		return routeReserveThenBinding
 	}
-	for k, v := range decisionLabels(d) {
-		if s, isString := v.(string); isString {
-			b.labels = map[string]string{k: s}
-		} else if _, present := pod.Labels[k]; present {
-			return nil, false
-		}
-	}
-	return b, true
+	return routePreBindThenBinding
 }
+
+// bindPlan is the route chosen in PreBindPreFlight, with the decision and
+// (once known) its GPUs, for PreBind and Bind to carry out.
+type bindPlan struct {
+	route    bindRoute
+	decision Decision
+	uuids    []string
+}
+
+// Clone implements fwk.StateData: the plan is the cycle's own; PreBind
+// fills in the UUIDs it waited for, before Bind reads them.
+func (b *bindPlan) Clone() fwk.StateData { return b }
+
+const bindKey fwk.StateKey = Name + "/bind"
+
+// preBinds says whether the route runs through PreBind.
+func (r bindRoute) preBinds() bool { return r == routePreBindThenBinding || r == routePreBindPatch }
 
 // assignment is the decision as the node side reads it, the devices named
 // with cdiKind ("" for bare UUIDs).
@@ -145,27 +194,11 @@ func (d Decision) assignment(uuids []string, cdiKind string) api.Assignment {
 	return a
 }
 
-// decisionPatch is what PreBind merges into the pod's annotations: the
-// decision as api.Assignment writes it, the GPU groups, and which memory
-// keys the decision added to the current ones (api.Intent's to remove). A nil value
-// removes a key: a stale compute portion when the mode is time-slicing.
-func decisionPatch(d Decision, uuids []string, cdiKind string, current map[string]string) map[string]any {
-	out := map[string]any{
-		api.ContainerKey(d.Container, api.SuffixComputePortion): nil,
-		api.GPUGroupsAnnotation:                                 strings.Join(d.Groups, ","),
-		api.ResolvedKeysAnnotation:                              api.ResolvedMemoryKeys(current, d.Container, current[api.ResolvedKeysAnnotation]),
-	}
-	for k, v := range d.assignment(uuids, cdiKind).Annotations() {
-		out[k] = v
-	}
-	return out
-}
-
-func decisionLabels(d Decision) map[string]any {
-	if len(d.Groups) == 1 {
-		return map[string]any{api.GPUGroupLabel: d.Groups[0]}
-	}
-	return map[string]any{api.GPUGroupLabel: nil}
+// write is the decision as the pod's annotations and labels change with
+// it (api.Decision, the contract's one writer), given the annotations the
+// pod has now.
+func (d Decision) write(uuids []string, cdiKind string, current map[string]string) (annotations, labels api.Write) {
+	return api.Decision{Assignment: d.assignment(uuids, cdiKind), Groups: d.Groups}.Write(current)
 }
 
 // deleteReservation deletes a reservation pod at once: it runs nothing

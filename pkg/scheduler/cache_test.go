@@ -222,7 +222,8 @@ func TestKAIPortionLimitResolvesIntoTheLimit(t *testing.T) {
 		t.Errorf("resolved %+v, share %+v, %v: want request 20224Mi and limit 40448Mi of 80896Mi schedulable", resolved, share, err)
 	}
 	d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: api.TimeSlicing}
-	if got := decisionPatch(d, []string{"GPU-1"}, "", nil)[api.ContainerKey("main", api.SuffixMemoryLimit)]; got != "40448Mi" {
+	if w, _ := d.write([]string{"GPU-1"}, "", nil); w.Set[api.ContainerKey("main", api.SuffixMemoryLimit)] != "40448Mi" {
+		got := w.Set[api.ContainerKey("main", api.SuffixMemoryLimit)]
 		t.Errorf("written limit %v, want 40448Mi", got)
 	}
 }
@@ -373,15 +374,17 @@ func TestDecisionPatchWritesThePortionOnlyForSMSharing(t *testing.T) {
 	for _, tt := range []struct {
 		mode        api.ComputeMode
 		thousandths int64
-		want        any
+		want        string // "" : removed
 	}{
 		{api.SMSharing, 250, "0.25"}, {api.SMSharing, 1000, "1"}, {api.SMSharing, 0, "0.001"}, {api.SMSharing, 2000, "1"},
-		{api.TimeSlicing, 500, nil},
+		{api.TimeSlicing, 500, ""},
 	} {
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: api.Resolved{RequestMiB: 1, LimitMiB: 1}, Mode: tt.mode, Portion: tt.thousandths}
-		patch := decisionPatch(d, []string{"GPU-1"}, "", nil)
-		if got, ok := patch[portionKey]; !ok || got != tt.want {
-			t.Errorf("%s %d‰: portion %v (present %v), want %v", tt.mode, tt.thousandths, got, ok, tt.want)
+		w, _ := d.write([]string{"GPU-1"}, "", nil)
+		got, set := w.Set[portionKey]
+		removed := slices.Contains(w.Remove, portionKey)
+		if got != tt.want || set == removed {
+			t.Errorf("%s %d‰: portion %q (set %v, removed %v), want %q", tt.mode, tt.thousandths, got, set, removed, tt.want)
 		}
 	}
 }
@@ -391,16 +394,11 @@ func TestDecisionPatchWritesThePortionOnlyForSMSharing(t *testing.T) {
 func TestDecisionPatchNamesDevicesForCDI(t *testing.T) {
 	args := Args{DeviceNaming: DeviceNamingCDI}
 	d := Decision{Container: "main", Groups: []string{"g1", "g2"}, Resolved: api.Resolved{RequestMiB: 1024, LimitMiB: 1024}, Mode: api.TimeSlicing}
-	patch := decisionPatch(d, []string{"GPU-1", "GPU-2"}, args.CDIKind(), nil)
-	if got := patch[api.ContainerKey("main", api.SuffixDevices)]; got != "k8s.device-plugin.nvidia.com/gpu=GPU-1,k8s.device-plugin.nvidia.com/gpu=GPU-2" {
+	w, _ := d.write([]string{"GPU-1", "GPU-2"}, args.CDIKind(), nil)
+	if got := w.Set[api.ContainerKey("main", api.SuffixDevices)]; got != "k8s.device-plugin.nvidia.com/gpu=GPU-1,k8s.device-plugin.nvidia.com/gpu=GPU-2" {
 		t.Fatalf("devices = %v", got)
 	}
-	annotations := map[string]string{}
-	for k, v := range patch {
-		if v != nil {
-			annotations[k] = v.(string)
-		}
-	}
+	annotations := w.Apply(nil)
 	got, err := api.ParseAssignments(annotations)
 	if err != nil || len(got) != 1 || !slices.Equal(got[0].Devices, []string{"GPU-1", "GPU-2"}) || got[0].CDIKind != api.CDIKindNVIDIAGPU {
 		t.Errorf("read back %+v, %v", got, err)
@@ -430,11 +428,8 @@ func TestRescheduledPodKeepsItsRequest(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := Decision{Container: "main", Groups: []string{"g"}, Resolved: resolved, Mode: want[0].Mode, Portion: 500}
-		for k, v := range decisionPatch(d, []string{"GPU-1"}, "", orig.Annotations) {
-			if v != nil {
-				patched.Annotations[k] = v.(string)
-			}
-		}
+		w, _ := d.write([]string{"GPU-1"}, "", orig.Annotations)
+		patched.Annotations = w.Apply(patched.Annotations)
 		// Written by us (with the groups) or by another scheduler (without).
 		kai := patched.DeepCopy()
 		delete(kai.Annotations, api.GPUGroupsAnnotation)

@@ -157,13 +157,21 @@ func (c *cycle) Clone() fwk.StateData { return c }
 
 const stateKey fwk.StateKey = Name
 
-func readCycle(state fwk.CycleState) (*cycle, bool) {
+// readCycle is what PreFilter wrote. Its absence is an error, as in
+// kube-scheduler's NodeResourcesFit: every pod that reaches Filter,
+// Score, Reserve or PreBind went through PreFilter, so a missing cycle
+// is a framework fault, and passing the node would place the pod
+// unchecked.
+func readCycle(state fwk.CycleState) (*cycle, *fwk.Status) {
 	s, err := state.Read(stateKey)
 	if err != nil {
-		return nil, false
+		return nil, fwk.AsStatus(fmt.Errorf("reading %q from cycleState: %w", stateKey, err))
 	}
 	c, ok := s.(*cycle)
-	return c, ok
+	if !ok {
+		return nil, fwk.AsStatus(fmt.Errorf("%+v convert to %s cycle state error", s, Name))
+	}
+	return c, nil
 }
 
 // PreFilter reads the pod's request once; an invalid one is unschedulable
@@ -261,9 +269,9 @@ func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return nil }
 
 // Filter checks the node's GPUs.
 func (p *Plugin) Filter(_ context.Context, state fwk.CycleState, _ *corev1.Pod, nodeInfo fwk.NodeInfo) *fwk.Status {
-	c, ok := readCycle(state)
-	if !ok {
-		return nil
+	c, status := readCycle(state)
+	if status != nil {
+		return status
 	}
 	v := p.cache.FilterAt(nodeInfo.Node(), c.ask)
 	switch {
@@ -278,9 +286,9 @@ func (p *Plugin) Filter(_ context.Context, state fwk.CycleState, _ *corev1.Pod, 
 // Score rates the node with the placement policy; NormalizeScore maps the
 // raw figures onto kube-scheduler's 0–100.
 func (p *Plugin) Score(_ context.Context, state fwk.CycleState, _ *corev1.Pod, nodeInfo fwk.NodeInfo) (int64, *fwk.Status) {
-	c, ok := readCycle(state)
-	if !ok {
-		return 0, nil
+	c, status := readCycle(state)
+	if status != nil {
+		return 0, status
 	}
 	score, ok := p.cache.Score(nodeInfo.Node().Name, c.ask, c.policy, hostOf(nodeInfo))
 	if !ok {
@@ -362,8 +370,11 @@ func (p *Plugin) Reserve(_ context.Context, state fwk.CycleState, pod *corev1.Po
 	if s := p.reserveClaims(pod); !s.IsSuccess() {
 		return s
 	}
-	c, ok := readCycle(state)
-	if !ok || !c.ask.GPU() {
+	c, status := readCycle(state)
+	if status != nil {
+		return status
+	}
+	if !c.ask.GPU() {
 		return nil
 	}
 	var host Host
@@ -387,8 +398,10 @@ func (p *Plugin) Reserve(_ context.Context, state fwk.CycleState, pod *corev1.Po
 // (deploy/scheduler/config.yaml), so that an idle GPU is taken back before
 // a running pod is preempted.
 func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, statuses fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
-	c, ok := readCycle(state)
-	if !ok || c.ask.Whole == 0 {
+	// PostFilter also runs for a pod whose PreFilter refused it (an
+	// invalid request), which wrote no cycle: nothing to reclaim for it.
+	c, status := readCycle(state)
+	if status != nil || c.ask.Whole == 0 {
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
 	infos, err := statuses.NodesForStatusCode(p.handle.SnapshotSharedLister().NodeInfos(), fwk.Unschedulable)
@@ -437,13 +450,13 @@ func shortOfGPUsOnly(s *fwk.Status) bool {
 
 // Unreserve rolls Reserve back exactly.
 func (p *Plugin) Unreserve(_ context.Context, state fwk.CycleState, pod *corev1.Pod, _ string) {
-	if _, ok := readCycle(state); ok {
+	if _, status := readCycle(state); status == nil {
 		p.cache.Unreserve(pod.UID)
 	}
 }
 
 // PreBindPreFlight implements fwk.PreBindPlugin: only fractional pods have
-// anything to write.
+// anything to write, and it plans how (planBind, bind.go).
 //
 // When this plugin binds first (deploy/scheduler/config.yaml), PreBind is
 // skipped for a fraction whose decision a Binding can carry: its Binding
@@ -458,24 +471,36 @@ func (p *Plugin) Unreserve(_ context.Context, state fwk.CycleState, pod *corev1.
 // unschedulable (PodScheduled=False) that must wait for a new reservation
 // pod still goes through PreBind and gets it.
 func (p *Plugin) PreBindPreFlight(_ context.Context, state fwk.CycleState, pod *corev1.Pod, node string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
-	if c, ok := readCycle(state); !ok || c.ask.Fraction == nil {
+	c, status := readCycle(state)
+	if status != nil {
+		return nil, status
+	}
+	if c.ask.Fraction == nil {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	d, ok := p.cache.Decision(pod.UID)
-	if !ok || d.Node != node || !p.bindsFirst() {
-		return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
+	if !ok || d.Node != node {
+		return nil, fwk.AsStatus(fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node))
 	}
+	gpus := gpusNamed
 	uuids, waitingFor, err := p.reservedUUIDs(d)
-	if err != nil {
-		return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil // PreBind reports it
+	switch {
+	case err != nil:
+		gpus = gpusFailed
+	case waitingFor != "":
+		gpus = gpusWaiting
 	}
-	if waitingFor == "" {
-		if b, ok := bindingOf(d, uuids, p.args.CDIKind(), pod); ok {
-			state.Write(bindKey, b)
-			return nil, fwk.NewStatus(fwk.Skip)
-		}
-	} else if _, ok := bindingOf(d, make([]string, len(d.Groups)), p.args.CDIKind(), pod); ok && !markedUnschedulable(pod) {
-		state.Write(bindKey, &decisionBinding{reserve: true})
+	// Whether the decision removes a key of the pod does not depend on
+	// the GPUs' names.
+	annotations, labels := d.write(make([]string, len(d.Groups)), p.args.CDIKind(), pod.Annotations)
+	_, okA := annotations.Additive(pod.Annotations)
+	_, okL := labels.Additive(pod.Labels)
+	plan := &bindPlan{route: planBind(p.bindsFirst(), okA && okL, markedUnschedulable(pod), gpus), decision: d}
+	if gpus == gpusNamed {
+		plan.uuids = uuids
+	}
+	state.Write(bindKey, plan)
+	if !plan.route.preBinds() {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	return &fwk.PreBindPreFlightResult{AllowParallel: true}, nil
@@ -492,42 +517,35 @@ func markedUnschedulable(pod *corev1.Pod) bool {
 	return false
 }
 
-// PreBind implements fwk.PreBindPlugin. For a fraction PreBindPreFlight
-// sends through it, it makes the reservation pods exist and waits until
-// each names its GPU; the decision then goes onto the pod with its
-// Binding (Bind). It is patched here instead when it must remove a key (a
-// Binding cannot), or when the profile does not run this plugin's Bind
-// first: a DefaultBinder ahead of it would bind the pod without its
-// decision.
-func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
-	c, ok := readCycle(state)
-	if !ok || c.ask.Fraction == nil {
+// readPlan is the plan PreBindPreFlight wrote; nil when it planned none
+// (a pod that asks for no fraction).
+func readPlan(state fwk.CycleState) *bindPlan {
+	raw, err := state.Read(bindKey)
+	if err != nil {
 		return nil
 	}
-	d, uuids, err := p.reservedDecision(ctx, pod, node)
+	plan, _ := raw.(*bindPlan)
+	return plan
+}
+
+// PreBind implements fwk.PreBindPlugin for the routes that run through it:
+// it makes the reservation pods exist and waits until each names its GPU;
+// then the decision goes onto the pod with its Binding (Bind), or is
+// patched here (routePreBindPatch).
+func (p *Plugin) PreBind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, _ string) *fwk.Status {
+	plan := readPlan(state)
+	if plan == nil || !plan.route.preBinds() {
+		return nil
+	}
+	uuids, err := p.reserveGPUs(ctx, plan.decision)
 	if err != nil {
 		return fwk.AsStatus(err)
 	}
-	if b, ok := bindingOf(d, uuids, p.args.CDIKind(), pod); ok && p.bindsFirst() {
-		state.Write(bindKey, b)
+	if plan.route == routePreBindThenBinding {
+		plan.uuids = uuids
 		return nil
 	}
-	if err := p.annotate(ctx, pod, d, uuids); err != nil {
-		return fwk.AsStatus(err)
-	}
-	return nil
-}
-
-// reservedDecision is the pod's decision for node, once its GPUs'
-// reservation pods exist and name them (PreBind's work, done in Bind
-// when PreBind was skipped).
-func (p *Plugin) reservedDecision(ctx context.Context, pod *corev1.Pod, node string) (Decision, []string, error) {
-	d, ok := p.cache.Decision(pod.UID)
-	if !ok || d.Node != node {
-		return Decision{}, nil, fmt.Errorf("pod %s/%s has no GPU decision for node %s", pod.Namespace, pod.Name, node)
-	}
-	uuids, err := p.reserveGPUs(ctx, d)
-	return d, uuids, err
+	return fwk.AsStatus(p.annotate(ctx, pod, plan.decision, uuids))
 }
 
 // bindsFirst says whether this plugin's Bind runs before any other bind
@@ -549,38 +567,23 @@ func (p *Plugin) bindsFirst() bool {
 	return p.first
 }
 
-// Bind binds a fractional pod with a Binding that carries its decision,
-// which the API server copies onto the pod as it binds it: one write
-// where a patch and a binding were two. When PreBind was skipped for a
-// share that opens a GPU, its reservation pods are made and their GPUs
-// waited for here first. Other pods go to DefaultBinder.
+// Bind binds a fractional pod with a Binding that carries its decision
+// (every route but routePreBindPatch), first making the reservation pods
+// its GPUs lack and waiting for their names when PreBind was skipped
+// (routeReserveThenBinding). Other pods go to DefaultBinder.
 func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod, node string) *fwk.Status {
-	raw, err := state.Read(bindKey)
-	if err != nil {
+	plan := readPlan(state)
+	if plan == nil || plan.route == routePreBindPatch {
 		return fwk.NewStatus(fwk.Skip)
 	}
-	b, ok := raw.(*decisionBinding)
-	if !ok {
-		return fwk.NewStatus(fwk.Skip)
-	}
-	if b.reserve {
-		d, uuids, err := p.reservedDecision(ctx, pod, node)
-		if err != nil {
+	uuids := plan.uuids
+	if plan.route == routeReserveThenBinding {
+		var err error
+		if uuids, err = p.reserveGPUs(ctx, plan.decision); err != nil {
 			return fwk.AsStatus(err)
 		}
-		if b, ok = bindingOf(d, uuids, p.args.CDIKind(), pod); !ok {
-			// PreBindPreFlight checked it: the UUIDs are strings either way.
-			return fwk.AsStatus(fmt.Errorf("pod %s/%s: its GPU decision cannot be carried by a Binding", pod.Namespace, pod.Name))
-		}
 	}
-	binding := &corev1.Binding{
-		ObjectMeta: metav1.ObjectMeta{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID, Annotations: b.annotations, Labels: b.labels},
-		Target:     corev1.ObjectReference{Kind: "Node", Name: node},
-	}
-	if err := p.handle.ClientSet().CoreV1().Pods(pod.Namespace).Bind(ctx, binding, metav1.CreateOptions{}); err != nil {
-		return fwk.AsStatus(fmt.Errorf("bind pod %s/%s to node %s with its GPU decision: %w", pod.Namespace, pod.Name, node, err))
-	}
-	return nil
+	return fwk.AsStatus(p.bind(ctx, pod, node, plan.decision, uuids))
 }
 
 // EventsToRegister implements fwk.EnqueueExtensions: a pod this plugin

@@ -173,25 +173,31 @@ func NewTestPolicy(t *testing.T, c *Cache) placement.Policy {
 func TestBindingCarriesTheDecisionUnlessAKeyMustGo(t *testing.T) {
 	portionKey := api.ContainerKey("main", api.SuffixComputePortion)
 	d := Decision{Container: "main", Groups: []string{"g"}, Resolved: api.Resolved{RequestMiB: 1024, LimitMiB: 2048}, Mode: api.TimeSlicing}
-	fresh := fractionPod("p", "", "0.5")
-	b, ok := bindingOf(d, []string{"GPU-1"}, "", fresh)
-	if !ok || b.annotations[api.ContainerKey("main", api.SuffixDevices)] != "GPU-1" || b.annotations[api.GPUGroupsAnnotation] != "g" ||
-		b.labels[api.GPUGroupLabel] != "g" {
-		t.Fatalf("binding %+v, %v: want the devices, the group and its label", b, ok)
+	bindingOf := func(d Decision, uuids []string, pod *corev1.Pod) (annotations, labels map[string]string, ok bool) {
+		wa, wl := d.write(uuids, "", pod.Annotations)
+		annotations, okA := wa.Additive(pod.Annotations)
+		labels, okL := wl.Additive(pod.Labels)
+		return annotations, labels, okA && okL
 	}
-	if _, has := b.annotations[portionKey]; has {
-		t.Errorf("a time-slicing binding carries a compute portion: %v", b.annotations)
+	fresh := fractionPod("p", "", "0.5")
+	annotations, labels, ok := bindingOf(d, []string{"GPU-1"}, fresh)
+	if !ok || annotations[api.ContainerKey("main", api.SuffixDevices)] != "GPU-1" || annotations[api.GPUGroupsAnnotation] != "g" ||
+		labels[api.GPUGroupLabel] != "g" {
+		t.Fatalf("binding %v %v, %v: want the devices, the group and its label", annotations, labels, ok)
+	}
+	if _, has := annotations[portionKey]; has {
+		t.Errorf("a time-slicing binding carries a compute portion: %v", annotations)
 	}
 	stale := fractionPod("p", "", "0.5")
 	stale.Annotations[portionKey] = "0.5"
-	if _, ok := bindingOf(d, []string{"GPU-1"}, "", stale); ok {
+	if _, _, ok := bindingOf(d, []string{"GPU-1"}, stale); ok {
 		t.Error("a decision that must remove a stale portion went with the Binding, which cannot remove it")
 	}
 	two := d
 	two.Groups = []string{"g1", "g2"}
 	labelled := fractionPod("p", "", "0.5")
 	labelled.Labels = map[string]string{api.GPUGroupLabel: "old"}
-	if _, ok := bindingOf(two, []string{"GPU-1", "GPU-2"}, "", labelled); ok {
+	if _, _, ok := bindingOf(two, []string{"GPU-1", "GPU-2"}, labelled); ok {
 		t.Error("a two-GPU decision that must remove a stale group label went with the Binding")
 	}
 }
