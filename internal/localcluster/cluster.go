@@ -719,10 +719,8 @@ func (c *Cluster) waitReady(ctx context.Context) error {
 		}
 		ready := 0
 		for _, n := range nodes.Items {
-			for _, cond := range n.Status.Conditions {
-				if string(cond.Type) == api.ConditionFractioningReady && cond.Status == corev1.ConditionTrue {
-					ready++
-				}
+			if cond, ok := api.FractioningCondition(&n); ok && cond.Status == corev1.ConditionTrue {
+				ready++
 			}
 		}
 		return ready == len(c.opts.Shapes), nil
@@ -753,9 +751,9 @@ func (c *Cluster) waitOffered(ctx context.Context) error {
 				return false, err
 			}
 			want := api.StandingGPUs(node, shape.gpus)
-			if _, labelled := node.Labels[api.LabelStandingGPUs]; !labelled || len(offered[shape.Name]) < want {
-				behind = fmt.Sprintf("node %s offers %d of the %d GPUs its label %s=%q asks to have held",
-					shape.Name, len(offered[shape.Name]), want, api.LabelStandingGPUs, node.Labels[api.LabelStandingGPUs])
+			if !api.StandingLabelled(node) || len(offered[shape.Name]) < want {
+				behind = fmt.Sprintf("node %s offers %d of the %d GPUs its label %s asks to have held (unset until its agent publishes it)",
+					shape.Name, len(offered[shape.Name]), want, api.LabelStandingGPUs)
 				return false, nil
 			}
 		}

@@ -116,7 +116,7 @@ func (c *Cluster) Replay(ctx context.Context, pods []sim.PodSpec, progress func(
 			return nil, fmt.Errorf("pod %s (%d of %d): no decision from the scheduler after %s (see %s/logs/scheduler.log)", name, i+1, len(pods), decideTimeout, c.opts.Dir)
 		case pod := <-decided[name]:
 			if pod.Spec.NodeName != "" {
-				placed[i] = sim.Placement{Node: pod.Spec.NodeName, Group: pod.Annotations[api.GPUGroupsAnnotation]}
+				placed[i] = sim.Placement{Node: pod.Spec.NodeName, Group: strings.Join(api.DecisionGroups(pod.Annotations), ",")}
 			}
 		}
 	}

@@ -81,7 +81,7 @@ func (i Identity) ReviewBinding(user string, annotations map[string]string) erro
 	}
 	var errs api.ErrorList
 	for _, key := range slices.Sorted(maps.Keys(annotations)) {
-		if !api.IsFractionKey(key) && key != api.GPUGroupsAnnotation && key != api.ResolvedKeysAnnotation {
+		if !api.IsFractionKey(key) && !api.IsDecisionKey(key) {
 			continue
 		}
 		c, _, _ := api.SplitContainerKey(key)

@@ -111,6 +111,10 @@ func IsDecisionKey(key string) bool {
 	return IsSchedulerOwned(key) || key == GPUGroupsAnnotation || key == ResolvedKeysAnnotation
 }
 
+// IsGroupsKey reports whether key is GPUGroupsAnnotation, which people
+// read beside the fraction keys to see which GPU a pod shares.
+func IsGroupsKey(key string) bool { return key == GPUGroupsAnnotation }
+
 // Reservation is a reservation pod as the contract describes it: the GPU
 // group it holds, whether it is a standing one, the GPU the node agent
 // found the device plugin gave it, and (standing pods) what annotation

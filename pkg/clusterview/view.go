@@ -140,7 +140,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 			}
 		}
 		for k, val := range p.Annotations {
-			if api.IsFractionKey(k) || k == api.GPUGroupsAnnotation {
+			if api.IsFractionKey(k) || api.IsGroupsKey(k) {
 				key := p.Namespace + "/" + p.Name
 				if annotations[key] == nil {
 					annotations[key] = map[string]string{}
@@ -152,11 +152,9 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	conditions := map[string]corev1.NodeCondition{}
 	enforcement := map[string]string{}
 	for _, n := range nodes {
-		enforcement[n.Name] = n.Labels[api.LabelMemoryEnforcement]
-		for _, cond := range n.Status.Conditions {
-			if string(cond.Type) == api.ConditionFractioningReady {
-				conditions[n.Name] = cond
-			}
+		enforcement[n.Name] = api.MemoryEnforcement(&n)
+		if cond, ok := api.FractioningCondition(&n); ok {
+			conditions[n.Name] = cond
 		}
 	}
 	var held, total, free, stranded int64

@@ -110,7 +110,7 @@ func TenantOf(pod *corev1.Pod, groupOf func(uuid string) string, schedulableMiB 
 		}
 		t.Request.Share.Portion = api.PortionOfMemory(a.RequestMiB, schedulableMiB).Of(gpu.FullPortion)
 	}
-	if groups := api.SplitList(pod.Annotations[api.GPUGroupsAnnotation]); len(groups) == len(a.Devices) {
+	if groups := api.DecisionGroups(pod.Annotations); len(groups) == len(a.Devices) {
 		t.Groups = groups
 		return t, true, nil
 	}
@@ -441,8 +441,8 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		p := &pods[i]
 		if n := live(p); n != nil && p.Namespace == o.ReservationNamespace {
 			n.WholeGPUs += api.WholeGPUs(&p.Spec)
-			if g := p.Labels[api.GPUGroupLabel]; g != "" {
-				n.Reservations[g] = Reservation{Pod: p.Namespace + "/" + p.Name, Group: g, UUID: p.Annotations[api.ReservedGPUAnnotation], Created: p.CreationTimestamp.Time}
+			if r, ok := api.ReservationOf(p); ok {
+				n.Reservations[r.Group] = Reservation{Pod: p.Namespace + "/" + p.Name, Group: r.Group, UUID: r.GPU, Created: p.CreationTimestamp.Time}
 			}
 		}
 	}

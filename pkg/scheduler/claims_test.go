@@ -74,7 +74,7 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 	var held string
 	for _, u := range updates {
 		if u.Name == ReservationName("n1", ledgers.StandingGroup(0)) {
-			held = u.Value
+			held = u.Held.String()
 		}
 	}
 	if want := (api.SharesHeld{MemoryMiB: 20000, Mode: api.TimeSlicing}).String(); held != want {
@@ -95,8 +95,8 @@ func TestClaimsAndAnnotationSharesOnStandingGPUs(t *testing.T) {
 		t.Errorf("HeldUpdates: %v, want both standing pods", c.HeldUpdates())
 	}
 	for _, u := range c.HeldUpdates() {
-		if h, err := api.ParseSharesHeld(u.Value); err != nil || h.MemoryMiB != 80000 {
-			t.Errorf("with a conflict on the node, %s should offer claims nothing (80000 held): %s, %v", u.Name, u.Value, err)
+		if h, err := api.ParseSharesHeld(u.Held.String()); err != nil || h.MemoryMiB != 80000 {
+			t.Errorf("with a conflict on the node, %s should offer claims nothing (80000 held): %s, %v", u.Name, u.Held.String(), err)
 		}
 	}
 	c.ForgetClaim("uid-c2")
@@ -171,7 +171,7 @@ func TestStandingGPUKnownWakesTheCollector(t *testing.T) {
 	default:
 		t.Fatal("the standing GPU's UUID arrived and the collector was not woken")
 	}
-	if u := c.HeldUpdates(); len(u) != 1 || u[0].Value != (api.SharesHeld{}).String() {
+	if u := c.HeldUpdates(); len(u) != 1 || u[0].Held != (api.SharesHeld{}) {
 		t.Errorf("HeldUpdates once the GPU is known: %v, want the one pod, holding nothing", u)
 	}
 }

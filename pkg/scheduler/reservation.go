@@ -49,14 +49,9 @@ func ReservationPod(args Args, node, group string) *corev1.Pod {
 	one := resource.MustParse("1")
 	noPrivilege := false
 	nonRoot := true
-	labels := map[string]string{
-		labelManagedBy:    managedBy,
-		labelComponent:    componentHolder,
-		api.GPUGroupLabel: group,
-	}
-	if ledgers.IsStanding(group) {
-		labels[api.StandingLabel] = "true"
-	}
+	labels := api.ReservationLabels(group, ledgers.IsStanding(group))
+	labels[labelManagedBy] = managedBy
+	labels[labelComponent] = componentHolder
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:      ReservationName(node, group),
@@ -91,14 +86,15 @@ func ReservationPod(args Args, node, group string) *corev1.Pod {
 // setReservation records a reservation pod: its group's slot stays held
 // while it exists, and its annotation names the physical GPU.
 func (c *Cache) setReservation(pod *corev1.Pod) {
-	group := pod.Labels[api.GPUGroupLabel]
-	if group == "" || pod.Spec.NodeName == "" {
+	meta, ok := api.ReservationOf(pod)
+	if !ok || pod.Spec.NodeName == "" {
 		return
 	}
+	group := meta.Group
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns := c.node(pod.Spec.NodeName)
-	r := &reservation{name: pod.Name, uid: pod.UID, uuid: pod.Annotations[api.ReservedGPUAnnotation], held: pod.Annotations[api.SharesHeldAnnotation]}
+	r := &reservation{name: pod.Name, uid: pod.UID, uuid: meta.GPU, held: meta.Held}
 	if pod.Status.Phase == corev1.PodFailed {
 		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}
@@ -121,7 +117,8 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 }
 
 func (c *Cache) deleteReservation(pod *corev1.Pod) {
-	group := pod.Labels[api.GPUGroupLabel]
+	meta, _ := api.ReservationOf(pod)
+	group := meta.Group
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns, ok := c.nodes[pod.Spec.NodeName]
@@ -282,7 +279,7 @@ func (c *Cache) DropStanding(st Standing) {
 type HeldUpdate struct {
 	Namespace, Name string
 	UID             types.UID
-	Value           string
+	Held            api.SharesHeld
 }
 
 // HeldUpdates lists the standing reservation pods whose annotation of
@@ -316,8 +313,8 @@ func (c *Cache) HeldUpdates() []HeldUpdate {
 				// see: offer claims nothing here until they are placed.
 				held.MemoryMiB = d.Schedulable()
 			}
-			if v := held.String(); v != r.held {
-				out = append(out, HeldUpdate{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, Value: v})
+			if held.String() != r.held {
+				out = append(out, HeldUpdate{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, Held: held})
 			}
 		}
 	}
@@ -329,7 +326,7 @@ func (c *Cache) HeldUpdates() []HeldUpdate {
 func writeHeld(ctx context.Context, client kubernetes.Interface, u HeldUpdate) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
 		"uid":         u.UID,
-		"annotations": map[string]string{api.SharesHeldAnnotation: u.Value},
+		"annotations": u.Held.Write().MergePatch(),
 	}})
 	if err != nil {
 		return err

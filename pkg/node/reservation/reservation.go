@@ -110,15 +110,15 @@ func standingOf(ctx context.Context, pods []corev1.Pod) map[string]api.SharesHel
 	out := map[string]api.SharesHeld{}
 	for i := range pods {
 		p := &pods[i]
-		uuid := p.Annotations[api.ReservedGPUAnnotation]
-		if !ledgers.IsStanding(p.Labels[api.GPUGroupLabel]) || uuid == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodFailed {
+		r, _ := api.ReservationOf(p)
+		uuid := r.GPU
+		if !ledgers.IsStanding(r.Group) || uuid == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodFailed {
 			continue
 		}
-		raw, ok := p.Annotations[api.SharesHeldAnnotation]
-		if !ok {
+		if !r.HeldSet {
 			continue // the scheduler has not said yet
 		}
-		held, err := api.ParseSharesHeld(raw)
+		held, err := api.ParseSharesHeld(r.Held)
 		if err != nil {
 			klog.FromContext(ctx).Error(err, "Standing reservation pod: its GPU is offered to no claim", "pod", klog.KObj(p))
 			continue
@@ -157,7 +157,7 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	annotated := 0
 	for i := range pods.Items {
 		pod := &pods.Items[i]
-		if pod.DeletionTimestamp != nil || pod.Annotations[api.ReservedGPUAnnotation] != "" {
+		if r, _ := api.ReservationOf(pod); pod.DeletionTimestamp != nil || r.GPU != "" {
 			continue
 		}
 		ids := devices[pod.Namespace+"/"+pod.Name]
@@ -184,7 +184,7 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 
 func annotate(ctx context.Context, client kubernetes.Interface, pod *corev1.Pod, uuid string) error {
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"annotations":     map[string]string{api.ReservedGPUAnnotation: uuid},
+		"annotations":     api.ReservedGPUWrite(uuid).MergePatch(),
 		"resourceVersion": pod.ResourceVersion, // never overwrite a concurrent writer
 	}})
 	if err != nil {
@@ -202,7 +202,8 @@ func (s *Simulated) assign(pods []corev1.Pod) map[string][]string {
 	out := map[string][]string{}
 	var held []string
 	for _, p := range pods {
-		if uuid := p.Annotations[api.ReservedGPUAnnotation]; uuid != "" && p.DeletionTimestamp == nil {
+		if r, _ := api.ReservationOf(&p); r.GPU != "" && p.DeletionTimestamp == nil {
+			uuid := r.GPU
 			held = append(held, uuid)
 			out[p.Namespace+"/"+p.Name] = []string{uuid}
 		}

@@ -1,0 +1,223 @@
+package api
+
+import (
+	"fmt"
+	"go/ast"
+	goparser "go/parser"
+	"go/token"
+	"io/fs"
+	"math/rand/v2"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// contractKey is one key of the contract between the scheduler side and
+// the node side, with the one function that writes it and the one that
+// reads it.
+type contractKey struct {
+	name, key      string // the constant's name in this package, its value
+	object         string
+	writer, reader string
+}
+
+// contract lists every key the two sides exchange beyond the user's own
+// request (which Parse reads and admission writes). The source scan below
+// holds every other package to these codecs.
+var contract = []contractKey{
+	{"SuffixDevices", SuffixDevices, "tenant pod (per container)", "Decision.Write (Assignment.Annotations)", "ParseAssignments"},
+	{"SuffixComputePortion", SuffixComputePortion, "tenant pod (per container)", "Decision.Write (Assignment.Annotations)", "ParseAssignments"},
+	{"GPUGroupsAnnotation", GPUGroupsAnnotation, "tenant pod", "Decision.Write", "DecisionGroups"},
+	{"ResolvedKeysAnnotation", ResolvedKeysAnnotation, "tenant pod", "Decision.Write", "Intent"},
+	{"GPUGroupLabel", GPUGroupLabel, "tenant pod, reservation pod", "Decision.Write, ReservationLabels", "ReservationOf"},
+	{"StandingLabel", StandingLabel, "reservation pod", "ReservationLabels", "ReservationOf"},
+	{"ReservedGPUAnnotation", ReservedGPUAnnotation, "reservation pod", "ReservedGPUWrite", "ReservationOf"},
+	{"SharesHeldAnnotation", SharesHeldAnnotation, "standing reservation pod", "SharesHeld.Write", "ReservationOf + ParseSharesHeld"},
+	{"LabelGPUCount", LabelGPUCount, "node", "NodeReport.Labels", "InventoryOf"},
+	{"LabelGPUMemory", LabelGPUMemory, "node", "NodeReport.Labels", "InventoryOf"},
+	{"LabelGPUProduct", LabelGPUProduct, "node", "NodeReport.Labels", "InventoryOf, InventoryLabelled"},
+	{"LabelGPUMemoryReserve", LabelGPUMemoryReserve, "node", "NodeReport.Labels", "InventoryOf"},
+	{"LabelMemoryEnforcement", LabelMemoryEnforcement, "node", "NodeReport.Labels", "MemoryEnforcement"},
+	{"LabelStandingGPUs", LabelStandingGPUs, "node", "NodeReport.Labels", "StandingGPUs, StandingLabelled"},
+	{"ConditionFractioningReady", ConditionFractioningReady, "node condition", "publish.Compute (its one writer, pkg/node/publish)", "InventoryOf, FractioningCondition"},
+}
+
+// No package but this one reads or writes a contract key by hand: outside
+// pkg/api, production code never indexes a map with one, puts one in a
+// map literal, or compares a key with one. It calls the codec.
+func TestContractKeysHaveOneCodec(t *testing.T) {
+	names := map[string]bool{}
+	for _, k := range contract {
+		names[k.name] = true
+	}
+	root, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found []string
+	err = filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, path)
+		if d.IsDir() {
+			if rel == filepath.Join("pkg", "api") || strings.HasPrefix(d.Name(), ".") || rel == "bin" || rel == "test" {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		fset := token.NewFileSet()
+		f, err := goparser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			return err
+		}
+		isKey := func(e ast.Expr) bool {
+			sel, ok := e.(*ast.SelectorExpr)
+			if !ok {
+				return false
+			}
+			pkg, ok := sel.X.(*ast.Ident)
+			return ok && pkg.Name == "api" && names[sel.Sel.Name]
+		}
+		report := func(n ast.Node, how string) {
+			found = append(found, fmt.Sprintf("%s: %s", fset.Position(n.Pos()).String()[len(root)+1:], how))
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.IndexExpr:
+				if isKey(n.Index) {
+					report(n, "indexes a map with a contract key")
+				}
+			case *ast.KeyValueExpr:
+				if isKey(n.Key) {
+					report(n, "writes a contract key in a literal")
+				}
+			case *ast.BinaryExpr:
+				if (n.Op == token.EQL || n.Op == token.NEQ) && (isKey(n.X) || isKey(n.Y)) {
+					report(n, "compares with a contract key")
+				}
+			case *ast.CallExpr:
+				// api.ContainerKey(c, api.SuffixDevices) builds a key to
+				// read or write a decision by hand.
+				if sel, ok := n.Fun.(*ast.SelectorExpr); ok && sel.Sel.Name == "ContainerKey" && len(n.Args) == 2 && isKey(n.Args[1]) {
+					if !inMessage(f, n) {
+						report(n, "builds a decision key by hand")
+					}
+				}
+			}
+			return true
+		})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(found) > 0 {
+		t.Errorf("contract keys read or written outside pkg/api's codec (call the codec in contract.go instead):\n%s", strings.Join(found, "\n"))
+	}
+}
+
+// inMessage says whether a call sits in the arguments of an fmt call: a
+// key named in an error message, not read.
+func inMessage(f *ast.File, call *ast.CallExpr) bool {
+	in := false
+	ast.Inspect(f, func(n ast.Node) bool {
+		c, ok := n.(*ast.CallExpr)
+		if !ok || in {
+			return !in
+		}
+		if sel, ok := c.Fun.(*ast.SelectorExpr); ok {
+			if pkg, ok := sel.X.(*ast.Ident); ok && pkg.Name == "fmt" && slices.ContainsFunc(c.Args, func(a ast.Expr) bool {
+				return a.Pos() <= call.Pos() && call.End() <= a.End()
+			}) {
+				in = true
+			}
+		}
+		return true
+	})
+	return in
+}
+
+// Each key's writer and reader agree: what is written reads back the
+// same, over random decisions, reservations and node reports.
+func TestContractRoundTrips(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	uuid := func() string {
+		return fmt.Sprintf("GPU-%08x-%04x-%04x-%04x-%012x", rng.Uint32(), rng.Uint32N(1<<16), rng.Uint32N(1<<16), rng.Uint32N(1<<16), rng.Uint64N(1<<48))
+	}
+	for i := range 500 {
+		// A tenant's decision.
+		n := 1 + rng.IntN(3)
+		a := Assignment{Container: []string{"main", "c.1", "x"}[rng.IntN(3)], RequestMiB: 1 + rng.Int64N(80000), Mode: TimeSlicing}
+		a.LimitMiB = a.RequestMiB + rng.Int64N(1000)
+		if rng.IntN(2) == 0 {
+			a.Mode, a.Portion = SMSharing, Thousandths(1+rng.Int64N(1000))
+		}
+		if rng.IntN(3) == 0 {
+			a.CDIKind = CDIKindNVIDIAGPU
+		}
+		var groups []string
+		for range n {
+			a.Devices = append(a.Devices, uuid())
+			groups = append(groups, fmt.Sprintf("g%d", rng.IntN(1000)))
+		}
+		current := map[string]string{KeyFraction: "0.5", ContainerKey(a.Container, SuffixComputePortion): "0.9"}
+		ann, labels := Decision{Assignment: a, Groups: groups}.Write(current)
+		written := ann.Apply(current)
+		got, err := ParseAssignments(written)
+		if err != nil || len(got) != 1 || !slices.Equal(got[0].Devices, a.Devices) || got[0].CDIKind != a.CDIKind ||
+			got[0].RequestMiB != a.RequestMiB || got[0].LimitMiB != a.LimitMiB || got[0].Mode != a.Mode || got[0].Portion != a.Portion {
+			t.Fatalf("case %d: wrote %+v, read %+v, %v", i, a, got, err)
+		}
+		if g := DecisionGroups(written); !slices.Equal(g, groups) {
+			t.Fatalf("case %d: groups %v read back as %v", i, groups, g)
+		}
+		if l := labels.Apply(map[string]string{GPUGroupLabel: "stale"}); (n == 1) != (l[GPUGroupLabel] == groups[0]) {
+			t.Fatalf("case %d: %d GPUs, group label %q", i, n, l[GPUGroupLabel])
+		}
+		// Intent takes exactly the decision back off.
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Annotations: written}}
+		if intent := Intent(pod); HasDecision(intent.Annotations) || len(DecisionGroups(intent.Annotations)) != 0 || intent.Annotations[KeyFraction] != "0.5" {
+			t.Fatalf("case %d: intent %v still carries the decision or lost the request", i, intent.Annotations)
+		}
+
+		// A reservation pod.
+		group, standing, gpu := fmt.Sprintf("g%d", i), rng.IntN(2) == 0, uuid()
+		held := SharesHeld{MemoryMiB: rng.Int64N(80000), Mode: SMSharing, Portion: rng.Int64N(1001)}
+		r := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Labels: ReservationLabels(group, standing)}}
+		r.Annotations = held.Write().Apply(ReservedGPUWrite(gpu).Apply(nil))
+		meta, ok := ReservationOf(r)
+		if !ok || meta.Group != group || meta.Standing != standing || meta.GPU != gpu || !meta.HeldSet {
+			t.Fatalf("case %d: reservation read back as %+v, %v", i, meta, ok)
+		}
+		if h, err := ParseSharesHeld(meta.Held); err != nil || h != held {
+			t.Fatalf("case %d: held %+v read back as %+v, %v", i, held, h, err)
+		}
+
+		// A node's report.
+		report := NodeReport{Inventory: Inventory{Count: 1 + rng.IntN(8), MemoryMiB: 1024 + rng.Int64N(200000), Model: "NVIDIA-H100"},
+			Enforcement: []string{"driver", "mps-pinned", "none"}[rng.IntN(3)], Standing: rng.IntN(3)}
+		report.ReserveMiB = rng.Int64N(report.Inventory.MemoryMiB)
+		report.Inventory.ReserveMiB = report.ReserveMiB
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{}}}
+		for k, v := range report.Labels() {
+			if v != nil {
+				node.Labels[k] = *v
+			}
+		}
+		node.Status.Allocatable = corev1.ResourceList{ResourceGPU: *resource.NewQuantity(int64(report.Inventory.Count), resource.DecimalSI)}
+		inv, _, why := InventoryOf(node)
+		if inv != report.Inventory || MemoryEnforcement(node) != report.Enforcement || StandingGPUs(node, inv.Count) != min(report.Standing, inv.Count) ||
+			StandingLabelled(node) != (report.Standing > 0) || !InventoryLabelled(node.Labels) {
+			t.Fatalf("case %d: report %+v read back as %+v (%s), enforcement %q, standing %d", i, report, inv, why, MemoryEnforcement(node), StandingGPUs(node, inv.Count))
+		}
+	}
+}
