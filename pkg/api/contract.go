@@ -141,17 +141,14 @@ func ReservationLabels(group string, standing bool) map[string]string {
 }
 
 // ReservationOf reads a pod as a reservation pod; ok is false for a pod
-// that names no GPU group. The caller decides which namespace's pods are
-// reservation pods.
+// that names no GPU group (its other fields are read all the same). The
+// caller decides which namespace's pods are reservation pods.
 func ReservationOf(pod *corev1.Pod) (r Reservation, ok bool) {
 	r.Group = pod.Labels[GPUGroupLabel]
-	if r.Group == "" {
-		return Reservation{}, false
-	}
 	r.Standing = pod.Labels[StandingLabel] == "true"
 	r.GPU = pod.Annotations[ReservedGPUAnnotation]
 	r.Held, r.HeldSet = pod.Annotations[SharesHeldAnnotation]
-	return r, true
+	return r, r.Group != ""
 }
 
 // ReservedGPUWrite is what the node agent writes on a reservation pod
