@@ -316,6 +316,25 @@ func (l *Layout) Retire(g string) bool {
 	return true
 }
 
+// Free gives back the slot of a group whose reservation pod is gone: held
+// for shares with no tenant, or retired with its placeholder. A group
+// with tenants keeps its slot (they still use the GPU).
+func (l *Layout) Free(g string) {
+	slot, ok := l.Groups[g]
+	if l.Ledger == nil || !ok {
+		return
+	}
+	d := l.Ledger.Devices[slot]
+	switch {
+	case d.Idle():
+		d.SharedOnly = false
+		delete(l.Groups, g)
+	case d.Whole() == Placeholder(g):
+		_ = l.Ledger.Release(Placeholder(g))
+		delete(l.Groups, g)
+	}
+}
+
 // Release returns a tenant's slots; its groups' slots are dropped unless
 // reserved.
 func (l *Layout) Release(t Tenant, reserved func(group string) bool) {

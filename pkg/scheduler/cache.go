@@ -98,11 +98,18 @@ type reservation struct {
 	uuid string // the physical GPU, once the node agent has written it
 	// held is a standing one's api.SharesHeldAnnotation, as last seen.
 	held string
-	// failed is set when the kubelet refused the pod.
-	failed string
-	// retiring is set once the scheduler has chosen to delete the pod to
-	// give its GPU to a whole-GPU pod (Reclaim): no share joins it again.
-	retiring bool
+	// state is where the pod is in its life (ledgers.Transition).
+	state ledgers.GroupState
+	// failure says why the kubelet refused the pod, once it has.
+	failure string
+}
+
+// event applies a lifecycle event to a group's reservation pod and
+// returns the effects for the caller to apply.
+func (r *reservation) event(e ledgers.GroupEvent, g string) ledgers.Effects {
+	var fx ledgers.Effects
+	r.state, fx = ledgers.Transition(r.state, e, ledgers.Seen{}, ledgers.IsStanding(g))
+	return fx
 }
 
 // tenant is a pod holding GPUs on a node.
@@ -438,12 +445,14 @@ func (ns *nodeState) settle(g string) {
 	slot, ok := ns.Groups[g]
 	if !ok {
 		if !ledgers.IsStanding(g) {
-			r.retiring = true
+			r.event(ledgers.EventRetire, g)
 		}
 		return
 	}
 	if ns.Ledger.Devices[slot].Idle() && !ns.joinable(g) {
-		r.retiring = r.retiring || !ledgers.IsStanding(g) || !ns.wantsStanding(g)
+		if !ledgers.IsStanding(g) || !ns.wantsStanding(g) {
+			r.event(ledgers.EventRetire, g)
+		}
 		ns.Retire(g)
 	}
 }
@@ -455,10 +464,7 @@ func (ns *nodeState) settle(g string) {
 // collector may delete it.
 func (ns *nodeState) joinable(g string) bool {
 	r := ns.reservations[g]
-	if r == nil || r.failed != "" || r.retiring {
-		return false
-	}
-	return !ledgers.IsStanding(g) || ns.wantsStanding(g)
+	return r != nil && ledgers.Joinable(r.state, ledgers.IsStanding(g), ns.wantsStanding(g))
 }
 
 // shared says whether a GPU has fractional tenants (each charges a

@@ -349,7 +349,7 @@ func (c *Cache) ReservationState(node, group string) (known bool, uuid, failed s
 	if !ok {
 		return false, "", ""
 	}
-	return true, r.uuid, r.failed
+	return true, r.uuid, r.failure
 }
 
 // Orphan is a reservation pod to delete: its GPU group has no tenant and

@@ -96,23 +96,23 @@ func (c *Cache) setReservation(pod *corev1.Pod) {
 	ns := c.node(pod.Spec.NodeName)
 	r := &reservation{name: pod.Name, uid: pod.UID, uuid: meta.GPU, held: meta.Held}
 	if pod.Status.Phase == corev1.PodFailed {
-		r.failed = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
+		r.failure = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}
-	old, known := ns.reservations[group]
-	// Retiring sticks (see joinable); a pod being deleted is retiring.
-	r.retiring = (known && old.retiring) || pod.DeletionTimestamp != nil
+	if old, known := ns.reservations[group]; known {
+		r.state = old.state
+	}
+	var fx ledgers.Effects
+	r.state, fx = ledgers.Transition(r.state, ledgers.EventSeen,
+		ledgers.Seen{Named: r.uuid != "", Failed: r.failure != "", Deleting: pod.DeletionTimestamp != nil}, ledgers.IsStanding(group))
 	ns.reservations[group] = r
-	defer ns.settle(group)
-	switch {
-	case !known:
+	if fx.Hold {
 		ns.Hold(group)
+	}
+	if fx.Wake {
 		c.markDirty()
-	case ledgers.IsStanding(group) && old.uuid == "" && r.uuid != "":
-		// The collector writes what a standing GPU holds only once its
-		// UUID is known: wake it now rather than at its next tick, or the
-		// node offers DRA claims nothing on that GPU for up to half a
-		// minute after it comes up.
-		c.markDirty()
+	}
+	if fx.Settle {
+		ns.settle(group)
 	}
 }
 
@@ -125,22 +125,21 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	if !ok || ns.reservations[group] == nil || ns.reservations[group].name != pod.Name {
 		return
 	}
+	fx := ns.reservations[group].event(ledgers.EventDeleted, group)
 	delete(ns.reservations, group)
 	delete(ns.Conflicts, placeholder(group))
-	c.markDirty() // a standing pod the node lacks may take the GPU now
+	if fx.Wake {
+		c.markDirty() // a standing pod the node lacks may take the GPU now
+	}
 	if ns.Ledger == nil {
 		return
 	}
-	if slot, ok := ns.Groups[group]; ok && ns.Ledger.Devices[slot].Idle() {
-		// Held for shares, with no tenant: the GPU is free again.
-		ns.Ledger.Devices[slot].SharedOnly = false
-		delete(ns.Groups, group)
-	} else if ok && ns.Ledger.Devices[slot].Whole() == placeholder(group) {
-		// Retired for a whole-GPU pod: the GPU is free again.
-		_ = ns.Ledger.Release(placeholder(group))
-		delete(ns.Groups, group)
+	if fx.Free {
+		// Held for shares with no tenant, or retired for a whole-GPU
+		// pod: the GPU is free again.
+		ns.Free(group)
 	}
-	if ledgers.IsStanding(group) || len(ns.Conflicts) > 0 {
+	if fx.Rebuild || len(ns.Conflicts) > 0 {
 		c.rebuild(pod.Spec.NodeName, ns)
 	}
 }
@@ -182,8 +181,11 @@ func (c *Cache) TakeStanding() []Standing {
 			switch {
 			case ns.reserved(g):
 			case idle > 0:
-				ns.reservations[g] = &reservation{name: ReservationName(name, g)}
-				ns.Hold(g)
+				r := &reservation{name: ReservationName(name, g)}
+				ns.reservations[g] = r
+				if r.event(ledgers.EventBook, g).Hold {
+					ns.Hold(g)
+				}
 				out = append(out, Standing{Node: name, Group: g})
 				idle--
 			default:
@@ -232,7 +234,7 @@ func (ns *nodeState) unheld() int {
 func (ns *nodeState) retiringCount() int {
 	n := 0
 	for g, r := range ns.reservations {
-		if r.retiring && !ledgers.IsStanding(g) {
+		if r.state == ledgers.GroupRetiring && !ledgers.IsStanding(g) {
 			n++
 		}
 	}
@@ -249,7 +251,7 @@ func (c *Cache) retireIdle(ns *nodeState, n int) []string {
 			break
 		}
 		if ns.Retire(g) {
-			ns.reservations[g].retiring = true
+			ns.reservations[g].event(ledgers.EventRetire, g)
 			retired = append(retired, g)
 		}
 	}
@@ -268,9 +270,13 @@ func (c *Cache) DropStanding(st Standing) {
 	if !ok {
 		return
 	}
-	if r := ns.reservations[st.Group]; r != nil && r.uid == "" {
-		delete(ns.reservations, st.Group)
-		c.rebuild(st.Node, ns)
+	if r := ns.reservations[st.Group]; r != nil && r.state == ledgers.GroupBooked {
+		if fx := r.event(ledgers.EventCreateFailed, st.Group); r.state == ledgers.GroupNone {
+			delete(ns.reservations, st.Group)
+			if fx.Rebuild {
+				c.rebuild(st.Node, ns)
+			}
+		}
 	}
 }
 
