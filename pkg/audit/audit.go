@@ -38,6 +38,10 @@ const (
 	TooManyGPUs    Kind = "NodeGPUsOverCommitted"
 	WholeShared    Kind = "WholeGPUShared"
 	Unaccounted    Kind = "GPUsNotAccounted"
+	// GroupsDisputed: a pod's gpufrac.io/gpu-groups disagrees with the
+	// GPUs it holds (an edited annotation); its share is counted on its
+	// GPUs, whatever the annotation says.
+	GroupsDisputed Kind = "GPUGroupsDisputed"
 )
 
 // Violation is one broken invariant, with the objects involved.
@@ -125,6 +129,9 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		}
 		for _, key := range slices.Sorted(maps.Keys(n.Tenants)) {
 			t := n.Tenants[key]
+			for _, d := range t.Disputed {
+				add(GroupsDisputed, t.Pod, "on %s: %s; counted on the GPU", name, d)
+			}
 			for _, g := range t.Groups {
 				usedGroups[g] = true
 			}

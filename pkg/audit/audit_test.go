@@ -133,3 +133,26 @@ func TestPodWithNoGPULeftIsFound(t *testing.T) {
 		t.Errorf("violations %v, want %v (%v)", kinds, want, got)
 	}
 }
+
+// An edited gpufrac.io/gpu-groups is reported, and the share is still
+// counted on the GPU it holds: here two pods on GPU-a, one claiming gb,
+// over-commit GPU-a, which the audit says too.
+func TestEditedGroupsAreReported(t *testing.T) {
+	nodes := []corev1.Node{gpuNode("n1", 2)}
+	got := check(nodes,
+		reservation("n1", "ga", "GPU-a"),
+		reservation("n1", "gb", "GPU-b"),
+		tenant("honest", "n1", 50000, api.TimeSlicing, "", "ga", "GPU-a"),
+		tenant("edited", "n1", 40000, api.TimeSlicing, "", "gb", "GPU-a"),
+	)
+	var kinds []Kind
+	for _, v := range got {
+		kinds = append(kinds, v.Kind)
+		if v.Kind == GroupsDisputed && (v.Object != "team/edited" || !strings.Contains(v.Message, "gb") || !strings.Contains(v.Message, "GPU-a")) {
+			t.Errorf("dispute %v: want the edited pod, its group and its GPU", v)
+		}
+	}
+	if !slices.Contains(kinds, GroupsDisputed) || !slices.Contains(kinds, OverCommitted) {
+		t.Errorf("violations %v: want the edited groups and GPU-a over-committed", got)
+	}
+}

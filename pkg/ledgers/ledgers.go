@@ -1,9 +1,12 @@
-// Package ledgers reads nodes and pods, as the API reports them, into
-// gpu.Node ledgers: the one reading of who holds which GPU, shared by the
-// scheduler's cache (which places tenants and so keeps every invariant),
-// by `gpufrac audit` (which records tenants as they are, so the ledger's
-// own Violations say what a cluster breaks) and by `gpufrac top`. It is
-// pure: objects in, ledgers out.
+// Package ledgers is the one model of GPU tenancy: who holds which GPU on
+// a node (Node: tenants, reservation pods and their lifecycle, the ledger
+// with its slots named by GPU group), read from nodes, pods and claims as
+// the API reports them. The scheduler's cache keeps a Node per node and
+// changes it as objects come and go (placing tenants, so keeping every
+// invariant); Build makes the same Nodes from lists for `gpufrac audit`
+// (which records tenants as they are, so the ledger's own Violations say
+// what a cluster breaks), `gpufrac top`, the dashboard and the replay. It
+// is pure: objects in, ledgers out.
 //
 // A ledger's slots have no identity of their own. A shared GPU is a GPU
 // group, held by one reservation pod, and the physical GPU is whichever
@@ -14,11 +17,9 @@ package ledgers
 import (
 	"cmp"
 	"fmt"
-	"maps"
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -43,6 +44,9 @@ type Tenant struct {
 	// Claim is set for a share a ResourceClaim holds (DRA), whose Pod
 	// is then the claim's namespace/name/request.
 	Claim bool
+	// Disputed says where the groups the pod's decision names disagree
+	// with the GPUs it holds (an edited annotation): the GPUs win.
+	Disputed []string
 }
 
 // Placeholder is the ledger tenant that holds the GPU of a reservation
@@ -78,15 +82,24 @@ const standingPrefix = "standing-"
 // reservation pod outlives its tenants.
 func IsStanding(group string) bool { return strings.HasPrefix(group, standingPrefix) }
 
+// GroupOf names the GPU group of a GPU by its UUID on a node: known is
+// true when something that cannot be forged from the pod says it (a
+// reservation pod, whose GPU the node agent wrote, or a tenant already
+// booked on that GPU).
+type GroupOf func(uuid string) (group string, known bool)
+
 // TenantOf reads what a bound pod holds: whole GPUs, or the shares its
-// scheduler wrote, on the GPU groups it names (gpufrac's scheduler) or on
-// groupOf(uuid) for each GPU (another scheduler; groupOf joins a UUID with
-// the reservation pod holding it). An sm-sharing share its scheduler gave
-// no portion (released KAI) is charged the portion the node derives from
-// its memory share of schedulableMiB. held is false for a pod that holds
-// no GPU; err says why a pod that asks for a fraction carries no readable
-// decision.
-func TenantOf(pod *corev1.Pod, groupOf func(uuid string) string, schedulableMiB int64) (t Tenant, held bool, err error) {
+// scheduler wrote. A share's GPU groups are derived from its GPUs, joined
+// with what holds them on the node (groupOf); the groups a decision names
+// (gpufrac's GPUGroupsAnnotation, which a pod's author can edit) are only
+// a label, used for a GPU nothing on the node knows yet, and a group that
+// disagrees with the GPU is recorded in Tenant.Disputed. A GPU known by
+// nothing is its own group (UUIDGroup: another scheduler's pod). An
+// sm-sharing share its scheduler gave no portion (released KAI) is charged
+// the portion the node derives from its memory share of schedulableMiB.
+// held is false for a pod that holds no GPU; err says why a pod that asks
+// for a fraction carries no readable decision.
+func TenantOf(pod *corev1.Pod, groupOf GroupOf, schedulableMiB int64) (t Tenant, held bool, err error) {
 	t = Tenant{Request: gpu.Request{Tenant: string(pod.UID)}, Pod: pod.Namespace + "/" + pod.Name}
 	if t.Request.Tenant == "" {
 		t.Request.Tenant = t.Pod // a manifest read from a file has no UID
@@ -110,12 +123,21 @@ func TenantOf(pod *corev1.Pod, groupOf func(uuid string) string, schedulableMiB 
 		}
 		t.Request.Share.Portion = api.PortionOfMemory(a.RequestMiB, schedulableMiB).Of(gpu.FullPortion)
 	}
-	if groups := api.DecisionGroups(pod.Annotations); len(groups) == len(a.Devices) {
-		t.Groups = groups
-		return t, true, nil
+	annotated := api.DecisionGroups(pod.Annotations)
+	if len(annotated) != len(a.Devices) {
+		annotated = nil // another scheduler's decision, or one cut short
 	}
-	for _, uuid := range a.Devices {
-		t.Groups = append(t.Groups, groupOf(uuid))
+	for i, uuid := range a.Devices {
+		g, known := groupOf(uuid)
+		switch {
+		case known && annotated != nil && annotated[i] != g:
+			t.Disputed = append(t.Disputed, fmt.Sprintf("%s names GPU group %s for GPU %s, which group %s holds", api.GPUGroupsAnnotation, annotated[i], uuid, g))
+		case !known && annotated != nil:
+			g = annotated[i]
+		case !known:
+			g = UUIDGroup(uuid)
+		}
+		t.Groups = append(t.Groups, g)
 	}
 	return t, true, nil
 }
@@ -369,35 +391,6 @@ func (l *Layout) Fill(tenants []Tenant, reservations []string, place bool) {
 	}
 }
 
-// Options say how to read a cluster.
-type Options struct {
-	// ReservationNamespace holds the reservation pods.
-	ReservationNamespace string
-}
-
-// Reservation is a reservation pod.
-type Reservation struct {
-	Pod     string // namespace/name
-	Group   string
-	UUID    string // the physical GPU, once the node agent has written it
-	Created time.Time
-}
-
-// Node is one node's GPUs as the cluster reports them.
-type Node struct {
-	Name      string
-	Inventory api.Inventory
-	Ready     bool
-	Layout
-	// Tenants are the pods holding GPUs here, by ledger tenant (pod UID).
-	Tenants map[string]Tenant
-	// Reservations are the reservation pods here, by GPU group.
-	Reservations map[string]Reservation
-	// WholeGPUs counts the GPUs pods and reservation pods ask the device
-	// plugin for.
-	WholeGPUs int
-}
-
 // UUID is the physical GPU on a slot, when a decision or a reservation
 // pod names it; "" otherwise.
 func (n *Node) UUID(slot int) string {
@@ -433,118 +426,3 @@ type Cluster struct {
 	Problems []Problem
 }
 
-// Build records every live bound pod and reservation pod on its node's
-// ledger, as the API reports them (gpu.Node.Record): the view of what
-// runs, with nothing dropped for breaking an invariant. Nodes without
-// GPUs are left out, and so are pods on nodes the list does not hold.
-//
-// claims are the cluster's ResourceClaims: the shares of gpufrac's DRA
-// driver they hold are tenants of the same GPUs, beside the pods'.
-func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, o Options) Cluster {
-	c := Cluster{Nodes: map[string]*Node{}}
-	for i := range nodes {
-		inv, ready, _ := api.InventoryOf(&nodes[i])
-		if inv.Count <= 0 {
-			continue
-		}
-		c.Nodes[nodes[i].Name] = &Node{Name: nodes[i].Name, Inventory: inv, Ready: ready,
-			Layout: NewLayout(nodes[i].Name, inv), Tenants: map[string]Tenant{}, Reservations: map[string]Reservation{}}
-	}
-	live := func(p *corev1.Pod) *Node {
-		if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
-			return nil
-		}
-		return c.Nodes[p.Spec.NodeName]
-	}
-	for i := range pods {
-		p := &pods[i]
-		if n := live(p); n != nil && p.Namespace == o.ReservationNamespace {
-			n.WholeGPUs += api.WholeGPUs(&p.Spec)
-			if r, ok := api.ReservationOf(p); ok {
-				n.Reservations[r.Group] = Reservation{Pod: p.Namespace + "/" + p.Name, Group: r.Group, UUID: r.GPU, Created: p.CreationTimestamp.Time}
-			}
-		}
-	}
-	for i := range pods {
-		p := &pods[i]
-		n := live(p)
-		if n == nil || p.Namespace == o.ReservationNamespace {
-			continue
-		}
-		n.WholeGPUs += api.WholeGPUs(&p.Spec)
-		t, held, err := TenantOf(p, n.groupOf, n.Inventory.SchedulableMiB())
-		switch {
-		case err != nil:
-			c.Problems = append(c.Problems, Problem{Pod: p.Namespace + "/" + p.Name, Node: n.Name,
-				NoDecision: !api.HasContainerKey(p.Annotations, api.SuffixDevices), Err: err})
-		case held:
-			n.Tenants[t.Request.Tenant] = t
-		}
-	}
-	for i := range claims {
-		ts, err := ClaimTenants(&claims[i])
-		if err != nil {
-			node := ""
-			if len(ts) > 0 {
-				node = ts[0].Node
-			}
-			c.Problems = append(c.Problems, Problem{Pod: "resourceclaim " + claims[i].Namespace + "/" + claims[i].Name, Node: node, Err: err})
-		}
-		for _, ct := range ts {
-			if n := c.Nodes[ct.Node]; n != nil {
-				ct.Tenant.Groups = []string{n.groupOf(ct.Tenant.UUIDs[0])}
-				n.Tenants[ct.Tenant.Request.Tenant] = ct.Tenant
-			}
-		}
-	}
-	for _, n := range c.Nodes {
-		n.sameGPUSameGroup()
-		n.Fill(slices.Collect(maps.Values(n.Tenants)), slices.Collect(maps.Keys(n.Reservations)), false)
-	}
-	slices.SortFunc(c.Problems, func(a, b Problem) int { return cmp.Compare(a.Pod, b.Pod) })
-	return c
-}
-
-// sameGPUSameGroup books tenants that name one physical GPU on one slot,
-// whatever groups their decisions name (edited, or stale): the cluster's
-// view is of GPUs, so that two groups on one GPU show as what they are.
-func (n *Node) sameGPUSameGroup() {
-	canonical := map[string]string{} // UUID → group
-	for _, g := range slices.Sorted(maps.Keys(n.Reservations)) {
-		if uuid := strings.ToLower(n.Reservations[g].UUID); uuid != "" && canonical[uuid] == "" {
-			canonical[uuid] = g
-		}
-	}
-	for _, key := range slices.Sorted(maps.Keys(n.Tenants)) {
-		t := n.Tenants[key]
-		changed := false
-		for i, uuid := range t.UUIDs {
-			if i >= len(t.Groups) {
-				break
-			}
-			uuid = strings.ToLower(uuid)
-			switch g, ok := canonical[uuid]; {
-			case !ok:
-				canonical[uuid] = t.Groups[i]
-			case g != t.Groups[i]:
-				if !changed {
-					t.Groups = slices.Clone(t.Groups)
-					changed = true
-				}
-				t.Groups[i] = g
-			}
-		}
-		n.Tenants[key] = t
-	}
-}
-
-// groupOf is the group of the reservation pod holding a GPU, or the
-// GPU's own group when none does.
-func (n *Node) groupOf(uuid string) string {
-	for g, r := range n.Reservations {
-		if strings.EqualFold(r.UUID, uuid) { // a DRA device names its GPU lower-cased
-			return g
-		}
-	}
-	return UUIDGroup(uuid)
-}

@@ -87,7 +87,7 @@ func TestBuildReadsBothSchedulersPods(t *testing.T) {
 		t.Errorf("KAI's sm-sharing pod is charged %d/1000 compute, want 253", p)
 	}
 	for uuid, want := range map[string]int64{"GPU-aa": 80896 - 40960, "GPU-bb": 80896 - 20480} {
-		slot := n.Groups[n.groupOf(uuid)]
+		slot := n.Groups[n.GroupOfOrOwn(uuid)]
 		if d := n.Ledger.Devices[slot]; d.Free() != want || n.UUID(slot) != uuid {
 			t.Errorf("%s: slot %d (%s) free %d, want %d", uuid, slot, n.UUID(slot), d.Free(), want)
 		}
@@ -115,7 +115,7 @@ func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
 	}
 
 	placed := NewLayout("n1", n.Inventory)
-	tenants := []Tenant{n.Tenants["uid-big1"], n.Tenants["uid-big2"]}
+	tenants := []Tenant{*n.Tenants["uid-big1"], *n.Tenants["uid-big2"]}
 	placed.Fill(tenants, []string{"ga"}, true)
 	if v := placed.Ledger.Violations(); len(v) != 0 || len(placed.Conflicts) != 1 || placed.Conflicts["uid-big2"] == "" {
 		t.Errorf("placed: violations %v, conflicts %v", v, placed.Conflicts)
@@ -138,24 +138,27 @@ func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
 	}
 }
 
+// nothingKnown is a node where nothing holds any GPU yet.
+func nothingKnown(string) (string, bool) { return "", false }
+
 func TestTenantOf(t *testing.T) {
 	whole := pod("w", "n1", nil)
 	whole.Spec.InitContainers = []corev1.Container{{Name: "i", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("2")}}}}
-	if tn, held, err := TenantOf(&whole, UUIDGroup, 80000); err != nil || !held || tn.Request.Whole != 2 {
+	if tn, held, err := TenantOf(&whole, nothingKnown, 80000); err != nil || !held || tn.Request.Whole != 2 {
 		t.Errorf("whole: %+v %v %v", tn, held, err)
 	}
 	plain := pod("p", "n1", map[string]string{"app": "web"})
-	if _, held, err := TenantOf(&plain, UUIDGroup, 80000); held || err != nil {
+	if _, held, err := TenantOf(&plain, nothingKnown, 80000); held || err != nil {
 		t.Errorf("ordinary pod: held %v, %v", held, err)
 	}
 	bad := pod("b", "n1", decision(1024, "mps", "", "GPU-aa", ""))
 	var list api.ErrorList
-	if _, held, err := TenantOf(&bad, UUIDGroup, 80000); held || !errors.As(err, &list) {
+	if _, held, err := TenantOf(&bad, nothingKnown, 80000); held || !errors.As(err, &list) {
 		t.Errorf("bad mode: held %v, %v", held, err)
 	}
 	sm := pod("s", "n1", decision(1024, api.SMSharing, "0.25", "GPU-AA", ""))
 	sm.UID = ""
-	tn, held, err := TenantOf(&sm, UUIDGroup, 80000)
+	tn, held, err := TenantOf(&sm, nothingKnown, 80000)
 	if err != nil || !held || tn.Request.Tenant != "team/s" || tn.Groups[0] != "uuid-gpu-aa" || tn.Request.Share.Portion != 250 {
 		t.Errorf("sm-sharing without UID: %+v %v %v", tn, held, err)
 	}
@@ -179,7 +182,7 @@ func TestBuildBooksOneGPUOnce(t *testing.T) {
 // that is unknown it cannot be charged, and says why.
 func TestSMSharingWithoutPortionNeedsTheNodesMemory(t *testing.T) {
 	p := pod("kai", "n1", decision(20480, api.SMSharing, "", "GPU-aa", ""))
-	if _, held, err := TenantOf(&p, UUIDGroup, 0); held || err == nil {
+	if _, held, err := TenantOf(&p, nothingKnown, 0); held || err == nil {
 		t.Errorf("held %v, err %v: want an error while the node's memory is unknown", held, err)
 	}
 }

@@ -4,10 +4,8 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
-	"maps"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -35,7 +33,11 @@ type Cache struct {
 
 	mu    sync.RWMutex
 	nodes map[string]*nodeState
-	pods  map[types.UID]*tenant
+	// where is the node of every tenant the cache holds (a pod, or a
+	// claim's share), by ledger key: the tenant itself is the node's.
+	where map[types.UID]string
+	// assumed are the pods this scheduler reserved and has not seen bound.
+	assumed map[types.UID]bool
 	// dirty is closed and replaced whenever a GPU group may have become
 	// empty, so that the collector looks for reservation pods to delete.
 	dirty chan struct{}
@@ -55,31 +57,17 @@ type demand struct {
 	fraction       *api.Request
 }
 
-// nodeState is one node's GPUs.
+// nodeState is one node's GPU tenancy (ledgers.Node, the model audit, top
+// and the dashboard read too) with what only the scheduler needs.
 type nodeState struct {
-	inv api.Inventory
+	*ledgers.Node
 	// cpu is the node's allocatable CPU in milli-CPU.
-	cpu   int64
-	ready bool
-	why   string // why fractions cannot land here, when !ready
+	cpu int64
 	// seen is the Node object last applied (SetNode): one with an older
 	// ResourceVersion is never applied over it. Kept as the object, not
 	// its version, so that FilterAt's usual case (the snapshot holds the
 	// informer's very object) costs a pointer comparison.
 	seen *corev1.Node
-	// Layout is the node's ledger (nil without a GPU inventory), its slots
-	// by GPU group, and its conflicts: tenants the ledger could not place,
-	// pods the API says are there though they do not fit (bound by
-	// someone else, or the inventory shrank). The node takes no new
-	// fractions while any.
-	ledgers.Layout
-	// reservations are the reservation pods on the node, by GPU group.
-	reservations map[string]*reservation
-	// standing is how many GPUs the node asks to have held for shares at
-	// all times (api.LabelStandingGPUs, for its DRA driver): the
-	// collector keeps a reservation pod for each (ledgers.StandingGroup).
-	standing int
-	tenants  map[types.UID]*tenant
 	// waiting are bound pods not yet turned into tenants: their node's
 	// inventory was unknown, or they did not fit. Each rebuild retries.
 	waiting map[types.UID]*corev1.Pod
@@ -91,59 +79,12 @@ type nodeState struct {
 	view   gpu.Node
 }
 
-// reservation is a reservation pod.
-type reservation struct {
-	name string
-	uid  types.UID
-	uuid string // the physical GPU, once the node agent has written it
-	// held is a standing one's api.SharesHeldAnnotation, as last seen.
-	held string
-	// state is where the pod is in its life (ledgers.Transition).
-	state ledgers.GroupState
-	// failure says why the kubelet refused the pod, once it has.
-	failure string
-}
-
-// event applies a lifecycle event to a group's reservation pod and
-// returns the effects for the caller to apply.
-func (r *reservation) event(e ledgers.GroupEvent, g string) ledgers.Effects {
-	var fx ledgers.Effects
-	r.state, fx = ledgers.Transition(r.state, e, ledgers.Seen{}, ledgers.IsStanding(g))
-	return fx
-}
-
-// tenant is a pod holding GPUs on a node.
-type tenant struct {
-	uid       types.UID
-	namespace string
-	name      string
-	node      string
-	request   gpu.Request
-	// groups are a fractional tenant's GPU groups, one per device.
-	groups []string
-	// container gets the GPUs (fractional tenants).
-	container string
-	// assumed is set from Reserve until the API shows the pod bound.
-	assumed bool
-	// resolved is the memory in MiB that PreBind writes.
-	resolved api.Resolved
-	// claim is set for a share a ResourceClaim holds (DRA): uid is then
-	// <claim UID>/<request>, and only SyncClaims adds or removes it.
-	claim bool
-	uuid  string // a claim share's GPU, as its device names it
-}
-
 func placeholder(group string) string { return ledgers.Placeholder(group) }
-
-// lt is the tenant as the ledger layout books it.
-func (t *tenant) lt() ledgers.Tenant { return ledgers.Tenant{Request: t.request, Groups: t.groups} }
-
-// reserved says whether a GPU group has a reservation pod on the node.
-func (ns *nodeState) reserved(g string) bool { _, ok := ns.reservations[g]; return ok }
 
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
-	return &Cache{args: args, nodes: map[string]*nodeState{}, pods: map[types.UID]*tenant{}, dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}}
+	return &Cache{args: args, nodes: map[string]*nodeState{}, where: map[types.UID]string{}, assumed: map[types.UID]bool{},
+		dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}}
 }
 
 // Dirty returns a channel closed at the next change that may leave a
@@ -162,10 +103,21 @@ func (c *Cache) markDirty() {
 func (c *Cache) node(name string) *nodeState {
 	ns, ok := c.nodes[name]
 	if !ok {
-		ns = &nodeState{Layout: ledgers.NewLayout(name, api.Inventory{}), reservations: map[string]*reservation{}, tenants: map[types.UID]*tenant{}, waiting: map[types.UID]*corev1.Pod{}}
+		ns = &nodeState{Node: ledgers.NewNode(name, api.Inventory{}), waiting: map[types.UID]*corev1.Pod{}}
 		c.nodes[name] = ns
 	}
 	return ns
+}
+
+// tenant is the tenant of a ledger key, with its node.
+func (c *Cache) tenant(uid types.UID) (*nodeState, *ledgers.Tenant, bool) {
+	name, ok := c.where[uid]
+	if !ok {
+		return nil, nil, false
+	}
+	ns := c.node(name)
+	t, ok := ns.Tenants[string(uid)]
+	return ns, t, ok
 }
 
 // SetNode records a node's inventory and readiness; when the inventory
@@ -181,18 +133,18 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	}
 	ns.seen = node
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
-	if standing := api.StandingGPUs(node, inv.Count); standing != ns.standing {
-		ns.standing = standing
-		for g := range ns.reservations {
-			ns.settle(g) // a standing group no longer asked for is retired
+	if standing := api.StandingGPUs(node, inv.Count); standing != ns.Standing {
+		ns.Standing = standing
+		for g := range ns.Reservations {
+			ns.Settle(g) // a standing group no longer asked for is retired
 		}
 		c.markDirty() // the collector adds or removes standing reservation pods
 	}
-	changed := inv != ns.inv || (ns.Ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
-	ns.ready, ns.why = ready, why
+	changed := inv != ns.Inventory || (ns.Ledger == nil) != (inv.Count == 0 || inv.MemoryMiB == 0)
+	ns.Ready, ns.Why = ready, why
 	if changed {
-		ns.inv = inv
-		c.rebuild(node.Name, ns)
+		ns.Inventory = inv
+		c.rebuild(ns)
 	}
 }
 
@@ -210,32 +162,21 @@ func (c *Cache) DeleteNode(name string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if ns, ok := c.nodes[name]; ok {
-		for uid := range ns.tenants {
-			delete(c.pods, uid)
+		for key := range ns.Tenants {
+			delete(c.where, types.UID(key))
+			delete(c.assumed, types.UID(key))
 		}
 		delete(c.nodes, name)
 	}
 }
 
-// rebuild makes a fresh ledger for the node's inventory and places every
-// reservation pod and tenant on it again, in the order every ledger
-// reader fills one (ledgers.Layout.Fill).
-func (c *Cache) rebuild(name string, ns *nodeState) {
-	inv := ns.inv
-	if inv.MemoryMiB <= 0 {
-		inv.Count = 0 // no ledger until the GPUs' memory is known
-	}
-	ns.Layout = ledgers.NewLayout(name, inv)
-	tenants := make([]ledgers.Tenant, 0, len(ns.tenants))
-	for _, t := range ns.tenants {
-		tenants = append(tenants, t.lt())
-	}
-	ns.Fill(tenants, slices.Collect(maps.Keys(ns.reservations)), true)
-	for g := range ns.reservations {
-		ns.settle(g)
-	}
+// rebuild books every reservation pod and tenant of the node again on a
+// fresh ledger (ledgers.Node.Relayout, in the order every reader fills
+// one), then retries the pods waiting to be read.
+func (c *Cache) rebuild(ns *nodeState) {
+	ns.Relayout(true)
 	for uid, pod := range ns.waiting {
-		if t, err := tenantOf(pod, ns, c.args); err != nil {
+		if t, err := c.tenantOf(pod, ns); err != nil {
 			ns.Conflicts[string(uid)] = err.Error()
 		} else {
 			delete(ns.waiting, uid)
@@ -246,33 +187,31 @@ func (c *Cache) rebuild(name string, ns *nodeState) {
 	}
 }
 
-func (c *Cache) remove(ns *nodeState, t *tenant) {
-	ns.Release(t.lt(), ns.reserved)
-	delete(ns.tenants, t.uid)
-	delete(c.pods, t.uid)
-	for _, g := range t.groups {
-		ns.settle(g)
-	}
+// remove forgets a tenant and frees its GPUs.
+func (c *Cache) remove(ns *nodeState, uid types.UID) {
+	ns.Remove(string(uid))
+	delete(c.where, uid)
+	delete(c.assumed, uid)
 	c.markDirty()
 	// A conflict may have cleared now that room was freed.
 	if len(ns.Conflicts) > 0 {
-		c.rebuild(t.node, ns)
+		c.rebuild(ns)
 	}
 }
 
 // add records a tenant and places it on the node's ledger.
-func (c *Cache) add(ns *nodeState, t *tenant) {
-	c.register(ns, t)
-	ns.Place(t.lt(), ns.reserved)
-	if !t.claim && slices.ContainsFunc(t.groups, ledgers.IsStanding) {
+func (c *Cache) add(ns *nodeState, t *ledgers.Tenant) {
+	c.where[types.UID(t.Request.Tenant)] = ns.Name
+	ns.Add(t)
+	if !t.Claim && slices.ContainsFunc(t.Groups, ledgers.IsStanding) {
 		c.markDirty() // the collector writes what its standing GPU now holds
 	}
 }
 
-// register records a tenant already on the ledger (or not to be placed).
-func (c *Cache) register(ns *nodeState, t *tenant) {
-	ns.tenants[t.uid] = t
-	c.pods[t.uid] = t
+// register records a tenant already on the ledger.
+func (c *Cache) register(ns *nodeState, t *ledgers.Tenant) {
+	ns.Tenants[t.Request.Tenant] = t
+	c.where[types.UID(t.Request.Tenant)] = ns.Name
 }
 
 // setDemand records what a live pod asks for the workload estimate, or
@@ -304,10 +243,10 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.setDemand(pod, terminal)
-	old, known := c.pods[pod.UID]
-	if terminal || (pod.Spec.NodeName == "" && known && !old.assumed) {
+	node, known := c.where[pod.UID]
+	if terminal || (pod.Spec.NodeName == "" && known && !c.assumed[pod.UID]) {
 		if known {
-			c.remove(c.node(old.node), old)
+			c.remove(c.node(node), pod.UID)
 		} else if ns, ok := c.nodes[pod.Spec.NodeName]; ok {
 			delete(ns.Conflicts, string(pod.UID))
 			delete(ns.waiting, pod.UID)
@@ -317,17 +256,17 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	if pod.Spec.NodeName == "" {
 		return
 	}
-	if known && old.node == pod.Spec.NodeName {
-		old.assumed = false // bound where it was reserved: nothing else changes
+	if known && node == pod.Spec.NodeName {
+		delete(c.assumed, pod.UID) // bound where it was reserved: nothing else changes
 		return
 	}
 	if known {
-		c.remove(c.node(old.node), old)
+		c.remove(c.node(node), pod.UID)
 	}
 	ns := c.node(pod.Spec.NodeName)
 	delete(ns.waiting, pod.UID)
 	delete(ns.Conflicts, string(pod.UID))
-	t, err := tenantOf(pod, ns, c.args)
+	t, err := c.tenantOf(pod, ns)
 	if err != nil {
 		ns.waiting[pod.UID] = pod
 		if ns.Ledger != nil {
@@ -354,8 +293,8 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.workload, pod.UID)
-	if t, ok := c.pods[pod.UID]; ok {
-		c.remove(c.node(t.node), t)
+	if node, ok := c.where[pod.UID]; ok {
+		c.remove(c.node(node), pod.UID)
 		return
 	}
 	if ns, ok := c.nodes[pod.Spec.NodeName]; ok {
@@ -364,21 +303,15 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 	}
 }
 
-// tenantOf says what a bound pod holds on its node: what ledgers.TenantOf
-// reads (whole GPUs, or the shares its scheduler wrote), or, for a
-// fractional pod bound but not yet annotated, its request on the GPUs that
-// fit it best. It returns nil for a pod that holds no GPU.
-func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
-	t := &tenant{uid: pod.UID, namespace: pod.Namespace, name: pod.Name, node: pod.Spec.NodeName}
-	if lt, held, err := ledgers.TenantOf(pod, ns.groupOfUUID, ns.inv.SchedulableMiB()); err == nil && held {
-		t.request, t.groups = lt.Request, lt.Groups
-		if a := lt.Assignment; a != nil {
-			t.container = a.Container
-			t.resolved = api.Resolved{RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB}
-		}
+// tenantOf says what a bound pod holds on its node: what the node reads
+// of it (ledgers.Node.ReadTenant: whole GPUs, or the shares its scheduler
+// wrote), or, for a fractional pod bound but not yet annotated, its
+// request on the GPUs that fit it best. It returns nil for a pod that
+// holds no GPU.
+func (c *Cache) tenantOf(pod *corev1.Pod, ns *nodeState) (*ledgers.Tenant, error) {
+	if t, held, err := ns.ReadTenant(pod); err == nil && held {
 		return t, nil
 	}
-	t.request.Tenant = string(pod.UID)
 	reqs, err := api.Parse(api.Intent(pod))
 	if err != nil || len(reqs) == 0 {
 		return nil, err
@@ -388,35 +321,24 @@ func tenantOf(pod *corev1.Pod, ns *nodeState, args Args) (*tenant, error) {
 	if ns.Ledger == nil {
 		return nil, fmt.Errorf("pod %s/%s asks for a GPU fraction on a node without a GPU inventory", pod.Namespace, pod.Name)
 	}
-	share, resolved, err := shareOn(reqs[0], ns, args)
+	share, resolved, err := shareOn(reqs[0], ns.Inventory)
 	if err != nil {
 		return nil, err
 	}
-	t.request.Devices, t.request.Share, t.resolved, t.container = reqs[0].Devices, share, resolved, reqs[0].Container
-	fit, unfit := ns.Ledger.Fit(t.request)
+	t := &ledgers.Tenant{Request: gpu.Request{Tenant: string(pod.UID), Devices: reqs[0].Devices, Share: share}, Pod: pod.Namespace + "/" + pod.Name,
+		Assignment: &api.Assignment{Container: reqs[0].Container, RequestMiB: resolved.RequestMiB, LimitMiB: resolved.LimitMiB, Mode: share.Mode}}
+	fit, unfit := ns.Ledger.Fit(t.Request)
 	if unfit != nil {
 		return nil, fmt.Errorf("pod %s/%s is bound without a GPU decision and does not fit: %w", pod.Namespace, pod.Name, unfit)
 	}
-	for _, slot := range fit[:t.request.Devices] {
+	for _, slot := range fit[:t.Request.Devices] {
 		g := groupAt(ns, slot)
 		if g == "" {
 			g = newGroup()
 		}
-		t.groups = append(t.groups, g)
+		t.Groups = append(t.Groups, g)
 	}
 	return t, nil
-}
-
-// groupOfUUID joins a GPU named by UUID with the reservation pod holding
-// it (a pod placed by another scheduler names no groups of ours; a DRA
-// device names its GPU lower-cased).
-func (ns *nodeState) groupOfUUID(uuid string) string {
-	for g, r := range ns.reservations {
-		if strings.EqualFold(r.uuid, uuid) {
-			return g
-		}
-	}
-	return ledgers.UUIDGroup(uuid)
 }
 
 // groupAt is the GPU group a new share on a slot joins: the live group
@@ -424,47 +346,11 @@ func (ns *nodeState) groupOfUUID(uuid string) string {
 // for none.
 func groupAt(ns *nodeState, slot int) string {
 	for g, s := range ns.Groups {
-		if s == slot && (shared(ns.Ledger.Devices[slot]) || ns.joinable(g)) {
+		if s == slot && (shared(ns.Ledger.Devices[slot]) || ns.Joinable(g)) {
 			return g
 		}
 	}
 	return ""
-}
-
-// settle retires a reservation pod's group that holds no tenant and that
-// no share may join (see joinable), so that nothing takes or joins its GPU
-// until the pod is gone: one that failed, was retired, is being deleted,
-// is a standing one the node no longer asks for, or found no GPU on the
-// ledger (not a standing one: the node's standing pods are made again).
-// Retiring sticks: such a group never becomes joinable again.
-func (ns *nodeState) settle(g string) {
-	r := ns.reservations[g]
-	if r == nil || ns.Ledger == nil {
-		return
-	}
-	slot, ok := ns.Groups[g]
-	if !ok {
-		if !ledgers.IsStanding(g) {
-			r.event(ledgers.EventRetire, g)
-		}
-		return
-	}
-	if ns.Ledger.Devices[slot].Idle() && !ns.joinable(g) {
-		if !ledgers.IsStanding(g) || !ns.wantsStanding(g) {
-			r.event(ledgers.EventRetire, g)
-		}
-		ns.Retire(g)
-	}
-}
-
-// joinable says whether a share may join an idle group: its reservation
-// pod is kept and not failed, not being deleted (Reclaim), and, for a
-// standing group, one the node still asks for. A group that is not
-// joinable never becomes so again, so that once empty it stays so and the
-// collector may delete it.
-func (ns *nodeState) joinable(g string) bool {
-	r := ns.reservations[g]
-	return r != nil && ledgers.Joinable(r.state, ledgers.IsStanding(g), ns.wantsStanding(g))
 }
 
 // shared says whether a GPU has fractional tenants (each charges a
@@ -483,17 +369,17 @@ func newGroup() string {
 	return strconv.FormatUint(binary.BigEndian.Uint64(b[:]), 36)
 }
 
-// shareOn resolves a request on the node's GPUs: its memory in MiB and,
+// shareOn resolves a request on a node's GPUs: its memory in MiB and,
 // for sm-sharing, a compute portion in proportion to the memory, so that
 // memory that fits always brings compute that fits.
-func shareOn(r api.Request, ns *nodeState, args Args) (gpu.Share, api.Resolved, error) {
-	resolved, err := r.Resolve(ns.inv.MemoryMiB, ns.inv.ReserveMiB)
+func shareOn(r api.Request, inv api.Inventory) (gpu.Share, api.Resolved, error) {
+	resolved, err := r.Resolve(inv.MemoryMiB, inv.ReserveMiB)
 	if err != nil {
 		return gpu.Share{}, api.Resolved{}, err
 	}
 	share := gpu.Share{Request: resolved.RequestMiB, Limit: resolved.LimitMiB, Mode: r.Mode}
 	if r.Mode == api.SMSharing {
-		share.Portion = api.PortionOfMemory(resolved.RequestMiB, ns.inv.SchedulableMiB()).Of(gpu.FullPortion)
+		share.Portion = api.PortionOfMemory(resolved.RequestMiB, inv.SchedulableMiB()).Of(gpu.FullPortion)
 	}
 	return share, resolved, nil
 }

@@ -14,7 +14,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -154,11 +153,11 @@ func TestCacheRebuildIsOrderIndependent(t *testing.T) {
 	}
 }
 
-// The scheduler's cache and gpufrac audit/top read a cluster through the
-// one builder (package ledgers): on the same pods — gpufrac's, and KAI's
-// as its binder leaves them (no groups, CDI names, sm-sharing without a
-// portion) — they book the same charges on the same groups.
-func TestCacheAndLedgersBuildAgree(t *testing.T) {
+// The cache reads gpufrac's pods and KAI's as its binder leaves them (no
+// groups, CDI names, sm-sharing without a portion) into one node's
+// tenancy (ledgers.Node, the very model audit and top build; no second
+// reader to agree with).
+func TestCacheReadsBothSchedulersPods(t *testing.T) {
 	n := node("n1", 4, 80000, true)
 	kai := pod("kai", "n1", map[string]string{
 		api.ContainerKey("main", api.SuffixDevices):       "k8s.device-plugin.nvidia.com/gpu=GPU-d",
@@ -175,21 +174,34 @@ func TestCacheAndLedgersBuildAgree(t *testing.T) {
 	}
 	c := NewCache(testArgs())
 	c.SetNode(n)
-	var items []corev1.Pod
 	for _, p := range pods {
 		c.SetPod(p)
-		items = append(items, *p)
 	}
 	got := summary(c, "n1")
 	if want := "idle=1 whole=1 conflicts=0 ga:50000Mi/0‰/2/ gd:20480Mi/256‰/1/"; got != want {
 		t.Fatalf("cache: %s, want %s", got, want)
 	}
-	built := ledgers.Build([]corev1.Node{*n}, items, nil, ledgers.Options{ReservationNamespace: testArgs().ReservationNamespace})
-	b := built.Nodes["n1"]
-	from := NewCache(testArgs())
-	from.nodes["n1"] = &nodeState{Layout: b.Layout}
-	if other := summary(from, "n1"); other != got {
-		t.Errorf("ledgers.Build: %s\ncache:         %s", other, got)
+}
+
+// A tenant's GPU is what cannot be forged: the GPU its decision names,
+// joined with the reservation pod that holds it. An edited
+// gpufrac.io/gpu-groups (a tenant may write its own annotations) neither
+// closes the node nor books a second GPU, after a restart too.
+func TestEditedGroupsCannotMoveAShare(t *testing.T) {
+	for _, forged := range []string{"zzz", "gb"} {
+		c := NewCache(testArgs())
+		c.SetNode(node("n1", 2, 80000, true))
+		for _, p := range []*corev1.Pod{
+			reservationPod("n1", "ga", "GPU-a"),
+			reservationPod("n1", "gb", "GPU-b"),
+			placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
+			placedPod("edited", "n1", 30000, api.TimeSlicing, "", []string{forged}, []string{"GPU-a"}),
+		} {
+			c.SetPod(p)
+		}
+		if got, want := summary(c, "n1"), "idle=0 whole=0 conflicts=0 ga:50000Mi/0‰/2/ gb:0Mi/0‰/0/held-for-shares"; got != want {
+			t.Errorf("groups edited to %q: cache %s, want %s", forged, got, want)
+		}
 	}
 }
 
@@ -216,8 +228,7 @@ func TestKAIPortionLimitResolvesIntoTheLimit(t *testing.T) {
 	if err != nil || len(reqs) != 1 {
 		t.Fatalf("Parse: %v, %v", reqs, err)
 	}
-	args := testArgs()
-	share, resolved, err := shareOn(reqs[0], &nodeState{inv: api.Inventory{Count: 1, MemoryMiB: 81920, Model: "H100", ReserveMiB: 1024}}, args)
+	share, resolved, err := shareOn(reqs[0], api.Inventory{Count: 1, MemoryMiB: 81920, Model: "H100", ReserveMiB: 1024})
 	if err != nil || resolved.RequestMiB != 20224 || resolved.LimitMiB != 40448 || share.Request != 20224 || share.Limit != 40448 {
 		t.Errorf("resolved %+v, share %+v, %v: want request 20224Mi and limit 40448Mi of 80896Mi schedulable", resolved, share, err)
 	}

@@ -82,20 +82,19 @@ func (c *Cache) SyncClaims(claims []*resourceapi.ResourceClaim) error {
 		c.dropClaim(claim.UID)
 		tenants, err := ledgers.ClaimTenants(claim)
 		errs = append(errs, err)
-		held := claimHeld{print: print}
+		held := claimHeld{print: print, namespace: claim.Namespace, name: claim.Name}
 		for _, ct := range tenants {
 			ns, ok := c.nodes[ct.Node]
 			if !ok || ns.Ledger == nil {
 				continue // booked when the node's GPUs are known (the next sync)
 			}
-			t := &tenant{uid: types.UID(ct.Tenant.Request.Tenant), namespace: claim.Namespace, name: claim.Name, node: ct.Node,
-				request: ct.Tenant.Request, groups: []string{ns.groupOfUUID(ct.Tenant.UUIDs[0])}, container: ct.Tenant.Assignment.Container,
-				claim: true, uuid: ct.Tenant.UUIDs[0]}
-			c.add(ns, t)
-			klog.Background().V(4).Info("Booked a claim's share", "claim", klog.KObj(claim), "node", t.node, "gpu", t.uuid, "group", t.groups[0], "conflict", ns.Conflicts[string(t.uid)])
-			held.tenants = append(held.tenants, t)
+			t := ct.Tenant
+			t.Groups = []string{ns.GroupOfOrOwn(t.UUIDs[0])}
+			c.add(ns, &t)
+			klog.Background().V(4).Info("Booked a claim's share", "claim", klog.KObj(claim), "node", ct.Node, "gpu", t.UUIDs[0], "group", t.Groups[0], "conflict", ns.Conflicts[t.Request.Tenant])
+			held.shares = append(held.shares, claimShare{node: ct.Node, tenant: &t})
 		}
-		if len(held.tenants) < len(tenants) {
+		if len(held.shares) < len(tenants) {
 			held.print = "" // some node was unknown: read the claim again next time
 		}
 		c.claims[claim.UID] = held
@@ -110,17 +109,24 @@ func (c *Cache) SyncClaims(claims []*resourceapi.ResourceClaim) error {
 
 // claimHeld is what the ledger holds for one claim.
 type claimHeld struct {
-	print   string
-	tenants []*tenant
+	print           string
+	namespace, name string
+	shares          []claimShare
+}
+
+// claimShare is one share of a claim, as a tenant of its node.
+type claimShare struct {
+	node   string
+	tenant *ledgers.Tenant
 }
 
 // claimGroupsCurrent says whether a claim's shares sit on the groups that
 // hold their GPUs now: a share booked on its GPU's own group before the
 // node agent wrote the standing reservation pod's UUID moves onto it.
 func (c *Cache) claimGroupsCurrent(h claimHeld) bool {
-	for _, t := range h.tenants {
-		ns := c.nodes[t.node]
-		if ns == nil || ns.tenants[t.uid] != t || ns.groupOfUUID(t.uuid) != t.groups[0] {
+	for _, s := range h.shares {
+		ns := c.nodes[s.node]
+		if ns == nil || ns.Tenants[s.tenant.Request.Tenant] != s.tenant || ns.GroupOfOrOwn(s.tenant.UUIDs[0]) != s.tenant.Groups[0] {
 			return false // the node was forgotten, or its holder changed
 		}
 	}
@@ -133,9 +139,9 @@ func (c *Cache) dropClaim(uid types.UID) {
 		return
 	}
 	delete(c.claims, uid)
-	for _, t := range h.tenants {
-		if ns, ok := c.nodes[t.node]; ok && ns.tenants[t.uid] == t {
-			c.remove(ns, t)
+	for _, s := range h.shares {
+		if ns, ok := c.nodes[s.node]; ok && ns.Tenants[s.tenant.Request.Tenant] == s.tenant {
+			c.remove(ns, types.UID(s.tenant.Request.Tenant))
 		}
 	}
 }
@@ -149,16 +155,17 @@ func (c *Cache) dropClaim(uid types.UID) {
 func (c *Cache) ClaimConflict(uid types.UID) string {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	for _, t := range c.claims[uid].tenants {
-		ns := c.nodes[t.node]
+	h := c.claims[uid]
+	for _, s := range h.shares {
+		ns := c.nodes[s.node]
 		if ns == nil {
 			continue
 		}
-		if why, bad := ns.Conflicts[string(t.uid)]; bad {
-			return fmt.Sprintf("its share of claim %s/%s does not fit GPU %s beside the node's annotation shares: %s", t.namespace, t.name, t.uuid, why)
+		if why, bad := ns.Conflicts[s.tenant.Request.Tenant]; bad {
+			return fmt.Sprintf("its share of claim %s/%s does not fit GPU %s beside the node's annotation shares: %s", h.namespace, h.name, s.tenant.UUIDs[0], why)
 		}
 		for key, why := range ns.Conflicts {
-			return fmt.Sprintf("claim %s/%s: node %s has a tenant its ledger cannot place (%s: %s), so it takes no new share", t.namespace, t.name, t.node, key, why)
+			return fmt.Sprintf("claim %s/%s: node %s has a tenant its ledger cannot place (%s: %s), so it takes no new share", h.namespace, h.name, s.node, key, why)
 		}
 	}
 	return ""

@@ -10,6 +10,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -54,7 +55,7 @@ func (c *Cache) request(ns *nodeState, ask Ask) (gpu.Request, api.Resolved, erro
 		r.Whole = ask.Whole
 		return r, api.Resolved{}, nil
 	}
-	share, resolved, err := shareOn(*ask.Fraction, ns, c.args)
+	share, resolved, err := shareOn(*ask.Fraction, ns.Inventory)
 	if err != nil {
 		return r, resolved, err
 	}
@@ -110,8 +111,8 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	switch {
 	case !ok:
 		return Verdict{Reason: "node has not reported its GPUs to gpufrac yet"}
-	case !ns.ready:
-		return Verdict{Reason: ns.why}
+	case !ns.Ready:
+		return Verdict{Reason: ns.Why}
 	case len(ns.Conflicts) > 0:
 		return Verdict{Resolvable: true, Reason: fmt.Sprintf("node has %d pod(s) holding GPUs that gpufrac cannot account for; it takes no fractions until they are gone (see gpufrac audit)", len(ns.Conflicts))}
 	}
@@ -203,7 +204,7 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if _, held := c.pods[ask.UID]; held {
+	if _, held := c.where[ask.UID]; held {
 		return fmt.Errorf("pod %s/%s already holds GPUs", namespace, name)
 	}
 	ns, ok := c.nodes[node]
@@ -220,7 +221,7 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 	r, resolved, _ := c.request(ns, ask)
 	// The ledger books GPUs; the host's CPU and memory are kube-scheduler's.
 	r.CPU, r.Memory = 0, 0
-	t := &tenant{uid: ask.UID, namespace: namespace, name: name, node: node, request: r, resolved: resolved, assumed: true}
+	t := &ledgers.Tenant{Request: r, Pod: namespace + "/" + name}
 	if ask.Fraction == nil {
 		// Whole GPUs go where the policy chose (place would take the
 		// lowest idle ones).
@@ -228,9 +229,10 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 			return err
 		}
 		c.register(ns, t)
+		c.assumed[ask.UID] = true
 		return nil
 	}
-	t.container = ask.Fraction.Container
+	t.Assignment = &api.Assignment{Container: ask.Fraction.Container, RequestMiB: resolved.RequestMiB, LimitMiB: resolved.LimitMiB, Mode: r.Share.Mode}
 	for _, slot := range preferHeld(ns, choice.Devices) {
 		g := groupAt(ns, slot)
 		if g == "" {
@@ -238,11 +240,12 @@ func (c *Cache) Reserve(node, namespace, name string, ask Ask, policy placement.
 			g = newGroup()
 			ns.Groups[g] = slot
 		}
-		t.groups = append(t.groups, g)
+		t.Groups = append(t.Groups, g)
 	}
 	c.add(ns, t)
-	if why, conflict := ns.Conflicts[string(t.uid)]; conflict {
-		c.remove(ns, t)
+	c.assumed[ask.UID] = true
+	if why, conflict := ns.Conflicts[string(ask.UID)]; conflict {
+		c.remove(ns, ask.UID)
 		return fmt.Errorf("pod %s/%s cannot be assumed on node %s: %s", namespace, name, node, why)
 	}
 	return nil
@@ -299,8 +302,8 @@ func (c *Cache) Reclaim(whole int, nodes []string) (string, []Orphan) {
 	ns := c.nodes[best]
 	var out []Orphan
 	for _, g := range c.retireIdle(ns, need) {
-		r := ns.reservations[g]
-		out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, node: best, group: g})
+		r := ns.Reservations[g]
+		out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.Name, UID: r.UID, node: best, group: g})
 	}
 	return best, out
 }
@@ -309,8 +312,8 @@ func (c *Cache) Reclaim(whole int, nodes []string) (string, []Orphan) {
 func (c *Cache) Unreserve(uid types.UID) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if t, ok := c.pods[uid]; ok && t.assumed {
-		c.remove(c.nodes[t.node], t)
+	if node, ok := c.where[uid]; ok && c.assumed[uid] {
+		c.remove(c.node(node), uid)
 	}
 }
 
@@ -329,11 +332,13 @@ type Decision struct {
 func (c *Cache) Decision(uid types.UID) (Decision, bool) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	t, ok := c.pods[uid]
-	if !ok || len(t.groups) == 0 {
+	ns, t, ok := c.tenant(uid)
+	if !ok || len(t.Groups) == 0 || t.Assignment == nil {
 		return Decision{}, false
 	}
-	return Decision{Node: t.node, Container: t.container, Groups: append([]string(nil), t.groups...), Resolved: t.resolved, Mode: t.request.Share.Mode, Portion: t.request.Share.Portion}, true
+	a := t.Assignment
+	return Decision{Node: ns.Name, Container: a.Container, Groups: slices.Clone(t.Groups), Resolved: api.Resolved{RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB},
+		Mode: t.Request.Share.Mode, Portion: t.Request.Share.Portion}, true
 }
 
 // ReservationState says whether a GPU group's reservation pod is known
@@ -345,11 +350,11 @@ func (c *Cache) ReservationState(node, group string) (known bool, uuid, failed s
 	if !ok {
 		return false, "", ""
 	}
-	r, ok := ns.reservations[group]
+	r, ok := ns.Reservations[group]
 	if !ok {
 		return false, "", ""
 	}
-	return true, r.uuid, r.failure
+	return true, r.UUID, r.Failure
 }
 
 // Orphan is a reservation pod to delete: its GPU group has no tenant and
@@ -367,9 +372,9 @@ func (c *Cache) Orphans() []Orphan {
 	defer c.mu.RUnlock()
 	var out []Orphan
 	for name, ns := range c.nodes {
-		for g, r := range ns.reservations {
+		for g, r := range ns.Reservations {
 			if c.orphan(ns, g) {
-				out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, node: name, group: g})
+				out = append(out, Orphan{Namespace: c.args.ReservationNamespace, Name: r.Name, UID: r.UID, node: name, group: g})
 			}
 		}
 	}
@@ -387,8 +392,8 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 	if !ok {
 		return true
 	}
-	r, ok := ns.reservations[o.group]
-	return !ok || r.uid != o.UID || c.orphan(ns, o.group)
+	r, ok := ns.Reservations[o.group]
+	return !ok || r.UID != o.UID || c.orphan(ns, o.group)
 }
 
 // orphan says whether a GPU group's reservation pod is to be deleted: no
@@ -399,7 +404,7 @@ func (c *Cache) StillOrphan(o Orphan) bool {
 func (c *Cache) orphan(ns *nodeState, g string) bool {
 	// A standing pod the kubelet refused holds nothing: delete it, and
 	// the collector makes it again.
-	return !c.live(ns, g) && !ns.joinable(g)
+	return !c.live(ns, g) && !ns.Joinable(g)
 }
 
 // live says whether a GPU group has a tenant.
@@ -434,7 +439,7 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Suppl
 			sum += d.Schedulable()
 		}
 		capacity.GPU = max(capacity.GPU, sum)
-		usable[ns.inv.SchedulableMiB()]++
+		usable[ns.Inventory.SchedulableMiB()]++
 	}
 	var common int64
 	for mib, n := range usable {

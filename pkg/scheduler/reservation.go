@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
-	"fmt"
 	"slices"
 
 	corev1 "k8s.io/api/core/v1"
@@ -86,73 +85,31 @@ func ReservationPod(args Args, node, group string) *corev1.Pod {
 // setReservation records a reservation pod: its group's slot stays held
 // while it exists, and its annotation names the physical GPU.
 func (c *Cache) setReservation(pod *corev1.Pod) {
-	meta, ok := api.ReservationOf(pod)
-	if !ok || pod.Spec.NodeName == "" {
+	if _, ok := api.ReservationOf(pod); !ok || pod.Spec.NodeName == "" {
 		return
 	}
-	group := meta.Group
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	ns := c.node(pod.Spec.NodeName)
-	r := &reservation{name: pod.Name, uid: pod.UID, uuid: meta.GPU, held: meta.Held}
-	if pod.Status.Phase == corev1.PodFailed {
-		r.failure = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
-	}
-	if old, known := ns.reservations[group]; known {
-		r.state = old.state
-	}
-	var fx ledgers.Effects
-	r.state, fx = ledgers.Transition(r.state, ledgers.EventSeen,
-		ledgers.Seen{Named: r.uuid != "", Failed: r.failure != "", Deleting: pod.DeletionTimestamp != nil}, ledgers.IsStanding(group))
-	ns.reservations[group] = r
-	if fx.Hold {
-		ns.Hold(group)
-	}
-	if fx.Wake {
+	if fx, _ := c.node(pod.Spec.NodeName).SeeReservation(pod); fx.Wake {
 		c.markDirty()
-	}
-	if fx.Settle {
-		ns.settle(group)
 	}
 }
 
 func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	meta, _ := api.ReservationOf(pod)
-	group := meta.Group
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ns, ok := c.nodes[pod.Spec.NodeName]
-	if !ok || ns.reservations[group] == nil || ns.reservations[group].name != pod.Name {
+	if !ok || ns.Reservations[meta.Group] == nil || ns.Reservations[meta.Group].Name != pod.Name {
 		return
 	}
-	fx := ns.reservations[group].event(ledgers.EventDeleted, group)
-	delete(ns.reservations, group)
-	delete(ns.Conflicts, placeholder(group))
+	fx := ns.Event(meta.Group, ledgers.EventDeleted, ledgers.Seen{})
 	if fx.Wake {
 		c.markDirty() // a standing pod the node lacks may take the GPU now
 	}
-	if ns.Ledger == nil {
-		return
+	if ns.Ledger != nil && (fx.Rebuild || len(ns.Conflicts) > 0) {
+		c.rebuild(ns)
 	}
-	if fx.Free {
-		// Held for shares with no tenant, or retired for a whole-GPU
-		// pod: the GPU is free again.
-		ns.Free(group)
-	}
-	if fx.Rebuild || len(ns.Conflicts) > 0 {
-		c.rebuild(pod.Spec.NodeName, ns)
-	}
-}
-
-// wantsStanding says whether g is a standing group the node asks for
-// (its index below the node's api.LabelStandingGPUs).
-func (ns *nodeState) wantsStanding(g string) bool {
-	for i := range ns.standing {
-		if g == ledgers.StandingGroup(i) {
-			return true
-		}
-	}
-	return false
 }
 
 // Standing is a standing reservation pod a node asks for and lacks.
@@ -171,21 +128,18 @@ func (c *Cache) TakeStanding() []Standing {
 	defer c.mu.Unlock()
 	var out []Standing
 	for name, ns := range c.nodes {
-		if ns.standing == 0 || ns.Ledger == nil {
+		if ns.Standing == 0 || ns.Ledger == nil {
 			continue
 		}
 		idle := ns.unheld()
 		missing := 0
-		for i := 0; i < ns.standing; i++ {
+		for i := 0; i < ns.Standing; i++ {
 			g := ledgers.StandingGroup(i)
 			switch {
-			case ns.reserved(g):
+			case ns.Reserved(g):
 			case idle > 0:
-				r := &reservation{name: ReservationName(name, g)}
-				ns.reservations[g] = r
-				if r.event(ledgers.EventBook, g).Hold {
-					ns.Hold(g)
-				}
+				ns.Event(g, ledgers.EventBook, ledgers.Seen{})
+				ns.Reservations[g].Name = ReservationName(name, g)
 				out = append(out, Standing{Node: name, Group: g})
 				idle--
 			default:
@@ -209,7 +163,7 @@ func (c *Cache) TakeStanding() []Standing {
 func (ns *nodeState) keptIdle() []string {
 	var idle []string
 	for g, slot := range ns.Groups {
-		if !ledgers.IsStanding(g) && ns.Ledger.Devices[slot].Idle() && ns.joinable(g) {
+		if !ledgers.IsStanding(g) && ns.Ledger.Devices[slot].Idle() && ns.Joinable(g) {
 			idle = append(idle, g)
 		}
 	}
@@ -233,8 +187,8 @@ func (ns *nodeState) unheld() int {
 // retired and not yet gone: GPUs about to come free.
 func (ns *nodeState) retiringCount() int {
 	n := 0
-	for g, r := range ns.reservations {
-		if r.state == ledgers.GroupRetiring && !ledgers.IsStanding(g) {
+	for g, r := range ns.Reservations {
+		if r.State == ledgers.GroupRetiring && !ledgers.IsStanding(g) {
 			n++
 		}
 	}
@@ -251,7 +205,7 @@ func (c *Cache) retireIdle(ns *nodeState, n int) []string {
 			break
 		}
 		if ns.Retire(g) {
-			ns.reservations[g].event(ledgers.EventRetire, g)
+			ns.Event(g, ledgers.EventRetire, ledgers.Seen{})
 			retired = append(retired, g)
 		}
 	}
@@ -270,12 +224,9 @@ func (c *Cache) DropStanding(st Standing) {
 	if !ok {
 		return
 	}
-	if r := ns.reservations[st.Group]; r != nil && r.state == ledgers.GroupBooked {
-		if fx := r.event(ledgers.EventCreateFailed, st.Group); r.state == ledgers.GroupNone {
-			delete(ns.reservations, st.Group)
-			if fx.Rebuild {
-				c.rebuild(st.Node, ns)
-			}
+	if r := ns.Reservations[st.Group]; r != nil && r.State == ledgers.GroupBooked {
+		if fx := ns.Event(st.Group, ledgers.EventCreateFailed, ledgers.Seen{}); fx.Rebuild {
+			c.rebuild(ns)
 		}
 	}
 }
@@ -299,15 +250,15 @@ func (c *Cache) HeldUpdates() []HeldUpdate {
 		if ns.Ledger == nil {
 			continue
 		}
-		for g, r := range ns.reservations {
+		for g, r := range ns.Reservations {
 			slot, ok := ns.Groups[g]
-			if !ledgers.IsStanding(g) || !ok || r.uid == "" || r.uuid == "" {
+			if !ledgers.IsStanding(g) || !ok || r.UID == "" || r.UUID == "" {
 				continue // not a standing pod the API shows with its GPU yet
 			}
 			d := ns.Ledger.Devices[slot]
 			var held api.SharesHeld
 			for key, sh := range d.Shares() {
-				if t := c.pods[types.UID(key)]; t != nil && t.claim {
+				if t := ns.Tenants[key]; t != nil && t.Claim {
 					continue // the allocator counts claims itself
 				}
 				held.MemoryMiB += sh.Request
@@ -319,8 +270,8 @@ func (c *Cache) HeldUpdates() []HeldUpdate {
 				// see: offer claims nothing here until they are placed.
 				held.MemoryMiB = d.Schedulable()
 			}
-			if held.String() != r.held {
-				out = append(out, HeldUpdate{Namespace: c.args.ReservationNamespace, Name: r.name, UID: r.uid, Held: held})
+			if held.String() != r.Held {
+				out = append(out, HeldUpdate{Namespace: c.args.ReservationNamespace, Name: r.Name, UID: r.UID, Held: held})
 			}
 		}
 	}

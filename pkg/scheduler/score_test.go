@@ -152,7 +152,7 @@ func TestScoreRatesCPUOnlyPodsByWhatTheyStrand(t *testing.T) {
 	if err := c.Reserve("gpu", "default", "cpu", cpuOnly, policy, tight); err != nil {
 		t.Fatalf("Reserve(CPU-only) = %v", err)
 	}
-	if _, held := c.pods["cpu"]; held {
+	if _, held := c.where["cpu"]; held {
 		t.Error("Reserve booked a CPU-only pod in the GPU cache")
 	}
 }

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -101,10 +101,12 @@ type Placement struct {
 // Result a Given run of the simulator reports for the same pods: each
 // placed pod is booked on the simulator's ledger of its node, whole GPUs
 // on idle ones and a share on its group's GPU, and the cluster is sampled
-// after each pod with the simulator's own fragmentation measure. GPUs of a
-// node are alike, so which idle GPU a new group or a whole-GPU pod takes
-// changes no figure. A placement the ledger refuses means the live
-// scheduler over-committed a node: it is an error.
+// after each pod with the simulator's own fragmentation measure. Groups
+// are booked as the scheduler and audit book them (ledgers.Layout, slots
+// named by GPU group over the simulator's node). GPUs of a node are alike,
+// so which idle GPU a new group or a whole-GPU pod takes changes no
+// figure. A placement the ledger refuses means the live scheduler
+// over-committed a node: it is an error.
 func Replayed(nodeSpecs []NodeSpec, pods []PodSpec, placed []Placement, policy string, elapsed time.Duration) (Result, error) {
 	if len(placed) != len(pods) {
 		return Result{}, fmt.Errorf("%d placements for %d pods", len(placed), len(pods))
@@ -121,7 +123,10 @@ func Replayed(nodeSpecs []NodeSpec, pods []PodSpec, placed []Placement, policy s
 		keys[i] = p.Shape()
 	}
 	s := newState(nodes, nil, placement.Popular(keys, Coverage))
-	groups := map[string]int{} // node/group → GPU index
+	layouts := make([]ledgers.Layout, len(nodes))
+	for i, n := range nodes {
+		layouts[i] = ledgers.Layout{Ledger: n, Groups: map[string]int{}, Conflicts: map[string]string{}}
+	}
 	res := Result{Policy: policy, Given: true, Pods: len(pods), CapacityMilli: capacity, Samples: make([]Sample, 0, len(pods)), Elapsed: elapsed}
 	var arrived, alloc int64
 	for i, p := range pods {
@@ -136,18 +141,20 @@ func Replayed(nodeSpecs []NodeSpec, pods []PodSpec, placed []Placement, policy s
 		if !ok {
 			return Result{}, fmt.Errorf("pod %s: placed on node %s, which is not a GPU node of the list", p.Name, pl.Node)
 		}
-		n := nodes[ni]
 		r := p.Request(fmt.Sprintf("%s#%d", p.Name, i))
-		fit, unfit := n.Fit(r)
-		if unfit != nil {
+		if _, unfit := nodes[ni].Fit(r); unfit != nil {
 			return Result{}, fmt.Errorf("pod %s: placed on node %s, which cannot take it: %w", p.Name, pl.Node, unfit)
 		}
-		devices, err := replayDevices(n, r, fit, groups, pl)
-		if err != nil {
-			return Result{}, fmt.Errorf("pod %s: %w", p.Name, err)
+		t := ledgers.Tenant{Request: r}
+		if r.Devices > 0 {
+			if pl.Group == "" {
+				return Result{}, fmt.Errorf("pod %s: a share placed on node %s without a GPU group", p.Name, pl.Node)
+			}
+			t.Groups = strings.Split(pl.Group, ",")
 		}
-		if err := n.Assign(r, devices); err != nil {
-			return Result{}, fmt.Errorf("pod %s: placed where the ledger refuses it: %w", p.Name, err)
+		l := &layouts[ni]
+		if l.Place(t, func(string) bool { return false }); l.Conflicts[r.Tenant] != "" {
+			return Result{}, fmt.Errorf("pod %s: placed on node %s where the ledger refuses it (the live scheduler over-committed a GPU): %s", p.Name, pl.Node, l.Conflicts[r.Tenant])
 		}
 		s.changed(ni)
 		alloc += p.GPURequest()
@@ -156,29 +163,3 @@ func Replayed(nodeSpecs []NodeSpec, pods []PodSpec, placed []Placement, policy s
 	return res, nil
 }
 
-// replayDevices picks the GPUs of n a replayed pod takes: a share its
-// group's GPU (an idle one for a new group), whole GPUs the lowest idle.
-func replayDevices(n *gpu.Node, r gpu.Request, fit []int, groups map[string]int, pl Placement) ([]int, error) {
-	switch {
-	case r.Whole > 0:
-		return fit[:r.Whole], nil
-	case r.Devices == 0:
-		return nil, nil
-	case pl.Group == "":
-		return nil, fmt.Errorf("a share placed on node %s without a GPU group", pl.Node)
-	}
-	key := pl.Node + "/" + pl.Group
-	if d, ok := groups[key]; ok {
-		if !slices.Contains(fit, d) {
-			return nil, fmt.Errorf("its GPU group %s on node %s has no room for it: the live scheduler over-committed the GPU", pl.Group, pl.Node)
-		}
-		return []int{d}, nil
-	}
-	for _, d := range fit {
-		if n.Devices[d].Idle() {
-			groups[key] = d
-			return []int{d}, nil
-		}
-	}
-	return nil, fmt.Errorf("a new GPU group %s on node %s, which has no idle GPU left", pl.Group, pl.Node)
-}
