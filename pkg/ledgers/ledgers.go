@@ -425,4 +425,3 @@ type Cluster struct {
 	Nodes    map[string]*Node
 	Problems []Problem
 }
-

@@ -162,4 +162,3 @@ func Replayed(nodeSpecs []NodeSpec, pods []PodSpec, placed []Placement, policy s
 	}
 	return res, nil
 }
-
