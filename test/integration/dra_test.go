@@ -733,4 +733,4 @@ func TestDRAClaimsAndAnnotationPodsShareOneLedger(t *testing.T) {
 // names the reservation pods' GPUs.
 type noDevices struct{}
 
-func (noDevices) Devices(context.Context) (map[string][]string, error) { return nil, nil }
+func (noDevices) Devices(context.Context, []corev1.Pod) (map[string][]string, error) { return nil, nil }

@@ -151,7 +151,7 @@ func TestSimulatedDevicePluginAssignsDistinctGPUs(t *testing.T) {
 	for _, g := range inv.GPUs {
 		uuids = append(uuids, g.UUID)
 	}
-	a := &reservation.Annotator{Client: shared.admin, Node: "sim-1", Namespace: ns, Simulated: &reservation.Simulated{GPUs: uuids}}
+	a := &reservation.Annotator{Client: shared.admin, Node: "sim-1", Namespace: ns, Source: &reservation.Simulated{GPUs: uuids}}
 	for _, name := range []string{"r0", "r1", "r2"} {
 		reservationPod(t, ns, name, "sim-1")
 		time.Sleep(1100 * time.Millisecond) // distinct creation timestamps (second resolution)

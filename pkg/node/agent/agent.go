@@ -15,9 +15,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	"github.com/containerd/nri/pkg/adaptation"
-	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -31,7 +28,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
-	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
@@ -104,13 +100,16 @@ type DRAOptions struct {
 
 // Agent is one node's agent.
 type Agent struct {
-	opts     Options
-	client   kubernetes.Interface
-	plugin   *nriplugin.Plugin
-	recorder record.EventRecorder
-	metrics  *metrics.Metrics
-	leases   *enforce.Leases
-	mps      *mps.Manager
+	opts   Options
+	client kubernetes.Interface
+	// env is the node the agent runs on, real or simulated (environment.go).
+	env       *environment
+	annotator *reservation.Annotator
+	plugin    *nriplugin.Plugin
+	recorder  record.EventRecorder
+	metrics   *metrics.Metrics
+	leases    *enforce.Leases
+	mps       *mps.Manager
 
 	driver    *dra.Driver
 	draHelper *kubeletplugin.Helper
@@ -142,12 +141,7 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	if opts.CgroupRoot == "" {
 		opts.CgroupRoot = "/sys/fs/cgroup"
 	}
-	a := &Agent{opts: opts, client: client, metrics: metrics.New()}
-	// Until the first inventory says which backend the driver allows, the
-	// backend is unset and fractional containers are refused.
-	a.plugin = nriplugin.New(nriplugin.Options{Injection: opts.Injection, FailOpen: opts.FailOpen, Reporter: a, Evictor: a,
-		ObserveHook: a.metrics.ObserveHook})
-	return a
+	return &Agent{opts: opts, client: client, metrics: metrics.New()}
 }
 
 // Run works until ctx ends, then marks the node not ready for fractions
@@ -164,16 +158,17 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer broadcaster.Shutdown()
 	a.recorder = broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "gpufrac-node-agent", Host: a.opts.NodeName})
 
-	lib, annotator, nriSocket, stopRuntime, err := a.backends(ctx)
+	env, err := newEnvironment(ctx, a.opts)
 	if err != nil {
 		return err
 	}
-	defer stopRuntime()
+	defer env.stop()
+	a.env = env
+	a.annotator = &reservation.Annotator{Client: a.client, Node: a.opts.NodeName, Namespace: a.opts.ReservationNamespace, Source: env.devices}
 	leases, err := enforce.OpenLeases(filepath.Join(a.opts.StateDir, "leases.json"))
 	if err != nil {
 		return err
 	}
-	a.plugin.EnableLimitLifecycle(lib, a.opts.ProcRoot, leases)
 	a.leases = leases
 	// The namespaces a previous agent created stay claimed (its table is
 	// read back); those of containers that are gone are deleted by the
@@ -188,8 +183,11 @@ func (a *Agent) Run(ctx context.Context) error {
 			return err
 		}
 		a.mps = m
-		a.plugin.EnableMPS(m)
 	}
+	// Until the first resync says which backend the driver allows, the
+	// backend is unset and fractional containers are refused.
+	a.plugin = nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
+		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, MPS: a.mps, ObserveHook: a.metrics.ObserveHook})
 
 	if a.opts.DRA.Enabled {
 		stop, err := a.startDRA(ctx)
@@ -201,7 +199,7 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	var wg sync.WaitGroup
 	wg.Add(1)
-	go func() { defer wg.Done(); a.plugin.Serve(ctx, nriSocket, time.Second, 30*time.Second) }()
+	go func() { defer wg.Done(); a.plugin.Serve(ctx, env.nriSocket, time.Second, 30*time.Second) }()
 	if a.opts.HealthAddr != "" {
 		wg.Add(1)
 		go func() {
@@ -216,7 +214,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
 	defer ticker.Stop()
 	for {
-		a.resync(ctx, lib, annotator)
+		a.resync(ctx)
 		select {
 		case <-ctx.Done():
 			a.markStopped(logger)
@@ -224,187 +222,6 @@ func (a *Agent) Run(ctx context.Context) error {
 			a.plugin.WaitForEvictions()
 			return nil
 		case <-ticker.C:
-		}
-	}
-}
-
-// backends picks the GPU library, the reservation device source and the
-// NRI endpoint: real ones, or simulated ones for a node without a GPU.
-func (a *Agent) backends(ctx context.Context) (nvml.Interface, *reservation.Annotator, string, func(), error) {
-	logger := klog.FromContext(ctx)
-	annotator := &reservation.Annotator{Client: a.client, Node: a.opts.NodeName, Namespace: a.opts.ReservationNamespace}
-	if a.opts.SimulateGPUs == "" {
-		source, err := reservation.DialKubelet(a.opts.PodResourcesSocket)
-		if err != nil {
-			return nil, nil, "", nil, err
-		}
-		annotator.Source = source
-		return nvml.New(), annotator, a.opts.NRISocket, func() { _ = source.Close() }, nil
-	}
-	lib, err := inventory.Simulated(a.opts.SimulateGPUs)
-	if err != nil {
-		return nil, nil, "", nil, err
-	}
-	inv, err := inventory.Read(lib)
-	if err != nil {
-		return nil, nil, "", nil, err
-	}
-	sim := &reservation.Simulated{}
-	for _, g := range inv.GPUs {
-		sim.GPUs = append(sim.GPUs, g.UUID)
-	}
-	annotator.Simulated = sim
-	socket := filepath.Join(a.opts.StateDir, "nri.sock")
-	runtime, err := startSimulatedRuntime(socket, a.opts.StateDir)
-	if err != nil {
-		return nil, nil, "", nil, err
-	}
-	logger.Info("Simulating: GPUs from a go-nvml mock machine, reservation pods get GPUs from the agent itself, and the NRI plugin registers with an in-process NRI runtime endpoint (no containers run here)",
-		"machine", a.opts.SimulateGPUs, "gpus", len(inv.GPUs), "nriSocket", socket)
-	return lib, annotator, socket, runtime.Stop, nil
-}
-
-// reserveFor is the reserve the scheduler keeps on this node's GPUs: per
-// model when one is given for the product label the node carries (the
-// scheduler keys it by that label too), the global one otherwise.
-func reserveFor(opts Options, labels map[string]string) int64 {
-	if v, ok := opts.GPUMemoryReserveMiBByModel[labels[publish.LabelGPUProduct]]; ok {
-		return v
-	}
-	return opts.Injection.GPUMemoryReserveMiB
-}
-
-// startSimulatedRuntime serves the runtime side of NRI (containerd's own
-// adaptation library) where no container runtime exists.
-func startSimulatedRuntime(socket, dir string) (*adaptation.Adaptation, error) {
-	_ = os.Remove(socket)
-	noSync := func(ctx context.Context, cb adaptation.SyncCB) error { _, err := cb(ctx, nil, nil); return err }
-	noUpdate := func(context.Context, []*nriapi.ContainerUpdate) ([]*nriapi.ContainerUpdate, error) { return nil, nil }
-	r, err := adaptation.New("gpufrac-simulated-runtime", "0", noSync, noUpdate, adaptation.WithSocketPath(socket),
-		adaptation.WithPluginPath(filepath.Join(dir, "nri-plugins")), adaptation.WithPluginConfigPath(filepath.Join(dir, "nri-conf.d")))
-	if err != nil {
-		return nil, fmt.Errorf("simulated NRI runtime: %w", err)
-	}
-	if err := r.Start(); err != nil {
-		return nil, fmt.Errorf("simulated NRI runtime: %w", err)
-	}
-	return r, nil
-}
-
-// resync reads the GPUs, publishes the node's state and annotates
-// reservation pods.
-func (a *Agent) resync(ctx context.Context, lib nvml.Interface, annotator *reservation.Annotator) {
-	logger := klog.FromContext(ctx)
-	inv, invErr := inventory.Read(lib)
-	if invErr != nil {
-		logger.Error(invErr, "Cannot read the GPUs; the node is not ready for GPU fractions")
-	}
-	node, err := a.client.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
-	if err != nil {
-		logger.Error(err, "Cannot read the node")
-		a.setPublished(false)
-		return
-	}
-	capability := nodeapi.EnforcementNone
-	if invErr == nil {
-		capability = inv.Capability()
-	}
-	backend, backendErr := injection.ChooseBackend(a.opts.MemoryLimits, capability)
-	mpsProtocol, mpsErr := a.checkMPS(ctx, inv, invErr)
-	var cgroupErr error
-	if backend.DriverLimits() && a.opts.SimulateGPUs == "" {
-		cgroupErr = enforce.CheckCgroup(a.opts.CgroupRoot)
-	}
-	cfg := a.opts.Injection
-	cfg.Backend, cfg.MPS = backend, mpsProtocol
-	if mpsErr != nil || cgroupErr != nil {
-		// Fail closed: containers whose enforcement cannot work are
-		// refused (or, failing open, get no GPU), not started half-limited.
-		cfg.MPS = nodeapi.MPSNone
-		if cgroupErr != nil {
-			cfg.Backend = nodeapi.BackendOff
-		}
-	}
-	if invErr != nil {
-		// Not knowing the GPUs is not knowing the backend: new fractional
-		// containers are refused, and an audit of the running ones waits
-		// (nriplugin's Synchronize) instead of finding them all
-		// unenforceable and evicting the node.
-		cfg.Backend = nodeapi.BackendUnset
-	}
-	if invErr == nil && len(inv.GPUs) > 0 {
-		cfg.GPUMemoryMiB = inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
-	}
-	cfg.GPUMemoryReserveMiB = reserveFor(a.opts, node.Labels)
-	a.plugin.SetInjection(cfg)
-	a.mu.Lock()
-	a.draInv, a.draCfg = inv, cfg
-	a.mu.Unlock()
-	if backendErr != nil {
-		logger.Error(backendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")
-	}
-	state := publish.State{Inventory: inv, InventoryErr: invErr, NRIRegistered: a.plugin.Registered(),
-		Backend: backend, BackendErr: backendErr, MPS: mpsProtocol, MPSErr: mpsErr, CgroupErr: cgroupErr,
-		FailOpen: a.opts.FailOpen, PublishGPULabels: a.opts.PublishGPULabels, StandingGPUs: a.standingGPUs(inv, invErr), ReserveMiB: cfg.GPUMemoryReserveMiB}
-	if a.plugin.Registered() {
-		// Only once synchronized does the plugin know every running
-		// container, and so which namespaces are claimed and which pods
-		// predate the daemon.
-		if mpsErr == nil && a.mps != nil {
-			live := a.plugin.LiveNamespaces()
-			var preparedErr error
-			if a.driver != nil {
-				// A prepared claim's namespace is in use until the
-				// kubelet unprepares it, container or not yet.
-				var prepared map[types.UID][]string
-				prepared, preparedErr = a.driver.Prepared()
-				for _, names := range prepared {
-					for _, n := range names {
-						live[n] = true
-					}
-				}
-			}
-			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			if preparedErr != nil {
-				logger.Error(preparedErr, "Cannot read the prepared DRA claims; no MPS namespace is deleted this round")
-			} else {
-				a.plugin.ReconcileMPS(rctx, func(name string) bool { return live[name] })
-			}
-			cancel()
-		}
-		var started time.Time
-		if mpsErr == nil {
-			a.mu.Lock()
-			started = a.mpsStarted
-			a.mu.Unlock()
-		}
-		a.plugin.RetryEvictions(ctx, started)
-	}
-	desired := publish.Compute(state, node.Labels)
-	a.metrics.Node(inv, backend, desired.Condition.Status == corev1.ConditionTrue)
-	a.metrics.Tenants(a.plugin.Tenants())
-	a.metrics.Containers(lib, a.leases.All())
-	if invErr == nil {
-		a.metrics.GPUUse(lib, inv)
-	}
-	if err := publish.Apply(ctx, a.client, node, desired); err != nil {
-		logger.Error(err, "Cannot publish the node's GPU-fraction state")
-		a.setPublished(false)
-		return
-	}
-	a.setPublished(true)
-	if invErr == nil {
-		if _, err := annotator.Sync(ctx); err != nil {
-			logger.Error(err, "Cannot annotate reservation pods")
-		}
-	}
-	if a.draHelper != nil {
-		offers := dra.Offers{}
-		if invErr == nil {
-			offers = dra.Offers(annotator.Standing())
-		}
-		if err := dra.Publish(ctx, a.draHelper, a.driver, cfg.GPUMemoryReserveMiB, offers); err != nil {
-			logger.Error(err, "Cannot publish the node's DRA devices")
 		}
 	}
 }
@@ -430,39 +247,20 @@ func (a *Agent) standingGPUs(inv inventory.Inventory, invErr error) int {
 	return n
 }
 
-// The kubelet's directories for the DRA driver's plugin and CDI specs on
-// a real node, where --dra-plugin-dir, --dra-registrar-dir and
-// --dra-cdi-dir do not say otherwise.
-const (
-	DefaultDRAPluginDir    = "/var/lib/kubelet/plugins/" + api.DRADriver
-	DefaultDRARegistrarDir = "/var/lib/kubelet/plugins_registry"
-	DefaultCDIDir          = "/var/run/cdi"
-)
-
 // startDRA starts the DRA driver's kubelet plugin. Its devices are
 // published by each resync, once the standing reservation pods say which
 // GPUs are held for shares.
 func (a *Agent) startDRA(ctx context.Context) (func(), error) {
 	o := a.opts.DRA
-	plugin, registrar, cdi := DefaultDRAPluginDir, DefaultDRARegistrarDir, DefaultCDIDir
-	if a.opts.SimulateGPUs != "" {
-		// No kubelet calls a simulated node's plugin; it serves all the
-		// same, from the node's own directories: the agents of a local
-		// cluster on one host must not share one socket (they raced to
-		// bind it, and one failed) nor write into the host's kubelet's.
-		plugin = filepath.Join(a.opts.StateDir, "dra-plugin")
-		registrar = filepath.Join(a.opts.StateDir, "dra-registry")
-		cdi = filepath.Join(a.opts.StateDir, "cdi")
-	}
-	o.PluginDir = cmp.Or(o.PluginDir, plugin)
-	o.RegistrarDir = cmp.Or(o.RegistrarDir, registrar)
-	o.CDIDir = cmp.Or(o.CDIDir, cdi)
+	o.PluginDir = cmp.Or(o.PluginDir, a.env.draPluginDir)
+	o.RegistrarDir = cmp.Or(o.RegistrarDir, a.env.draRegistrarDir)
+	o.CDIDir = cmp.Or(o.CDIDir, a.env.cdiDir)
 	for _, dir := range []string{o.PluginDir, o.RegistrarDir, o.CDIDir} {
 		if err := os.MkdirAll(dir, 0o750); err != nil {
 			return nil, fmt.Errorf("DRA driver directory %s: %w", dir, err)
 		}
 	}
-	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, Simulated: a.opts.SimulateGPUs != "", Node: func() (inventory.Inventory, injection.Config) {
+	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, NoContainers: !a.env.containers, Node: func() (inventory.Inventory, injection.Config) {
 		a.mu.Lock()
 		defer a.mu.Unlock()
 		return a.draInv, a.draCfg
@@ -473,45 +271,6 @@ func (a *Agent) startDRA(ctx context.Context) (func(), error) {
 	}
 	a.draHelper = h
 	return h.Stop, nil
-}
-
-// checkMPS says which interface the node's MPS daemon speaks, or why it
-// cannot serve fractional containers, and notes when it started.
-func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr error) (nodeapi.MPS, error) {
-	if invErr != nil {
-		return nodeapi.MPSNone, fmt.Errorf("the driver release is unknown: %w", invErr)
-	}
-	major, err := mps.DriverMajor(inv.DriverVersion)
-	if err != nil {
-		return nodeapi.MPSNone, err
-	}
-	want := mps.ProtocolFor(major)
-	if a.mps == nil {
-		if a.opts.SimulateGPUs != "" {
-			return want, nil // a simulated node without MPS: no containers run there
-		}
-		return nodeapi.MPSNone, errors.New("the node agent has no MPS directory (--mps-pipe-dir)")
-	}
-	a.mps.SetProtocol(want)
-	status, statusErr := mps.ReadStatus(a.opts.Injection.MPSRoot)
-	if err := a.mps.Control().Ping(ctx); err != nil {
-		why := status.LastExit
-		if errors.Is(statusErr, os.ErrNotExist) {
-			why = mps.ErrNoDaemon.Error()
-		} else if statusErr != nil {
-			why = statusErr.Error()
-		}
-		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon does not answer (%w); its supervisor's last word: %s", err, why)
-	}
-	if statusErr == nil && status.Protocol != want {
-		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: restart the node agent's mps container", status.Protocol, major, want)
-	}
-	if statusErr == nil {
-		a.mu.Lock()
-		a.mpsStarted = status.Started
-		a.mu.Unlock()
-	}
-	return want, nil
 }
 
 // markStopped tells schedulers to stop sending fractions here: with the

@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 )
 
@@ -16,5 +19,38 @@ func TestReserveForFollowsTheSchedulersKeys(t *testing.T) {
 		if got := reserveFor(opts, map[string]string{publish.LabelGPUProduct: product}); got != want {
 			t.Errorf("product %q: reserve %d, want %d", product, got, want)
 		}
+	}
+}
+
+// decide is the node's configuration from what was observed, alone: the
+// node fails closed on every error it reads.
+func TestDecideFailsClosed(t *testing.T) {
+	r615 := inventory.Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040,
+		GPUs: []inventory.GPU{{UUID: "GPU-1", Product: "NVIDIA H100 80GB HBM3", MemoryMiB: 81920}}}
+	opts := Options{MemoryLimits: "auto", Injection: injection.Config{GPUMemoryReserveMiB: 512}}
+	for _, tc := range []struct {
+		name        string
+		hw          hardware
+		wantBackend nodeapi.Backend
+		wantMPS     nodeapi.MPS
+		cgroupErr   bool
+	}{
+		{"all well", hardware{inv: r615, mps: nodeapi.MPSv3}, nodeapi.BackendDriver, nodeapi.MPSv3, false},
+		{"GPUs unread: backend unknown, containers wait", hardware{invErr: errors.New("nvml"), mpsErr: errors.New("driver unknown")}, nodeapi.BackendUnset, nodeapi.MPSNone, false},
+		{"MPS down: no MPS", hardware{inv: r615, mpsErr: errors.New("no answer")}, nodeapi.BackendDriver, nodeapi.MPSNone, false},
+		{"no cgroup controller: driver limits off", hardware{inv: r615, mps: nodeapi.MPSv3, cgroupErr: errors.New("cgroup v1")}, nodeapi.BackendOff, nodeapi.MPSNone, true},
+	} {
+		cfg := decide(tc.hw, opts, 2, true)
+		if cfg.Injection.Backend != tc.wantBackend || cfg.Injection.MPS != tc.wantMPS || (cfg.Publish.CgroupErr != nil) != tc.cgroupErr {
+			t.Errorf("%s: backend %q, MPS %q, cgroup error %v; want %q, %q, %v", tc.name, cfg.Injection.Backend, cfg.Injection.MPS, cfg.Publish.CgroupErr, tc.wantBackend, tc.wantMPS, tc.cgroupErr)
+		}
+		if cfg.Publish.StandingGPUs != 2 || cfg.Publish.ReserveMiB != 512 || cfg.Injection.GPUMemoryReserveMiB != 512 || !cfg.Publish.NRIRegistered {
+			t.Errorf("%s: published %+v: want the standing count, the reserve and the registration passed on", tc.name, cfg.Publish)
+		}
+	}
+	// The cgroup check matters only to the backends that set driver limits.
+	opts.MemoryLimits = string(nodeapi.BackendMPSPinned)
+	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, cgroupErr: errors.New("cgroup v1")}, opts, 0, true); cfg.Injection.Backend != nodeapi.BackendMPSPinned || cfg.Publish.CgroupErr != nil {
+		t.Errorf("mps-pinned on cgroup v1: backend %q, cgroup error %v; want mps-pinned and none", cfg.Injection.Backend, cfg.Publish.CgroupErr)
 	}
 }

@@ -51,11 +51,11 @@ type Driver struct {
 	Node func() (inventory.Inventory, injection.Config)
 	// MPS keeps the node's MPS namespaces; nil: sm-sharing claims fail.
 	MPS *mps.Manager
-	// Simulated is set on a node without GPUs, kubelet or runtime (gpufrac
-	// up): its devices are published for the scheduler though nothing
-	// could enforce them, since no container runs there; preparing a claim
+	// NoContainers is set on a node where no container ever runs (a
+	// simulated one, gpufrac up): its devices are published for the
+	// scheduler though nothing could enforce them; preparing a claim
 	// still fails closed.
-	Simulated bool
+	NoContainers bool
 
 	helper  atomic.Pointer[kubeletplugin.Helper]
 	dropped atomic.Bool // the API server dropped slice fields (HandleError)
@@ -381,11 +381,10 @@ func Serve(ctx context.Context, d *Driver, client kubernetes.Interface, pluginDi
 
 // Publish (re)publishes the node's devices as they are now: every GPU it
 // offers and can enforce a share of, none while it cannot (Enforceable;
-// a simulated node, where no container ever runs, publishes them all the
-// same). The helper writes only what changed.
+// a node where no container ever runs publishes them all the same). The helper writes only what changed.
 func Publish(ctx context.Context, h *kubeletplugin.Helper, d *Driver, reserveMiB int64, offers Offers) error {
 	inv, cfg := d.Node()
-	if (!Enforceable(cfg) && !d.Simulated) || d.dropped.Load() {
+	if (!Enforceable(cfg) && !d.NoContainers) || d.dropped.Load() {
 		if len(inv.GPUs) > 0 {
 			klog.FromContext(ctx).V(2).Info("DRA driver: no device published: the node cannot enforce a share now (a memory backend that binds one, and a running MPS daemon) or the API server dropped the slices' counters",
 				"backend", cfg.Backend, "mps", cfg.MPS)

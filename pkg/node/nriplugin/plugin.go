@@ -142,16 +142,6 @@ func New(opts Options) *Plugin {
 	return p
 }
 
-// EnableLimitLifecycle turns on post-start verification and release at
-// stop for the driver backend. Call it before Run or Serve.
-func (p *Plugin) EnableLimitLifecycle(lib nvml.Interface, procRoot string, leases *enforce.Leases) {
-	p.opts.NVML, p.opts.ProcRoot, p.opts.Leases = lib, procRoot, leases
-}
-
-// EnableMPS keeps sm-sharing containers' MPS namespaces with m. Call it
-// before Run or Serve.
-func (p *Plugin) EnableMPS(m *mps.Manager) { p.opts.MPS = m }
-
 // SetInjection replaces the node configuration used from the next
 // container on, e.g. once the agent knows which memory-limit backend the
 // driver allows.

@@ -472,8 +472,7 @@ func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 	}
 	rt := startRuntime(t, nil, nil)
 	rec := &recorder{}
-	p := New(Options{Injection: cfg, Reporter: rec, Evictor: rec})
-	p.EnableLimitLifecycle(lib, proc, leases)
+	p := New(Options{Injection: cfg, Reporter: rec, Evictor: rec, NVML: lib, ProcRoot: proc, Leases: leases})
 	connect(t, p, rt)
 	ctx := context.Background()
 
@@ -540,8 +539,7 @@ func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 		t.Fatalf("reloaded leases = %v, %v", reloaded.IDs(), err)
 	}
 	rt2 := startRuntime(t, []*nriapi.PodSandbox{sandbox("px", "other", nil)}, []*nriapi.Container{container("cx", "px", "web")})
-	p2 := New(Options{Injection: cfg, Reporter: rec, Evictor: rec})
-	p2.EnableLimitLifecycle(lib, proc, reloaded)
+	p2 := New(Options{Injection: cfg, Reporter: rec, Evictor: rec, NVML: lib, ProcRoot: proc, Leases: reloaded})
 	connect(t, p2, rt2)
 	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
 		return len(reloaded.IDs()) == 0, nil
@@ -565,8 +563,7 @@ func TestEmptyResyncKeepsLeases(t *testing.T) {
 		t.Fatal(err)
 	}
 	rt := startRuntime(t, nil, nil)
-	p := New(Options{Injection: cfg})
-	p.EnableLimitLifecycle(lib, t.TempDir(), leases)
+	p := New(Options{Injection: cfg, NVML: lib, ProcRoot: t.TempDir(), Leases: leases})
 	connect(t, p, rt)
 	if ids := leases.IDs(); !cmp.Equal(ids, []string{"c1"}) {
 		t.Errorf("leases after an empty resync = %v", ids)
@@ -599,8 +596,7 @@ func TestContainersAreClientsOfTheNodeMPSDaemon(t *testing.T) {
 	// The drains' MPS commands re-execute the test binary (mpstest): the
 	// deadline leaves them room on a loaded machine; only the wedged
 	// client below waits it out.
-	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc, DrainTimeout: 3 * time.Second})
-	p.EnableMPS(m)
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, ProcRoot: proc, DrainTimeout: 3 * time.Second, MPS: m})
 	connect(t, p, rt)
 	ctx := context.Background()
 
@@ -777,8 +773,7 @@ func TestSMSharingWithAnUnreachableDaemonIsRefused(t *testing.T) {
 	c := cfg
 	c.MPSRoot = root
 	rec := &recorder{}
-	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
-	p.EnableMPS(m)
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, MPS: m})
 	connect(t, p, rt)
 	ctx := context.Background()
 	pod := sandbox("pu", "unreachable", smSharing)
@@ -819,8 +814,7 @@ func TestUnverifiedLimitsFailingOpenAreReportedNotEvicted(t *testing.T) {
 	}
 	rt := startRuntime(t, nil, nil)
 	rec := &recorder{}
-	p := New(Options{Injection: cfg, FailOpen: true, Reporter: rec, Evictor: rec})
-	p.EnableLimitLifecycle(lib, proc, leases)
+	p := New(Options{Injection: cfg, FailOpen: true, Reporter: rec, Evictor: rec, NVML: lib, ProcRoot: proc, Leases: leases})
 	connect(t, p, rt)
 	ctx := context.Background()
 	pod := sandbox("pu", "unverified", map[string]string{"nvidia.com/container.main.gpus.devices": uuids[0],
@@ -856,8 +850,7 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 	c := cfg
 	c.Backend, c.MPSRoot, c.GPUMemoryMiB = nodeapi.BackendMPSPinned, root, 81920
 	rec := &recorder{}
-	p := New(Options{Injection: c, Reporter: rec, Evictor: rec})
-	p.EnableMPS(m)
+	p := New(Options{Injection: c, Reporter: rec, Evictor: rec, MPS: m})
 	connect(t, p, rt)
 	ctx := context.Background()
 

@@ -30,11 +30,13 @@ import (
 // DefaultSocket is the kubelet's PodResources socket.
 const DefaultSocket = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
-// Source answers which GPU device IDs each pod holds.
+// Source answers which GPU device IDs each pod holds: the kubelet
+// (Kubelet), or the agent itself where no kubelet runs (Simulated).
 type Source interface {
 	// Devices maps namespace/name to the nvidia.com/gpu device IDs of the
-	// pod's containers.
-	Devices(ctx context.Context) (map[string][]string, error)
+	// pod's containers; pods are the node's reservation pods as the API
+	// shows them now.
+	Devices(ctx context.Context, pods []corev1.Pod) (map[string][]string, error)
 }
 
 // Kubelet reads devices from the kubelet's PodResources API.
@@ -55,8 +57,9 @@ func DialKubelet(socket string) (*Kubelet, error) {
 // Close closes the connection.
 func (k *Kubelet) Close() error { return k.conn.Close() }
 
-// Devices lists every pod's nvidia.com/gpu devices.
-func (k *Kubelet) Devices(ctx context.Context) (map[string][]string, error) {
+// Devices lists every pod's nvidia.com/gpu devices, as the kubelet's
+// device manager allocated them.
+func (k *Kubelet) Devices(ctx context.Context, _ []corev1.Pod) (map[string][]string, error) {
 	resp, err := k.client.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
 	if err != nil {
 		return nil, fmt.Errorf("kubelet PodResources List: %w", err)
@@ -88,8 +91,6 @@ type Annotator struct {
 	Node      string
 	Namespace string
 	Source    Source
-	// Simulated, when set, replaces Source.
-	Simulated *Simulated
 
 	mu       sync.Mutex
 	standing map[string]api.SharesHeld
@@ -146,13 +147,9 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	a.mu.Lock()
 	a.standing = standing
 	a.mu.Unlock()
-	var devices map[string][]string
-	if a.Simulated == nil {
-		if devices, err = a.Source.Devices(ctx); err != nil {
-			return 0, err
-		}
-	} else {
-		devices = a.Simulated.assign(pods.Items)
+	devices, err := a.Source.Devices(ctx, pods.Items)
+	if err != nil {
+		return 0, err
 	}
 	annotated := 0
 	for i := range pods.Items {
@@ -172,11 +169,7 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 		if err := annotate(ctx, a.Client, pod, ids[0]); err != nil {
 			return annotated, err
 		}
-		if a.Simulated != nil {
-			logger.Info("Simulated device plugin: assigned a GPU to a reservation pod (no kubelet runs here)", "pod", klog.KObj(pod), "gpu", ids[0])
-		} else {
-			logger.V(2).Info("Annotated reservation pod with its GPU", "pod", klog.KObj(pod), "gpu", ids[0])
-		}
+		logger.V(2).Info("Annotated reservation pod with its GPU", "pod", klog.KObj(pod), "gpu", ids[0])
 		annotated++
 	}
 	return annotated, nil
@@ -196,9 +189,9 @@ func annotate(ctx context.Context, client kubernetes.Interface, pod *corev1.Pod,
 	return nil
 }
 
-// assign keeps the GPUs pods already hold and gives each new pod the
-// lowest free one.
-func (s *Simulated) assign(pods []corev1.Pod) map[string][]string {
+// Devices plays the device plugin: it keeps the GPUs pods already hold
+// and gives each new pod the lowest free one.
+func (s *Simulated) Devices(_ context.Context, pods []corev1.Pod) (map[string][]string, error) {
 	out := map[string][]string{}
 	var held []string
 	for _, p := range pods {
@@ -208,6 +201,7 @@ func (s *Simulated) assign(pods []corev1.Pod) map[string][]string {
 			out[p.Namespace+"/"+p.Name] = []string{uuid}
 		}
 	}
+	pods = slices.Clone(pods)
 	slices.SortFunc(pods, func(a, b corev1.Pod) int { return a.CreationTimestamp.Compare(b.CreationTimestamp.Time) })
 	for _, p := range pods {
 		key := p.Namespace + "/" + p.Name
@@ -222,5 +216,5 @@ func (s *Simulated) assign(pods []corev1.Pod) map[string][]string {
 			}
 		}
 	}
-	return out
+	return out, nil
 }

@@ -1,0 +1,258 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/pkg/node/dra"
+	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/inventory"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+	"github.com/gpufrac/gpufrac/pkg/node/publish"
+)
+
+// Each resync observes the node (hardware: what the GPUs, the MPS daemon
+// and the cgroups say), decides from it and the flags what the node is
+// (NodeConfig, a pure function), and hands that to each subscriber: the
+// NRI plugin and the DRA driver (what they enforce), the MPS namespaces
+// and evictions, the metrics, the Node object, the reservation pods and
+// the DRA devices.
+
+// hardware is what one resync reads of the node.
+type hardware struct {
+	inv       inventory.Inventory
+	invErr    error
+	mps       nodeapi.MPS
+	mpsErr    error
+	cgroupErr error
+	// labels are the Node object's, as read.
+	labels map[string]string
+}
+
+// NodeConfig is what the node is, for every subscriber: what the NRI
+// plugin and the DRA driver enforce, and what the node publishes.
+type NodeConfig struct {
+	Injection injection.Config
+	Publish   publish.State
+}
+
+// decide is the node's configuration from what was observed and the
+// agent's options; standing is how many GPUs the node asks to have held
+// for shares. It reads nothing and changes nothing.
+func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig {
+	capability := nodeapi.EnforcementNone
+	if hw.invErr == nil {
+		capability = hw.inv.Capability()
+	}
+	backend, backendErr := injection.ChooseBackend(opts.MemoryLimits, capability)
+	cgroupErr := hw.cgroupErr
+	if !backend.DriverLimits() {
+		cgroupErr = nil // only the driver's limits need the cgroup controller
+	}
+	cfg := opts.Injection
+	cfg.Backend, cfg.MPS = backend, hw.mps
+	if hw.mpsErr != nil || cgroupErr != nil {
+		// Fail closed: containers whose enforcement cannot work are
+		// refused (or, failing open, get no GPU), not started half-limited.
+		cfg.MPS = nodeapi.MPSNone
+		if cgroupErr != nil {
+			cfg.Backend = nodeapi.BackendOff
+		}
+	}
+	if hw.invErr != nil {
+		// Not knowing the GPUs is not knowing the backend: new fractional
+		// containers are refused, and an audit of the running ones waits
+		// (nriplugin's Synchronize) instead of finding them all
+		// unenforceable and evicting the node.
+		cfg.Backend = nodeapi.BackendUnset
+	}
+	if hw.invErr == nil && len(hw.inv.GPUs) > 0 {
+		cfg.GPUMemoryMiB = hw.inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
+	}
+	cfg.GPUMemoryReserveMiB = reserveFor(opts, hw.labels)
+	return NodeConfig{Injection: cfg, Publish: publish.State{Inventory: hw.inv, InventoryErr: hw.invErr, NRIRegistered: registered,
+		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr,
+		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB}}
+}
+
+// reserveFor is the reserve kept on this node's GPUs: per model when one
+// is given for the product label the node carries, the global one
+// otherwise. The node publishes it for every other reader.
+func reserveFor(opts Options, labels map[string]string) int64 {
+	if v, ok := opts.GPUMemoryReserveMiBByModel[labels[publish.LabelGPUProduct]]; ok {
+		return v
+	}
+	return opts.Injection.GPUMemoryReserveMiB
+}
+
+// observe reads the node: its GPUs, the Node object, the MPS daemon and
+// the cgroups. An error is the Node object's: nothing can be published.
+func (a *Agent) observe(ctx context.Context) (*corev1.Node, hardware, error) {
+	var hw hardware
+	hw.inv, hw.invErr = inventory.Read(a.env.nvml)
+	if hw.invErr != nil {
+		klog.FromContext(ctx).Error(hw.invErr, "Cannot read the GPUs; the node is not ready for GPU fractions")
+	}
+	node, err := a.client.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	if err != nil {
+		return nil, hw, fmt.Errorf("read the node: %w", err)
+	}
+	hw.labels = node.Labels
+	hw.mps, hw.mpsErr = a.checkMPS(ctx, hw.inv, hw.invErr)
+	if a.env.checkCgroup != nil {
+		hw.cgroupErr = a.env.checkCgroup()
+	}
+	return node, hw, nil
+}
+
+// resync observes the node, decides what it is, and has every subscriber
+// apply that.
+func (a *Agent) resync(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	node, hw, err := a.observe(ctx)
+	if err != nil {
+		logger.Error(err, "Cannot observe the node")
+		a.setPublished(false)
+		return
+	}
+	cfg := decide(hw, a.opts, a.standingGPUs(hw.inv, hw.invErr), a.plugin.Registered())
+	a.enforce(cfg)
+	if cfg.Publish.BackendErr != nil {
+		logger.Error(cfg.Publish.BackendErr, "Cannot use the requested memory-limit backend; fractional containers are refused")
+	}
+	a.reconcileContainers(ctx, hw.mpsErr == nil)
+	desired := publish.Compute(cfg.Publish, node.Labels)
+	a.record(hw, cfg, desired.Condition.Status == corev1.ConditionTrue)
+	if err := publish.Apply(ctx, a.client, node, desired); err != nil {
+		logger.Error(err, "Cannot publish the node's GPU-fraction state")
+		a.setPublished(false)
+		return
+	}
+	a.setPublished(true)
+	a.offer(ctx, hw.invErr == nil, cfg)
+}
+
+// enforce hands the configuration to what enforces it: the NRI plugin
+// (from the next container on) and the DRA driver.
+func (a *Agent) enforce(cfg NodeConfig) {
+	a.plugin.SetInjection(cfg.Injection)
+	a.mu.Lock()
+	a.draInv, a.draCfg = cfg.Publish.Inventory, cfg.Injection
+	a.mu.Unlock()
+}
+
+// reconcileContainers deletes the MPS namespaces no container or prepared
+// claim uses, and retries the evictions of containers that run
+// unenforced. Only once the plugin is synchronized does it know every
+// running container, and so which namespaces are claimed and which pods
+// predate the daemon.
+func (a *Agent) reconcileContainers(ctx context.Context, mpsUp bool) {
+	if !a.plugin.Registered() {
+		return
+	}
+	if mpsUp && a.mps != nil {
+		live := a.plugin.LiveNamespaces()
+		var preparedErr error
+		if a.driver != nil {
+			// A prepared claim's namespace is in use until the kubelet
+			// unprepares it, container or not yet.
+			var prepared map[types.UID][]string
+			prepared, preparedErr = a.driver.Prepared()
+			for _, names := range prepared {
+				for _, n := range names {
+					live[n] = true
+				}
+			}
+		}
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		if preparedErr != nil {
+			klog.FromContext(ctx).Error(preparedErr, "Cannot read the prepared DRA claims; no MPS namespace is deleted this round")
+		} else {
+			a.plugin.ReconcileMPS(rctx, func(name string) bool { return live[name] })
+		}
+		cancel()
+	}
+	var started time.Time
+	if mpsUp {
+		a.mu.Lock()
+		started = a.mpsStarted
+		a.mu.Unlock()
+	}
+	a.plugin.RetryEvictions(ctx, started)
+}
+
+// record updates the metrics.
+func (a *Agent) record(hw hardware, cfg NodeConfig, ready bool) {
+	a.metrics.Node(hw.inv, cfg.Publish.Backend, ready)
+	a.metrics.Tenants(a.plugin.Tenants())
+	a.metrics.Containers(a.env.nvml, a.leases.All())
+	if hw.invErr == nil {
+		a.metrics.GPUUse(a.env.nvml, hw.inv)
+	}
+}
+
+// offer tells reservation pods which GPU they hold, and publishes the DRA
+// devices of the GPUs the standing ones hold for shares.
+func (a *Agent) offer(ctx context.Context, gpusKnown bool, cfg NodeConfig) {
+	logger := klog.FromContext(ctx)
+	if gpusKnown {
+		if _, err := a.annotator.Sync(ctx); err != nil {
+			logger.Error(err, "Cannot annotate reservation pods")
+		}
+	}
+	if a.draHelper == nil {
+		return
+	}
+	offers := dra.Offers{}
+	if gpusKnown {
+		offers = dra.Offers(a.annotator.Standing())
+	}
+	if err := dra.Publish(ctx, a.draHelper, a.driver, cfg.Injection.GPUMemoryReserveMiB, offers); err != nil {
+		logger.Error(err, "Cannot publish the node's DRA devices")
+	}
+}
+
+// checkMPS says which interface the node's MPS daemon speaks, or why it
+// cannot serve fractional containers, and notes when it started.
+func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr error) (nodeapi.MPS, error) {
+	if invErr != nil {
+		return nodeapi.MPSNone, fmt.Errorf("the driver release is unknown: %w", invErr)
+	}
+	major, err := mps.DriverMajor(inv.DriverVersion)
+	if err != nil {
+		return nodeapi.MPSNone, err
+	}
+	want := mps.ProtocolFor(major)
+	if a.mps == nil {
+		return a.env.withoutMPS(want)
+	}
+	a.mps.SetProtocol(want)
+	status, statusErr := mps.ReadStatus(a.opts.Injection.MPSRoot)
+	if err := a.mps.Control().Ping(ctx); err != nil {
+		why := status.LastExit
+		if errors.Is(statusErr, os.ErrNotExist) {
+			why = mps.ErrNoDaemon.Error()
+		} else if statusErr != nil {
+			why = statusErr.Error()
+		}
+		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon does not answer (%w); its supervisor's last word: %s", err, why)
+	}
+	if statusErr == nil && status.Protocol != want {
+		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: restart the node agent's mps container", status.Protocol, major, want)
+	}
+	if statusErr == nil {
+		a.mu.Lock()
+		a.mpsStarted = status.Started
+		a.mu.Unlock()
+	}
+	return want, nil
+}
