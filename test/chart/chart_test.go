@@ -171,6 +171,19 @@ func TestChartSaysWhatDeploySays(t *testing.T) {
 			fields = [][]string{{"roleRef"}, {"subjects"}}
 		case "ServiceAccount", "Service":
 			fields = [][]string{{"automountServiceAccountToken"}, {"spec", "ports"}}
+		case "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
+			fields = [][]string{{"spec"}}
+		case "DaemonSet", "Deployment":
+			if c == nil {
+				t.Errorf("the chart has no %s %s/%s", r.GetKind(), r.GetNamespace(), r.GetName())
+				continue
+			}
+			// Images and probes differ by design; what a pod may do may not.
+			if diff := cmp.Diff(privileges(t, r), privileges(t, c)); diff != "" {
+				t.Errorf("%s %s/%s: the chart's pod may do other than deploy/'s (-deploy +chart):\n%s", r.GetKind(), r.GetNamespace(), r.GetName(), diff)
+			}
+			compared++
+			continue
 		case "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration":
 			if c == nil {
 				t.Errorf("the chart has no %s %s", r.GetKind(), r.GetName())
@@ -201,7 +214,7 @@ func TestChartSaysWhatDeploySays(t *testing.T) {
 			compared++
 			continue
 		default:
-			continue // workloads differ in image and probes by design
+			continue
 		}
 		if c == nil {
 			t.Errorf("the chart has no %s %s/%s; it has %v", r.GetKind(), r.GetNamespace(), r.GetName(), kinds(chart))
@@ -219,16 +232,33 @@ func TestChartSaysWhatDeploySays(t *testing.T) {
 	if compared < 20 {
 		t.Fatalf("compared only %d objects", compared)
 	}
-	// And nothing more is granted than deploy/ grants, bar the policy that
-	// narrows the node agent.
+	// And nothing more is granted or narrowed than deploy/ says.
 	for _, c := range chart {
 		switch c.GetKind() {
-		case "ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding":
+		case "ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
 			if find(ref, c.GetKind(), c.GetNamespace(), c.GetName()) == nil {
-				t.Errorf("the chart grants %s %s/%s, which deploy/ does not", c.GetKind(), c.GetNamespace(), c.GetName())
+				t.Errorf("the chart has %s %s/%s, which deploy/ does not", c.GetKind(), c.GetNamespace(), c.GetName())
 			}
 		}
 	}
+}
+
+// privileges is what a workload's pod may do: its identity, host
+// namespaces, volumes, and each container's security context, mounts
+// and arguments (bar the image's name).
+func privileges(t *testing.T, o *unstructured.Unstructured) map[string]any {
+	t.Helper()
+	spec, _, _ := unstructured.NestedMap(o.Object, "spec", "template", "spec")
+	var pod corev1.PodSpec
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(spec, &pod); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]any{"serviceAccountName": pod.ServiceAccountName, "hostPID": pod.HostPID, "hostNetwork": pod.HostNetwork,
+		"hostIPC": pod.HostIPC, "securityContext": pod.SecurityContext, "volumes": pod.Volumes}
+	for _, c := range append(pod.InitContainers, pod.Containers...) {
+		out["container "+c.Name] = map[string]any{"securityContext": c.SecurityContext, "volumeMounts": c.VolumeMounts}
+	}
+	return out
 }
 
 // The scheduler configuration the chart renders is one kube-scheduler
