@@ -3,6 +3,12 @@ package ledgers
 import (
 	"fmt"
 	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 // Every state × event, standing or not, with every reading of a seen pod:
@@ -106,4 +112,35 @@ func TestRetiredAndFailedGroupsNeverTakeSharesAgain(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A pod made again under the name of a failed one starts afresh, and of
+// two reservation pods naming one GPU, tenants join the one a share may
+// still join.
+func TestReservationPodsMadeAgain(t *testing.T) {
+	n := NewNode("n1", api.Inventory{Count: 2, MemoryMiB: 81920, Model: "H100"})
+	failed := reservationPod("ga", "uid-1", "GPU-a")
+	failed.Status.Phase = corev1.PodFailed
+	n.SeeReservation(failed)
+	if n.Joinable("ga") {
+		t.Fatalf("failed pod's group is joinable (%s)", n.Reservations["ga"].State)
+	}
+	n.SeeReservation(reservationPod("ga", "uid-2", "GPU-a"))
+	if s := n.Reservations["ga"].State; s != GroupNamed || !n.Joinable("ga") {
+		t.Errorf("a new pod of the same name: %s, want Named and joinable", s)
+	}
+	// ga retires (its pod is being deleted); gb, made since, names the same GPU.
+	n.Event("ga", EventRetire, Seen{})
+	n.SeeReservation(reservationPod("gb", "uid-3", "GPU-a"))
+	if g, ok := n.GroupOf("GPU-a"); !ok || g != "gb" {
+		t.Errorf("GroupOf(GPU-a) = %s, %v; want gb, the group a share may join", g, ok)
+	}
+}
+
+func reservationPod(group string, uid types.UID, uuid string) *corev1.Pod {
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "gpufrac-n1-" + group, Namespace: "gpufrac-reservations", UID: uid,
+		Labels: api.ReservationLabels(group, false)}}
+	p.Annotations = api.ReservedGPUWrite(uuid).Apply(nil)
+	p.Spec.NodeName = "n1"
+	return p
 }

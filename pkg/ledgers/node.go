@@ -84,13 +84,18 @@ func (n *Node) usable() api.Inventory {
 // device names its GPU lower-cased, so UUIDs compare without case.
 func (n *Node) GroupOf(uuid string) (string, bool) {
 	// Two reservation pods naming one GPU (one deleted and made again
-	// while the other lingers): the least group name, whatever the map's
-	// order. A tenant names a GPU nothing else holds for the tenants
-	// after it, so tenants agree on one group per GPU.
-	best := ""
+	// while the other lingers): the one a share may still join, then the
+	// least group name, whatever the map's order. A tenant names a GPU
+	// nothing else holds for the tenants after it, so tenants agree on one
+	// group per GPU.
+	best, bestLive := "", false
 	for g, r := range n.Reservations {
-		if strings.EqualFold(r.UUID, uuid) && (best == "" || g < best) {
-			best = g
+		if !strings.EqualFold(r.UUID, uuid) {
+			continue
+		}
+		live := r.State != GroupFailed && r.State != GroupRetiring
+		if best == "" || (live && !bestLive) || (live == bestLive && g < best) {
+			best, bestLive = g, live
 		}
 	}
 	if best != "" {
@@ -185,8 +190,8 @@ func (n *Node) SeeReservation(pod *corev1.Pod) (fx Effects, ok bool) {
 	if pod.Status.Phase == corev1.PodFailed {
 		r.Failure = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
 	}
-	if old, known := n.Reservations[meta.Group]; known {
-		r.State = old.State
+	if old, known := n.Reservations[meta.Group]; known && (old.UID == pod.UID || old.UID == "") {
+		r.State = old.State // a booked pod, or the same pod again; another pod of that name starts afresh
 	}
 	n.Reservations[meta.Group] = r
 	return n.Event(meta.Group, EventSeen, Seen{Named: r.UUID != "", Failed: r.Failure != "", Deleting: pod.DeletionTimestamp != nil}), true

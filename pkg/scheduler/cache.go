@@ -60,7 +60,7 @@ type demand struct {
 // nodeState is one node's GPU tenancy (ledgers.Node, the model audit, top
 // and the dashboard read too) with what only the scheduler needs.
 type nodeState struct {
-	*ledgers.Node
+	ledgers.Node
 	// cpu is the node's allocatable CPU in milli-CPU.
 	cpu int64
 	// seen is the Node object last applied (SetNode): one with an older
@@ -103,19 +103,19 @@ func (c *Cache) markDirty() {
 func (c *Cache) node(name string) *nodeState {
 	ns, ok := c.nodes[name]
 	if !ok {
-		ns = &nodeState{Node: ledgers.NewNode(name, api.Inventory{}), waiting: map[types.UID]*corev1.Pod{}}
+		ns = &nodeState{Node: *ledgers.NewNode(name, api.Inventory{}), waiting: map[types.UID]*corev1.Pod{}}
 		c.nodes[name] = ns
 	}
 	return ns
 }
 
-// tenant is the tenant of a ledger key, with its node.
+// tenant is the tenant of a ledger key, with its node; a read, safe
+// under the read lock.
 func (c *Cache) tenant(uid types.UID) (*nodeState, *ledgers.Tenant, bool) {
-	name, ok := c.where[uid]
+	ns, ok := c.nodes[c.where[uid]]
 	if !ok {
 		return nil, nil, false
 	}
-	ns := c.node(name)
 	t, ok := ns.Tenants[string(uid)]
 	return ns, t, ok
 }

@@ -16,7 +16,7 @@ func TestReserveForFollowsTheSchedulersKeys(t *testing.T) {
 	opts := Options{Injection: injection.Config{GPUMemoryReserveMiB: 256},
 		GPUMemoryReserveMiBByModel: map[string]int64{"NVIDIA-H100-80GB-HBM3": 1024}}
 	for product, want := range map[string]int64{"NVIDIA-H100-80GB-HBM3": 1024, "NVIDIA-A100-SXM4-80GB": 256, "": 256} {
-		if got := reserveFor(opts, map[string]string{publish.LabelGPUProduct: product}); got != want {
+		if got := reserveFor(opts, product); got != want {
 			t.Errorf("product %q: reserve %d, want %d", product, got, want)
 		}
 	}
@@ -47,6 +47,15 @@ func TestDecideFailsClosed(t *testing.T) {
 		if cfg.Publish.StandingGPUs != 2 || cfg.Publish.ReserveMiB != 512 || cfg.Injection.GPUMemoryReserveMiB != 512 || !cfg.Publish.NRIRegistered {
 			t.Errorf("%s: published %+v: want the standing count, the reserve and the registration passed on", tc.name, cfg.Publish)
 		}
+	}
+	// Before the node carries a product label, the GPUs' own name picks the
+	// model's reserve, so the first publish is already right.
+	opts.GPUMemoryReserveMiBByModel = map[string]int64{"NVIDIA-H100-80GB-HBM3": 1024}
+	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3}, opts, 0, true); cfg.Publish.ReserveMiB != 1024 {
+		t.Errorf("unlabelled H100 node: reserve %d, want the model's 1024", cfg.Publish.ReserveMiB)
+	}
+	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, labels: map[string]string{publish.LabelGPUProduct: "other"}}, opts, 0, true); cfg.Publish.ReserveMiB != 512 {
+		t.Errorf("node labelled another model: reserve %d, want the global 512", cfg.Publish.ReserveMiB)
 	}
 	// The cgroup check matters only to the backends that set driver limits.
 	opts.MemoryLimits = string(nodeapi.BackendMPSPinned)

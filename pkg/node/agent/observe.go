@@ -78,17 +78,28 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 	if hw.invErr == nil && len(hw.inv.GPUs) > 0 {
 		cfg.GPUMemoryMiB = hw.inv.GPUs[0].MemoryMiB // what the node publishes as nvidia.com/gpu.memory
 	}
-	cfg.GPUMemoryReserveMiB = reserveFor(opts, hw.labels)
+	cfg.GPUMemoryReserveMiB = reserveFor(opts, hw.product())
 	return NodeConfig{Injection: cfg, Publish: publish.State{Inventory: hw.inv, InventoryErr: hw.invErr, NRIRegistered: registered,
 		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr,
 		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB}}
 }
 
-// reserveFor is the reserve kept on this node's GPUs: per model when one
-// is given for the product label the node carries, the global one
-// otherwise. The node publishes it for every other reader.
-func reserveFor(opts Options, labels map[string]string) int64 {
-	if v, ok := opts.GPUMemoryReserveMiBByModel[labels[publish.LabelGPUProduct]]; ok {
+// product is the node's GPU model as nvidia.com/gpu.product names it: the
+// label (GPU Feature Discovery's, which the scheduler's users key by), or,
+// before any is published, the GPUs' own name in its form, so that the
+// first publish already carries the model's reserve.
+func (hw hardware) product() string {
+	if p := hw.labels[publish.LabelGPUProduct]; p != "" || hw.invErr != nil || len(hw.inv.GPUs) == 0 {
+		return p
+	}
+	return publish.ProductLabel(hw.inv.GPUs[0].Product)
+}
+
+// reserveFor is the reserve kept on GPUs of a product: per model when one
+// is given for it, the global one otherwise. The node publishes it for
+// every other reader.
+func reserveFor(opts Options, product string) int64 {
+	if v, ok := opts.GPUMemoryReserveMiBByModel[product]; ok {
 		return v
 	}
 	return opts.Injection.GPUMemoryReserveMiB

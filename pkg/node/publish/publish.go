@@ -174,6 +174,10 @@ var (
 	labelEnds   = regexp.MustCompile(`^[^A-Za-z0-9]+|[^A-Za-z0-9]+$`)
 )
 
+// ProductLabel is a GPU's product name as GPU Feature Discovery labels it
+// (nvidia.com/gpu.product).
+func ProductLabel(product string) string { return labelValue(product) }
+
 // labelValue turns a product name into a valid label value the way GPU
 // Feature Discovery does ("NVIDIA H100 80GB HBM3" → "NVIDIA-H100-80GB-HBM3").
 func labelValue(s string) string {
