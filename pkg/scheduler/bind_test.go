@@ -6,6 +6,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
@@ -46,19 +47,31 @@ type clientHandle struct {
 
 func (h clientHandle) ClientSet() kubernetes.Interface { return h.client }
 
-// bindWrites runs a fractional pod through PreFilter, Reserve and the bind
-// extension points on a node whose GPU group is already named, and
-// returns the API writes each made, by extension point.
-func bindWrites(t *testing.T, bindOrder []string, pod *corev1.Pod) map[string][]k8stesting.Action {
+// bindWrites runs a fractional pod through PreFilter's state, Reserve and
+// the bind extension points on a two-GPU node whose first GPU's group is
+// named and holds a neighbour of neighbourMiB, and returns the API writes
+// each made, by extension point. A reservation pod the plugin creates is
+// given GPU-2 at once, as the node agent would.
+func bindWrites(t *testing.T, bindOrder []string, pod *corev1.Pod, neighbourMiB int64) map[string][]k8stesting.Action {
 	t.Helper()
 	client := fake.NewClientset(pod)
+	var p *Plugin
 	client.PrependReactor("create", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		return a.GetSubresource() == "binding", nil, nil
+		if a.GetSubresource() == "binding" {
+			return true, nil, nil
+		}
+		if r, ok := a.(k8stesting.CreateAction).GetObject().(*corev1.Pod); ok && r.Namespace == testArgs().ReservationNamespace {
+			named := r.DeepCopy()
+			named.UID = "uid-" + types.UID(r.Name)
+			named.Annotations = api.ReservedGPUWrite("GPU-2").Apply(r.Annotations)
+			p.cache.SetPod(named)
+		}
+		return false, nil, nil
 	})
-	p := &Plugin{args: testArgs(), cache: NewCache(testArgs()), handle: clientHandle{listingHandle{bind: bindOrder}, client}}
+	p = &Plugin{args: testArgs(), cache: NewCache(testArgs()), handle: clientHandle{listingHandle{bind: bindOrder}, client}}
 	p.cache.SetNode(node("n1", 2, 81920, true))
 	p.cache.SetPod(reservationPod("n1", "g1", "GPU-1"))
-	p.cache.SetPod(fractionPodOn("neighbour", "n1", "g1", "GPU-1"))
+	p.cache.SetPod(fractionPodOn("neighbour", "n1", "g1", "GPU-1", neighbourMiB))
 	ctx := context.Background()
 	state := framework.NewCycleState()
 	// PreFilter's state, without its DRA sync (no DRA manager here).
@@ -97,10 +110,10 @@ func bindWrites(t *testing.T, bindOrder []string, pod *corev1.Pod) map[string][]
 	return writes
 }
 
-// fractionPodOn is a bound tenant of a group on a GPU.
-func fractionPodOn(name, nodeName, group, uuid string) *corev1.Pod {
+// fractionPodOn is a bound tenant of mib on a group's GPU.
+func fractionPodOn(name, nodeName, group, uuid string, mib int64) *corev1.Pod {
 	p := fractionPod(name, nodeName, "0.25")
-	a := api.Assignment{Container: "main", Devices: []string{uuid}, RequestMiB: 20480, LimitMiB: 20480, Mode: api.TimeSlicing}
+	a := api.Assignment{Container: "main", Devices: []string{uuid}, RequestMiB: mib, LimitMiB: mib, Mode: api.TimeSlicing}
 	w, _ := api.Decision{Assignment: a, Groups: []string{group}}.Write(p.Annotations)
 	p.Annotations = w.Apply(p.Annotations)
 	return p
@@ -111,7 +124,7 @@ func fractionPodOn(name, nodeName, group, uuid string) *corev1.Pod {
 // left to DefaultBinder.
 func TestBindRoutesWriteWhatTheyPlan(t *testing.T) {
 	t.Run("binding", func(t *testing.T) {
-		writes := bindWrites(t, []string{Name, "DefaultBinder"}, fractionPod("p", "", "0.25"))
+		writes := bindWrites(t, []string{Name, "DefaultBinder"}, fractionPod("p", "", "0.25"), 20480)
 		if len(writes["PreBind"]) != 0 || len(writes["Bind"]) != 1 || writes["Bind"][0].GetSubresource() != "binding" {
 			t.Fatalf("writes %v: want one Binding in Bind and nothing before", writes)
 		}
@@ -121,7 +134,7 @@ func TestBindRoutesWriteWhatTheyPlan(t *testing.T) {
 		}
 	})
 	t.Run("patch when another binder runs first", func(t *testing.T) {
-		writes := bindWrites(t, []string{"DefaultBinder", Name}, fractionPod("p", "", "0.25"))
+		writes := bindWrites(t, []string{"DefaultBinder", Name}, fractionPod("p", "", "0.25"), 20480)
 		if len(writes["PreBind"]) != 1 || writes["PreBind"][0].GetVerb() != "patch" || len(writes["Bind"]) != 0 {
 			t.Fatalf("writes %v: want one patch in PreBind and no Binding of ours", writes)
 		}
@@ -129,9 +142,27 @@ func TestBindRoutesWriteWhatTheyPlan(t *testing.T) {
 	t.Run("patch when a key must go", func(t *testing.T) {
 		stale := fractionPod("p", "", "0.25")
 		stale.Annotations[api.ContainerKey("main", api.SuffixComputePortion)] = "0.5"
-		writes := bindWrites(t, []string{Name, "DefaultBinder"}, stale)
+		writes := bindWrites(t, []string{Name, "DefaultBinder"}, stale, 20480)
 		if len(writes["PreBind"]) != 1 || writes["PreBind"][0].GetVerb() != "patch" || len(writes["Bind"]) != 0 {
 			t.Fatalf("writes %v: want one patch in PreBind and no Binding of ours", writes)
+		}
+	})
+	// The first GPU is too full: the share opens the second, whose
+	// reservation pod Bind makes (routeReserveThenBinding), or PreBind
+	// for a pod already reported unschedulable (routePreBindThenBinding).
+	isCreate := func(a k8stesting.Action, sub string) bool { return a.GetVerb() == "create" && a.GetSubresource() == sub }
+	t.Run("reserve then binding", func(t *testing.T) {
+		writes := bindWrites(t, []string{Name, "DefaultBinder"}, fractionPod("p", "", "0.25"), 70000)
+		if len(writes["PreBind"]) != 0 || len(writes["Bind"]) != 2 || !isCreate(writes["Bind"][0], "") || !isCreate(writes["Bind"][1], "binding") {
+			t.Fatalf("writes %v: want the reservation pod, then the Binding, both in Bind", writes)
+		}
+	})
+	t.Run("PreBind then binding", func(t *testing.T) {
+		marked := fractionPod("p", "", "0.25")
+		marked.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: corev1.PodReasonUnschedulable}}
+		writes := bindWrites(t, []string{Name, "DefaultBinder"}, marked, 70000)
+		if len(writes["PreBind"]) != 1 || !isCreate(writes["PreBind"][0], "") || len(writes["Bind"]) != 1 || !isCreate(writes["Bind"][0], "binding") {
+			t.Fatalf("writes %v: want the reservation pod in PreBind, the Binding in Bind", writes)
 		}
 	})
 }
