@@ -150,7 +150,9 @@ func TestBindRoutesWriteWhatTheyPlan(t *testing.T) {
 	// The first GPU is too full: the share opens the second, whose
 	// reservation pod Bind makes (routeReserveThenBinding), or PreBind
 	// for a pod already reported unschedulable (routePreBindThenBinding).
-	isCreate := func(a k8stesting.Action, sub string) bool { return a.GetVerb() == "create" && a.GetSubresource() == sub }
+	isCreate := func(a k8stesting.Action, sub string) bool {
+		return a.GetVerb() == "create" && a.GetSubresource() == sub
+	}
 	t.Run("reserve then binding", func(t *testing.T) {
 		writes := bindWrites(t, []string{Name, "DefaultBinder"}, fractionPod("p", "", "0.25"), 70000)
 		if len(writes["PreBind"]) != 0 || len(writes["Bind"]) != 2 || !isCreate(writes["Bind"][0], "") || !isCreate(writes["Bind"][1], "binding") {
