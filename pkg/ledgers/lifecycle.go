@@ -30,19 +30,19 @@ package ledgers
 type GroupState int
 
 const (
-	// GroupNone: no reservation pod (never made, or gone).
+	// GroupNone means no reservation pod (never made, or gone).
 	GroupNone GroupState = iota
-	// GroupBooked: the scheduler is creating a standing pod it booked
+	// GroupBooked means the scheduler is creating a standing pod it booked
 	// (the pod is not seen yet); the slot is held meanwhile.
 	GroupBooked
-	// GroupPending: the pod exists and its GPU is not named yet.
+	// GroupPending means the pod exists and its GPU is not named yet.
 	GroupPending
-	// GroupNamed: the node agent wrote the pod's GPU (its UUID).
+	// GroupNamed means the node agent wrote the pod's GPU (its UUID).
 	GroupNamed
-	// GroupFailed: the kubelet refused the pod: no share joins it, and
+	// GroupFailed means the kubelet refused the pod: no share joins it, and
 	// once idle it is deleted (a standing one is then made again).
 	GroupFailed
-	// GroupRetiring: the scheduler chose to delete the pod (a whole-GPU
+	// GroupRetiring means the scheduler chose to delete the pod (a whole-GPU
 	// pod needs the GPU, the node no longer asks for the standing group,
 	// the group found no GPU), or it is being deleted.
 	GroupRetiring
@@ -61,16 +61,16 @@ func (s GroupState) String() string {
 type GroupEvent int
 
 const (
-	// EventBook: the scheduler books a standing group before creating
+	// EventBook means the scheduler books a standing group before creating
 	// its pod (Cache.TakeStanding).
 	EventBook GroupEvent = iota
-	// EventCreateFailed: the booked pod could not be created.
+	// EventCreateFailed means the booked pod could not be created.
 	EventCreateFailed
-	// EventSeen: the API shows the pod (Seen says how).
+	// EventSeen means the API shows the pod (Seen says how).
 	EventSeen
-	// EventRetire: the scheduler retires the group.
+	// EventRetire means the scheduler retires the group.
 	EventRetire
-	// EventDeleted: the API shows the pod gone.
+	// EventDeleted means the API shows the pod gone.
 	EventDeleted
 )
 

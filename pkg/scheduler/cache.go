@@ -79,8 +79,6 @@ type nodeState struct {
 	view   gpu.Node
 }
 
-func placeholder(group string) string { return ledgers.Placeholder(group) }
-
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
 	return &Cache{args: args, nodes: map[string]*nodeState{}, where: map[types.UID]string{}, assumed: map[types.UID]bool{},
