@@ -105,7 +105,7 @@ type Agent struct {
 	// env is the node the agent runs on, real or simulated (environment.go).
 	env       *environment
 	annotator *reservation.Annotator
-	plugin    *nriplugin.Plugin
+	plugin    *nriplugin.Plugin // set by Run, under mu: Ready may read it before
 	recorder  record.EventRecorder
 	metrics   *metrics.Metrics
 	leases    *enforce.Leases
@@ -186,8 +186,11 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	// Until the first resync says which backend the driver allows, the
 	// backend is unset and fractional containers are refused.
-	a.plugin = nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
+	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, MPS: a.mps, ObserveHook: a.metrics.ObserveHook})
+	a.mu.Lock() // Ready may be asked from another goroutine at any time
+	a.plugin = plugin
+	a.mu.Unlock()
 
 	if a.opts.DRA.Enabled {
 		stop, err := a.startDRA(ctx)
@@ -301,6 +304,8 @@ func (a *Agent) Ready() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	switch {
+	case a.plugin == nil:
+		return errors.New("the agent has not started yet")
 	case !a.plugin.Registered():
 		return errors.New("NRI plugin not registered with the container runtime")
 	case !a.published:
