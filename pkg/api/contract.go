@@ -202,6 +202,10 @@ func (r NodeReport) Labels() map[string]*string {
 // Feature Discovery's, or an agent's).
 func InventoryLabelled(labels map[string]string) bool { return labels[LabelGPUProduct] != "" }
 
+// GPUProduct is the GPU model a node's labels name (nvidia.com/gpu.product,
+// GPU Feature Discovery's form); "" when none is published.
+func GPUProduct(labels map[string]string) string { return labels[LabelGPUProduct] }
+
 // MemoryEnforcement is the backend a node reports (LabelMemoryEnforcement).
 func MemoryEnforcement(node *corev1.Node) string { return node.Labels[LabelMemoryEnforcement] }
 

@@ -40,7 +40,7 @@ var contract = []contractKey{
 	{"SharesHeldAnnotation", SharesHeldAnnotation, "standing reservation pod", "SharesHeld.Write", "ReservationOf + ParseSharesHeld"},
 	{"LabelGPUCount", LabelGPUCount, "node", "NodeReport.Labels", "InventoryOf"},
 	{"LabelGPUMemory", LabelGPUMemory, "node", "NodeReport.Labels", "InventoryOf"},
-	{"LabelGPUProduct", LabelGPUProduct, "node", "NodeReport.Labels", "InventoryOf, InventoryLabelled"},
+	{"LabelGPUProduct", LabelGPUProduct, "node", "NodeReport.Labels", "InventoryOf, InventoryLabelled, GPUProduct"},
 	{"LabelGPUMemoryReserve", LabelGPUMemoryReserve, "node", "NodeReport.Labels", "InventoryOf"},
 	{"LabelMemoryEnforcement", LabelMemoryEnforcement, "node", "NodeReport.Labels", "MemoryEnforcement"},
 	{"LabelStandingGPUs", LabelStandingGPUs, "node", "NodeReport.Labels", "StandingGPUs, StandingLabelled"},

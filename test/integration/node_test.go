@@ -214,8 +214,8 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	if c := condition(n); c.Status != corev1.ConditionFalse || c.Reason != publish.ReasonNRI {
 		t.Errorf("condition = %+v", c)
 	}
-	want := map[string]string{"team": "ml", publish.LabelGPUCount: "8", publish.LabelGPUMemory: "81920",
-		publish.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", publish.LabelEnforcement: "mps-pinned",
+	want := map[string]string{"team": "ml", api.LabelGPUCount: "8", api.LabelGPUMemory: "81920",
+		api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", api.LabelMemoryEnforcement: "mps-pinned",
 		publish.LabelDriverVersion: inv.DriverVersion, publish.LabelCUDAVersion: inv.CUDAVersion(), publish.LabelInventoryOwner: "agent"}
 	for k, v := range want {
 		if n.Labels[k] != v {
@@ -299,8 +299,8 @@ func TestNodeAgentSimulated(t *testing.T) {
 	n, _ := shared.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
 	// The mock machine's driver (550) predates driver limits: auto picks
 	// the weak MPS limits and says so.
-	if n.Labels[publish.LabelGPUCount] != "8" || n.Labels[publish.LabelGPUProduct] != "NVIDIA-H200-141GB-HBM3e" ||
-		n.Labels[publish.LabelEnforcement] != "mps-pinned" {
+	if n.Labels[api.LabelGPUCount] != "8" || n.Labels[api.LabelGPUProduct] != "NVIDIA-H200-141GB-HBM3e" ||
+		n.Labels[api.LabelMemoryEnforcement] != "mps-pinned" {
 		t.Errorf("inventory labels = %v", n.Labels)
 	}
 

@@ -4,10 +4,10 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
-	"github.com/gpufrac/gpufrac/pkg/node/publish"
 )
 
 // The node derives sm-sharing portions with the reserve the scheduler
@@ -54,7 +54,7 @@ func TestDecideFailsClosed(t *testing.T) {
 	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3}, opts, 0, true); cfg.Publish.ReserveMiB != 1024 {
 		t.Errorf("unlabelled H100 node: reserve %d, want the model's 1024", cfg.Publish.ReserveMiB)
 	}
-	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, labels: map[string]string{publish.LabelGPUProduct: "other"}}, opts, 0, true); cfg.Publish.ReserveMiB != 512 {
+	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, labels: map[string]string{api.LabelGPUProduct: "other"}}, opts, 0, true); cfg.Publish.ReserveMiB != 512 {
 		t.Errorf("node labelled another model: reserve %d, want the global 512", cfg.Publish.ReserveMiB)
 	}
 	// The cgroup check matters only to the backends that set driver limits.

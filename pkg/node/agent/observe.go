@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -89,7 +90,7 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 // before any is published, the GPUs' own name in its form, so that the
 // first publish already carries the model's reserve.
 func (hw hardware) product() string {
-	if p := hw.labels[publish.LabelGPUProduct]; p != "" || hw.invErr != nil || len(hw.inv.GPUs) == 0 {
+	if p := api.GPUProduct(hw.labels); p != "" || hw.invErr != nil || len(hw.inv.GPUs) == 0 {
 		return p
 	}
 	return publish.ProductLabel(hw.inv.GPUs[0].Product)

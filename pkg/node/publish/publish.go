@@ -27,10 +27,6 @@ const ConditionReady corev1.NodeConditionType = api.ConditionFractioningReady
 // Labels. The nvidia.com/gpu.* ones are GPU Feature Discovery's: the agent
 // sets them only with --publish-gpu-labels and only where GFD has not.
 const (
-	LabelGPUCount       = api.LabelGPUCount
-	LabelGPUMemory      = api.LabelGPUMemory // MiB per GPU
-	LabelGPUProduct     = api.LabelGPUProduct
-	LabelEnforcement    = api.LabelMemoryEnforcement
 	LabelDriverVersion  = "gpufrac.io/driver-version"
 	LabelCUDAVersion    = "gpufrac.io/cuda-version"
 	LabelInventoryOwner = "gpufrac.io/gpu-labels" // "agent" when the agent wrote nvidia.com/gpu.*
