@@ -178,7 +178,10 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 						g.UUID = fmt.Sprintf("GPU %d", slot)
 					}
 					for key := range shares {
-						t := ln.Tenants[key]
+						t, ok := ln.Tenants[key]
+						if !ok {
+							t = &ledgers.Tenant{Pod: key} // every share is a tenant's; shown by its key if not
+						}
 						tenant := Tenant{Pod: t.Pod, Claim: t.Claim, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
 						if a := t.Assignment; a != nil && a.Mode == api.SMSharing && !a.Portion.IsZero() {
 							tenant.Portion = a.Portion.String()
