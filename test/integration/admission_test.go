@@ -431,3 +431,46 @@ func TestBindingCarriesOnlyTheSchedulersDecision(t *testing.T) {
 		t.Errorf("bound pod: node %q, annotations %v: want the binding's node and decision", got.Spec.NodeName, got.Annotations)
 	}
 }
+
+// The scheduler's keys are guarded on every path that writes a pod's
+// annotations: an update of pods/status keeps annotation changes, and the
+// legacy bindings resource binds as pods/binding does.
+func TestSchedulerKeysGuardedOnStatusAndLegacyBindings(t *testing.T) {
+	ctx := context.Background()
+	devices := "nvidia.com/container.main.gpus.devices"
+	p, err := shared.alice.CoreV1().Pods("default").Create(ctx, fracPod(map[string]string{"gpu-fraction": "0.5"}), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged := p.DeepCopy()
+	forged.Annotations[devices] = "GPU-aaaa"
+	_, err = shared.alice.CoreV1().Pods("default").UpdateStatus(ctx, forged, metav1.UpdateOptions{})
+	deniedWith(t, err, "pods.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "GPU-aaaa" can be set, changed or removed only by the scheduler (`+schedulerUser+`), not by alice`)
+	// A status update that leaves the annotations alone is not sent to the
+	// webhook at all (the kubelet's, every few seconds).
+	before := validateCalls(t)
+	status := p.DeepCopy()
+	status.Status.Message = "hello"
+	if _, err := shared.alice.CoreV1().Pods("default").UpdateStatus(ctx, status, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("a status update without annotation changes was refused: %v", err)
+	}
+	if got := validateCalls(t); got != before {
+		t.Errorf("a status update without annotation changes: %v calls to /validate, want none", got-before)
+	}
+
+	binding := &corev1.Binding{
+		ObjectMeta: metav1.ObjectMeta{Name: p.Name, Namespace: "default", Annotations: map[string]string{devices: "GPU-aaaa"}},
+		Target:     corev1.ObjectReference{Kind: "Node", Name: "gpu-node-1"},
+	}
+	err = shared.alice.CoreV1().RESTClient().Post().Namespace("default").Resource("bindings").Body(binding).Do(ctx).Error()
+	deniedWith(t, err, "bindings.validate.gpufrac.io",
+		`container "main": nvidia.com/container.main.gpus.devices "GPU-aaaa" can be written by a Binding only by the scheduler (`+schedulerUser+`), not by alice`)
+	got, err := shared.admin.CoreV1().Pods("default").Get(ctx, p.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Spec.NodeName != "" || got.Annotations[devices] != "" {
+		t.Errorf("pod after the refused writes: node %q, devices %q; want neither", got.Spec.NodeName, got.Annotations[devices])
+	}
+}
