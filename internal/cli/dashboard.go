@@ -16,6 +16,7 @@ func newDashboardCommand() *cobra.Command {
 		kubeconfig string
 		listen     string
 		namespace  string
+		hosts      []string
 	)
 	cmd := &cobra.Command{
 		Use:   "dashboard",
@@ -43,7 +44,7 @@ reasons).`,
 				return fmt.Errorf("dashboard: --listen %q: %w", listen, err)
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "gpufrac dashboard: http://%s/\n", l.Addr())
-			srv := dashboard.New(dashboard.Options{Client: client, ReservationNamespace: namespace})
+			srv := dashboard.New(dashboard.Options{Client: client, ReservationNamespace: namespace, AllowedHosts: hosts})
 			return srv.Run(klog.NewContext(cmd.Context(), klog.Background()), l)
 		},
 	}
@@ -51,5 +52,6 @@ reasons).`,
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve on (host:port; port 0 picks a free one)")
 	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringSliceVar(&hosts, "allowed-host", nil, "host names (no port) it answers besides localhost and loopback IPs, e.g. its Service's DNS names or an Ingress host; any other Host is refused, against DNS rebinding")
 	return cmd
 }

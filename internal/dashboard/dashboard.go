@@ -19,6 +19,7 @@ import (
 	"net"
 	"net/http"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -47,6 +48,10 @@ type Options struct {
 	// Settle is how long a change waits for more before the view is
 	// rebuilt (a burst of pod updates becomes one push); default 200 ms.
 	Settle time.Duration
+	// AllowedHosts are the host names (no port) the dashboard answers
+	// besides the loopback ones (localhost, loopback IPs: what kubectl
+	// port-forward sends): its Service's DNS names, an Ingress's host.
+	AllowedHosts []string
 }
 
 // Server is the dashboard.
@@ -65,9 +70,6 @@ type Server struct {
 	current []byte                   // the latest view, as JSON
 	subs    map[chan []byte]struct{} // open event streams
 	closed  bool                     // shutting down: no new streams
-	// loopbackOnly: serving on a loopback address, so only a loopback Host
-	// is answered (a web page must not reach it by DNS rebinding).
-	loopbackOnly bool
 }
 
 // New returns a dashboard over opts.Client; Run starts it.
@@ -108,9 +110,6 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 	s.nodes = func() ([]*corev1.Node, error) { return nodeInformer.Lister().List(labels.Everything()) }
 	s.events = func() ([]*corev1.Event, error) { return eventInformer.Lister().List(labels.Everything()) }
 
-	if tcp, ok := l.Addr().(*net.TCPAddr); ok && tcp.IP.IsLoopback() {
-		s.loopbackOnly = true
-	}
 	// Requests end with ctx (BaseContext): no stream outlives Run.
 	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second, BaseContext: func(net.Listener) context.Context { return ctx }}
 	served := make(chan error, 1)
@@ -374,15 +373,17 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request) {
 }
 
 // secure sets the headers of a read-only page that loads nothing from
-// elsewhere: only its own script and style, no framing, no sniffing. On a
-// loopback address it answers only requests for a loopback host: a page
-// on the web that rebinds its own name to 127.0.0.1 gets nothing. (On
-// other addresses, in a cluster behind a Service or a proxy, the Host is
-// the operator's to choose.)
+// elsewhere: only its own script and style, no framing, no sniffing. It
+// answers only requests for a loopback host or one of AllowedHosts,
+// wherever it listens: a page on the web that rebinds its own name to
+// 127.0.0.1 (or to the address kubectl port-forward serves on) gets
+// nothing. The probes, which say nothing of the cluster, are answered for
+// any host: the kubelet names the pod's IP.
 func (s *Server) secure(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if s.loopbackOnly && !loopbackHost(r.Host) {
-			http.Error(w, fmt.Sprintf("host %q: this dashboard serves on a loopback address and answers only localhost or a loopback IP", r.Host), http.StatusMisdirectedRequest)
+		probe := r.URL.Path == "/livez" || r.URL.Path == "/healthz"
+		if !probe && !loopbackHost(r.Host) && !s.allowedHost(r.Host) {
+			http.Error(w, fmt.Sprintf("host %q: this dashboard answers only localhost, a loopback IP or its --allowed-host names (%s)", r.Host, strings.Join(s.opts.AllowedHosts, ", ")), http.StatusMisdirectedRequest)
 			return
 		}
 		h := w.Header()
@@ -391,6 +392,14 @@ func (s *Server) secure(next http.Handler) http.Handler {
 		h.Set("Referrer-Policy", "no-referrer")
 		next.ServeHTTP(w, r)
 	})
+}
+
+// allowedHost reports whether a Host header names one of AllowedHosts.
+func (s *Server) allowedHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	return slices.ContainsFunc(s.opts.AllowedHosts, func(a string) bool { return strings.EqualFold(a, host) })
 }
 
 // loopbackHost reports whether a Host header names this machine's loopback:

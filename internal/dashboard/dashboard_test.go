@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"reflect"
 	"strings"
 	"testing"
@@ -275,5 +276,34 @@ func TestViewShowsClaimShares(t *testing.T) {
 	}
 	if claims != 1 || pods != 1 || got.Summary.AllocatedMiB != 40960+10240 {
 		t.Errorf("GPU-a: %d claims and %d pods, %dMi allocated; want one of each, 51200Mi", claims, pods, got.Summary.AllocatedMiB)
+	}
+}
+
+// Wherever it listens (a pod's address behind kubectl port-forward, a
+// Service), the dashboard answers only loopback Hosts and its allowed
+// names: a web page that rebinds its own name to the forwarded address
+// reads nothing. The probes answer any Host (the kubelet names the pod).
+func TestOnlyAllowedHostsAreAnswered(t *testing.T) {
+	s := New(Options{Client: fake.NewClientset(), AllowedHosts: []string{"gpufrac-dashboard.gpufrac-system.svc"}})
+	h := s.Handler()
+	for _, tc := range []struct {
+		host, path string
+		refused    bool
+	}{
+		{"attacker.example", "/api/view", true},
+		{"10.0.0.7:8080", "/", true},
+		{"gpufrac-dashboard.gpufrac-system.svc", "/api/view", false},
+		{"GPUFRAC-DASHBOARD.gpufrac-system.svc:80", "/api/view", false},
+		{"localhost:8080", "/api/view", false},
+		{"10.0.0.7:8080", "/livez", false},
+		{"10.0.0.7:8080", "/healthz", false},
+	} {
+		req := httptest.NewRequest(http.MethodGet, "http://"+tc.host+tc.path, nil)
+		req.Host = tc.host
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if refused := rec.Code == http.StatusMisdirectedRequest; refused != tc.refused {
+			t.Errorf("Host %q %s: %d, want refused %v", tc.host, tc.path, rec.Code, tc.refused)
+		}
 	}
 }

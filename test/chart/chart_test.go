@@ -636,7 +636,9 @@ func TestChartDashboard(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := dep.Spec.Template.Spec.Containers[0]
-	if c.Args[0] != "dashboard" || slices.ContainsFunc(c.Args, func(a string) bool { return strings.Contains(a, "reserve-mib") }) || !slices.Contains(c.Args, "--reservation-namespace=gpufrac-reservations") {
+	allowed := "--allowed-host=gpufrac-dashboard,gpufrac-dashboard.gpufrac-system,gpufrac-dashboard.gpufrac-system.svc,gpufrac-dashboard.gpufrac-system.svc.cluster.local"
+	if c.Args[0] != "dashboard" || slices.ContainsFunc(c.Args, func(a string) bool { return strings.Contains(a, "reserve-mib") }) ||
+		!slices.Contains(c.Args, "--reservation-namespace=gpufrac-reservations") || !slices.Contains(c.Args, allowed) {
 		t.Errorf("dashboard args %v", c.Args)
 	}
 	sc, psc := c.SecurityContext, dep.Spec.Template.Spec.SecurityContext
