@@ -186,15 +186,22 @@ func (n *Node) SeeReservation(pod *corev1.Pod) (fx Effects, ok bool) {
 	if !ok || pod.Spec.NodeName == "" {
 		return Effects{}, false
 	}
-	r := &Reservation{Pod: pod.Namespace + "/" + pod.Name, Name: pod.Name, UID: pod.UID, Group: meta.Group, UUID: meta.GPU, Held: meta.Held, Created: pod.CreationTimestamp.Time}
-	if pod.Status.Phase == corev1.PodFailed {
-		r.Failure = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
-	}
+	r, seen := reservationOf(pod, meta)
 	if old, known := n.Reservations[meta.Group]; known && (old.UID == pod.UID || old.UID == "") {
 		r.State = old.State // a booked pod, or the same pod again; another pod of that name starts afresh
 	}
 	n.Reservations[meta.Group] = r
-	return n.Event(meta.Group, EventSeen, Seen{Named: r.UUID != "", Failed: r.Failure != "", Deleting: pod.DeletionTimestamp != nil}), true
+	return n.Event(meta.Group, EventSeen, seen), true
+}
+
+// reservationOf is a reservation pod as the model keeps it (state None),
+// and how the API shows it, for EventSeen.
+func reservationOf(pod *corev1.Pod, meta api.Reservation) (*Reservation, Seen) {
+	r := &Reservation{Pod: pod.Namespace + "/" + pod.Name, Name: pod.Name, UID: pod.UID, Group: meta.Group, UUID: meta.GPU, Held: meta.Held, Created: pod.CreationTimestamp.Time}
+	if pod.Status.Phase == corev1.PodFailed {
+		r.Failure = fmt.Sprintf("reservation pod %s/%s failed: %s %s", pod.Namespace, pod.Name, pod.Status.Reason, pod.Status.Message)
+	}
+	return r, Seen{Named: r.UUID != "", Failed: r.Failure != "", Deleting: pod.DeletionTimestamp != nil}
 }
 
 // Settle retires a reservation pod's group that holds no tenant and that
@@ -297,8 +304,8 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		if n := live(p); n != nil && p.Namespace == o.ReservationNamespace {
 			n.WholeGPUs += api.WholeGPUs(&p.Spec)
 			if meta, ok := api.ReservationOf(p); ok {
-				r := &Reservation{Pod: p.Namespace + "/" + p.Name, Name: p.Name, UID: p.UID, Group: meta.Group, UUID: meta.GPU, Held: meta.Held, Created: p.CreationTimestamp.Time}
-				r.State, _ = Transition(GroupNone, EventSeen, Seen{Named: r.UUID != ""}, IsStanding(meta.Group))
+				r, seen := reservationOf(p, meta)
+				r.State, _ = Transition(GroupNone, EventSeen, seen, IsStanding(meta.Group))
 				n.Reservations[meta.Group] = r
 			}
 		}
