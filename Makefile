@@ -50,6 +50,19 @@ build: preflight ## build bin/gpufrac
 shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for fractional containers
 	$(GO) run ./shim/cmd/build-shim $(BIN)/shim
 
+.PHONY: gpu-proof-pack
+# What hack/gpu-proof.sh needs on a GPU machine without Go, small enough to
+# travel (the device tool carries 64 MiB): gpufrac stripped and gzipped,
+# the view library, the probe; run it there with build/gpu-proof carried.
+gpu-proof-pack: preflight ## build build/gpu-proof for hack/gpu-proof.sh on a GPU machine without Go (docs/gpu-proof/README.md)
+	rm -rf build/gpu-proof && mkdir -p build/gpu-proof
+	$(GO) build -trimpath -ldflags='-s -w' -o build/gpu-proof/gpufrac ./cmd/gpufrac
+	gzip -9 build/gpu-proof/gpufrac
+	$(GO) run ./shim/cmd/build-shim build/gpu-proof/shim
+	$${CC:-cc} -std=c11 -D_POSIX_C_SOURCE=200809L -O2 -o build/gpu-proof/probe hack/gpu-proof/csrc/probe.c -ldl
+	git rev-parse HEAD >build/gpu-proof/commit
+	@du -sh build/gpu-proof
+
 .PHONY: demo
 # DEMO_FLAGS=--keep stays up afterwards, with the dashboard's URL printed.
 DEMO_FLAGS ?=
@@ -254,4 +267,4 @@ $(GOLANGCI_LINT) $(BENCHSTAT): $(TOOLS)/go.mod $(TOOLS)/go.sum | preflight
 
 .PHONY: clean
 clean: ## remove build outputs (keeps Go's caches)
-	rm -rf $(BIN)
+	rm -rf $(BIN) build

@@ -70,6 +70,14 @@ func TestShimReportsTheContainerLimitAsTotal(t *testing.T) {
 		t.Errorf("without a limit: %q", got[0])
 	}
 
+	// The real library found on the library path after the shim, as where
+	// the driver's libraries are on LD_LIBRARY_PATH (GKE's
+	// /usr/local/nvidia/lib64) rather than in the system's directories.
+	got = memquery(t, program, shimDir, "LD_LIBRARY_PATH="+shimDir+"::"+filepath.Join(dir, "none")+":"+realDir, "NVIDIA_GPU_MEMORY_LIMIT=20480")
+	if len(got) != 2 || !strings.HasPrefix(got[0], "gpu=0 total=20480 used=3072 ") {
+		t.Errorf("real library on LD_LIBRARY_PATH: %q", got)
+	}
+
 	// No real library (this machine has no driver): calls fail cleanly.
 	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+filepath.Join(dir, "missing.so"))
 	if diff := cmp.Diff([]string{"init=13"}, got); diff != "" {

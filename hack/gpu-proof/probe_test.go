@@ -69,6 +69,9 @@ func TestProbe(t *testing.T) {
 		{"info lists the device", withFake, []string{"info"}, 0, "device 0 GPU-10111213-1415-1617-1819-1a1b1c1d1e1f 81920 MiB Fake GPU"},
 		{"cuInit fails: named", append(withFake, "FAKECUDA_INIT_ERROR=100"), []string{"info"}, 3, "CUDA_ERROR_NO_DEVICE (100)"},
 		{"alloc within the limit", append(withFake, "FAKECUDA_FREE_MIB=1024"), []string{"alloc", "1024"}, 0, "alloc 1024 MiB: ok"},
+		{"alloc and hold", append(withFake, "FAKECUDA_FREE_MIB=1024"), []string{"alloc", "1024", "50"}, 0, "holding 50 ms as pid "},
+		{"a bad hold", withFake, []string{"alloc", "1024", "x"}, 1, "probe: hold x: want a positive whole number"},
+		{"too many arguments", withFake, []string{"spin", "1", "2"}, 1, "usage: probe"},
 		{"alloc past the limit fails", append(withFake, "FAKECUDA_FREE_MIB=1024"), []string{"alloc", "1025"}, 3, "alloc 1025 MiB: failed: CUDA_ERROR_OUT_OF_MEMORY"},
 	}
 	for _, tt := range tests {

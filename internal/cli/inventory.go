@@ -51,10 +51,12 @@ before installing the agent; --simulate-gpus reads a go-nvml mock machine.`,
 				enc.SetIndent("", "  ")
 				return enc.Encode(struct {
 					inventory.Inventory
-					Capability nodeapi.Enforcement
-				}{inv, inv.Capability()})
+					Capability       nodeapi.Enforcement
+					CapabilityReason string
+				}{inv, inv.Capability(), inv.CapabilityReason()})
 			}
 			fmt.Fprintf(out, "driver %s, CUDA %s, enforcement %s\n", inv.DriverVersion, inv.CUDAVersion(), inv.Capability())
+			fmt.Fprintf(out, "enforcement %s: %s\n", inv.Capability(), inv.CapabilityReason())
 			for _, g := range inv.GPUs {
 				mig := ""
 				if g.MIGEnabled {

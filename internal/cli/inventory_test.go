@@ -12,8 +12,10 @@ import (
 func TestInventory(t *testing.T) {
 	out, errOut, code := runCLI(t, "", "inventory", "--simulate-gpus", "dgxh100")
 	lines := strings.Split(strings.TrimSpace(out), "\n")
-	if code != 0 || len(lines) != 9 || lines[0] != "driver 550.54.15, CUDA 12.4, enforcement mps-pinned" ||
-		!strings.HasPrefix(lines[1], "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-") || !strings.HasSuffix(lines[1], ") 81920 MiB") {
+	if code != 0 || len(lines) != 10 || lines[0] != "driver 550.54.15, CUDA 12.4, enforcement mps-pinned" ||
+		lines[1] != "enforcement mps-pinned: driver 550.54.15 with CUDA 12.4 is older than the r615 driver with CUDA 13.4 that per-cgroup limits need; "+
+			"memory is capped per MPS client (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), which an MPS server does not evict" ||
+		!strings.HasPrefix(lines[2], "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-") || !strings.HasSuffix(lines[2], ") 81920 MiB") {
 		t.Errorf("exit %d, %q\n%s", code, errOut, out)
 	}
 	out, _, code = runCLI(t, "", "inventory", "--simulate-gpus", "dgxb200", "-o", "json")

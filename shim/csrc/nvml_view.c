@@ -22,7 +22,8 @@
 static void *real_handle;
 
 /* Paths where container images carry the real library; GPUFRAC_REAL_NVML
- * comes first. The shim's own file is never taken for the real one. */
+ * comes first, the directories of LD_LIBRARY_PATH last. The shim's own
+ * file is never taken for the real one. */
 static const char *const candidates[] = {
     "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
     "/usr/lib64/libnvidia-ml.so.1",
@@ -39,6 +40,30 @@ static int is_self(const char *path) {
     return strcmp(a, b) == 0;
 }
 
+/* open_in_search_path tries libnvidia-ml.so.1 in each directory of
+ * LD_LIBRARY_PATH but the shim's own: where the driver's libraries are not
+ * in the system's directories but on the library path (GKE's
+ * /usr/local/nvidia/lib64, which its images put on LD_LIBRARY_PATH). A
+ * dlopen by bare name would find the shim itself, already loaded. */
+static void *open_in_search_path(void) {
+    const char *path = getenv("LD_LIBRARY_PATH");
+    char file[PATH_MAX];
+    while (path && *path) {
+        size_t n = strcspn(path, ":");
+        if (n > 0 && n + sizeof "/libnvidia-ml.so.1" <= sizeof file) {
+            memcpy(file, path, n);
+            strcpy(file + n, "/libnvidia-ml.so.1");
+            if (!is_self(file) && access(file, R_OK) == 0) {
+                void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+                if (h) return h;
+            }
+        }
+        path += n;
+        if (*path == ':') path++;
+    }
+    return NULL;
+}
+
 static void *real(void) {
     if (real_handle) return real_handle;
     const char *env = getenv("GPUFRAC_REAL_NVML");
@@ -46,6 +71,7 @@ static void *real(void) {
     for (int i = 0; !real_handle && candidates[i]; i++) {
         if (!is_self(candidates[i])) real_handle = dlopen(candidates[i], RTLD_NOW | RTLD_LOCAL);
     }
+    if (!real_handle) real_handle = open_in_search_path();
     return real_handle;
 }
 

@@ -5,7 +5,10 @@
  * the stand-in in fakecuda.c).
  *
  *   probe info          one line per device: index, UUID, name, total MiB
- *   probe alloc MIB     allocate MIB MiB on device 0 in one piece
+ *   probe alloc MIB [HOLD_MS]
+ *                       allocate MIB MiB on device 0 in one piece, and hold
+ *                       it HOLD_MS milliseconds (the script asks the MPS
+ *                       daemon meanwhile whether this process is its client)
  *   probe spin MS       run one block that spins for MS milliseconds
  *
  * Exit status: 0 done, 1 usage, 2 no driver (libcuda or a symbol missing),
@@ -16,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda_abi.h"
 
@@ -136,7 +140,7 @@ static int context(CUdevice *d) {
   return 0;
 }
 
-static int alloc(long mib) {
+static int alloc(long mib, long hold_ms) {
   CUdevice d;
   CUdeviceptr p;
   int rc = context(&d);
@@ -147,6 +151,12 @@ static int alloc(long mib) {
     return 3;
   }
   printf("alloc %ld MiB: ok\n", mib);
+  if (hold_ms > 0) {
+    printf("holding %ld ms as pid %d\n", hold_ms, (int)getpid());
+    fflush(stdout);
+    struct timespec ts = {(time_t)(hold_ms / 1000), (hold_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
   CHECK(cuMemFree(p));
   return 0;
 }
@@ -171,22 +181,33 @@ static int spin(long ms) {
   return 0;
 }
 
-int main(int argc, char **argv) {
-  if (argc < 2 || (strcmp(argv[1], "info") != 0 && argc != 3)) {
-    fprintf(stderr, "usage: probe info | probe alloc MIB | probe spin MS\n");
-    return 1;
-  }
+static const char usage[] = "usage: probe info | probe alloc MIB [HOLD_MS] | probe spin MS\n";
+
+/* number reads a positive whole number, or says why not. */
+static int number(const char *what, const char *arg, long *n) {
   char *end = NULL;
-  long n = argc == 3 ? strtol(argv[2], &end, 10) : 0;
-  if (argc == 3 && (end == argv[2] || *end != '\0' || n <= 0)) {
-    fprintf(stderr, "probe: %s %s: want a positive whole number\n", argv[1], argv[2]);
+  *n = strtol(arg, &end, 10);
+  if (end == arg || *end != '\0' || *n <= 0) {
+    fprintf(stderr, "probe: %s %s: want a positive whole number\n", what, arg);
     return 1;
   }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  long n = 0, hold = 0;
+  int is_info = argc == 2 && strcmp(argv[1], "info") == 0;
+  int is_alloc = (argc == 3 || argc == 4) && strcmp(argv[1], "alloc") == 0;
+  int is_spin = argc == 3 && strcmp(argv[1], "spin") == 0;
+  if (!is_info && !is_alloc && !is_spin) {
+    fputs(usage, stderr);
+    return 1;
+  }
+  if (argc >= 3 && number(argv[1], argv[2], &n) != 0) return 1;
+  if (argc == 4 && number("hold", argv[3], &hold) != 0) return 1;
   load();
   CHECK(cuInit(0));
-  if (strcmp(argv[1], "info") == 0) return info();
-  if (strcmp(argv[1], "alloc") == 0) return alloc(n);
-  if (strcmp(argv[1], "spin") == 0) return spin(n);
-  fprintf(stderr, "usage: probe info | probe alloc MIB | probe spin MS\n");
-  return 1;
+  if (is_info) return info();
+  if (is_alloc) return alloc(n, hold);
+  return spin(n);
 }

@@ -63,6 +63,23 @@ func (inv Inventory) Capability() nodeapi.Enforcement {
 	return nodeapi.EnforcementMPSPinned
 }
 
+// CapabilityReason says in one line why inv allows Capability and not
+// more: what an operator needs to read before trusting the node's limits.
+func (inv Inventory) CapabilityReason() string {
+	switch inv.Capability() {
+	case nodeapi.EnforcementDriver:
+		return fmt.Sprintf("driver %s with CUDA %s sets hard and soft memory limits per container cgroup", inv.DriverVersion, inv.CUDAVersion())
+	case nodeapi.EnforcementMPSPinned:
+		return fmt.Sprintf("driver %s with CUDA %s is older than the r%d driver with CUDA %d.%d that per-cgroup limits need; "+
+			"memory is capped per MPS client (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), which an MPS server does not evict", inv.DriverVersion, inv.CUDAVersion(),
+			minLimitsDriver, minLimitsCUDA/1000, minLimitsCUDA%1000/10)
+	}
+	if len(inv.GPUs) == 0 {
+		return "NVML lists no GPU"
+	}
+	return fmt.Sprintf("GPU %d has MIG enabled: MPS memory partitioning does not support MIG, so no fraction of it can be enforced", inv.MIGEnabled())
+}
+
 // MIGEnabled is the index of the first GPU with MIG enabled, or -1.
 func (inv Inventory) MIGEnabled() int {
 	for _, g := range inv.GPUs {

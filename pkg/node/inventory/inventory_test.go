@@ -59,20 +59,24 @@ func TestCapabilityFollowsDriverAndCUDA(t *testing.T) {
 	tests := []struct {
 		inv  Inventory
 		want nodeapi.Enforcement
+		why  string // in CapabilityReason
 	}{
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementDriver},
-		{Inventory{DriverVersion: "620.01", CUDADriverVersion: 13050, GPUs: one}, nodeapi.EnforcementDriver},
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13030, GPUs: one}, nodeapi.EnforcementMPSPinned},
-		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementMPSPinned},
-		{Inventory{DriverVersion: "garbage", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementMPSPinned},
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040}, nodeapi.EnforcementNone},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementDriver, "driver 615.10.02 with CUDA 13.4 sets hard and soft"},
+		{Inventory{DriverVersion: "620.01", CUDADriverVersion: 13050, GPUs: one}, nodeapi.EnforcementDriver, "driver 620.01 with CUDA 13.5"},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13030, GPUs: one}, nodeapi.EnforcementMPSPinned, "driver 615.10.02 with CUDA 13.3 is older than the r615 driver with CUDA 13.4"},
+		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementMPSPinned, "driver 550.54.15 with CUDA 13.4 is older"},
+		{Inventory{DriverVersion: "garbage", CUDADriverVersion: 13040, GPUs: one}, nodeapi.EnforcementMPSPinned, "driver garbage"},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040}, nodeapi.EnforcementNone, "NVML lists no GPU"},
 		// MIG on any GPU: no fraction can be enforced, on r615 or before.
-		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: []GPU{{UUID: "GPU-a"}, {Index: 1, UUID: "GPU-b", MIGEnabled: true}}}, nodeapi.EnforcementNone},
-		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 12040, GPUs: []GPU{{UUID: "GPU-a", MIGEnabled: true}}}, nodeapi.EnforcementNone},
+		{Inventory{DriverVersion: "615.10.02", CUDADriverVersion: 13040, GPUs: []GPU{{UUID: "GPU-a"}, {Index: 1, UUID: "GPU-b", MIGEnabled: true}}}, nodeapi.EnforcementNone, "GPU 1 has MIG enabled"},
+		{Inventory{DriverVersion: "550.54.15", CUDADriverVersion: 12040, GPUs: []GPU{{UUID: "GPU-a", MIGEnabled: true}}}, nodeapi.EnforcementNone, "GPU 0 has MIG enabled"},
 	}
 	for _, tt := range tests {
 		if got := tt.inv.Capability(); got != tt.want {
 			t.Errorf("%+v: %s, want %s", tt.inv, got, tt.want)
+		}
+		if why := tt.inv.CapabilityReason(); !strings.Contains(why, tt.why) {
+			t.Errorf("%+v: reason %q, want it to say %q", tt.inv, why, tt.why)
 		}
 	}
 	if got := (Inventory{CUDADriverVersion: 13040}).CUDAVersion(); got != "13.4" {
