@@ -20,8 +20,9 @@
 #               `gpufrac explain` prints for a time-slicing fractional pod is
 #               a client of that daemon's server;
 #   pinned      ... and cannot allocate past its pinned limit, and can below;
-#   overlap     two such clients run kernels at once; two plain processes
-#               (separate contexts) are time-sliced, one after the other;
+#   overlap     two such clients run the same fixed work at once (in about
+#               the time of one); two plain processes (separate contexts)
+#               are time-sliced (about twice that);
 #   view        nvidia-smi in that environment shows the limit as the total;
 #   exclusive   with the GPU in EXCLUSIVE_PROCESS and the daemon's server up,
 #               a process without the pipe directory cannot create a
@@ -212,12 +213,25 @@ else
 fi
 
 # ---- plain processes: two contexts, time-sliced --------------------------
-t0=$(date +%s%N)
-outsider "$probe" spin 2000 >"$work/overlap-plain-1.txt" 2>&1 &
+# A fixed amount of work (probe work), not a spin on the clock: an SM's clock
+# runs on while another context has the GPU, so two spinning kernels end
+# together whether they shared the GPU or took turns (r580: 2000 ms each,
+# either way). One alone first, sized to about 1.5 s, as the baseline.
+outsider "$probe" work 200000000 >"$work/work-calibrate.txt" 2>&1
+cal=$(sed -nE 's/.* took ([0-9]+) ms$/\1/p' "$work/work-calibrate.txt")
+iters=$(( 200000000 * 1500 / ${cal:-1500} ))
+[ "$iters" -gt 0 ] 2>/dev/null || iters=200000000
+outsider "$probe" work "$iters" >"$work/work-alone.txt" 2>&1
+alone_ms=$(sed -nE 's/.* took ([0-9]+) ms$/\1/p' "$work/work-alone.txt")
+outsider "$probe" work "$iters" >"$work/overlap-plain-1.txt" 2>&1 &
 p1=$!
-outsider "$probe" spin 2000 >"$work/overlap-plain-2.txt" 2>&1 &
+outsider "$probe" work "$iters" >"$work/overlap-plain-2.txt" 2>&1 &
 wait $p1 $!
-plain_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+# span: from the first kernel's start to the last one's end, in ms; and
+# whether the two kernels' intervals overlapped at all.
+span() { cat "$@" | awk '/ start /{s[NR]=$5; e[NR]=$7; if (min=="" || $5<min) min=$5; if ($7>max) max=$7; n++}
+  END {if (n != 2) {print "none"; exit}; ov="apart"; for (i in s) for (j in s) if (i<j && s[i]<e[j] && s[j]<e[i]) ov="overlapping"; printf "%d %s\n", (max-min)*1000, ov}'; }
+read -r plain_span plain_ov < <(span "$work/overlap-plain-1.txt" "$work/overlap-plain-2.txt")
 
 # ---- mps-daemon: start, SIGKILL, restart -----------------------------------
 mpscontrol=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control /usr/bin/nvidia-cuda-mps-control 2>/dev/null | head -1)
@@ -283,18 +297,18 @@ else
 fi
 
 # ---- overlap: two clients of one server ------------------------------------
-t0=$(date +%s%N)
-client "$probe" spin 2000 >"$work/overlap-mps-1.txt" 2>&1 &
+client "$probe" work "$iters" >"$work/overlap-mps-1.txt" 2>&1 &
 p1=$!
-client "$probe" spin 2000 >"$work/overlap-mps-2.txt" 2>&1 &
+client "$probe" work "$iters" >"$work/overlap-mps-2.txt" 2>&1 &
 wait $p1 $! # not a bare wait: the supervisor runs in the background too
-mps_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
-# Context creation and module load take a moment too: one server is
-# concurrent when it takes well under the 4 s that one after the other needs.
-if [ $mps_ms -lt 3500 ] && [ $plain_ms -ge 3500 ] && grep -q took "$work/overlap-mps-2.txt" "$work/overlap-plain-2.txt"; then
-  result overlap PASS "two 2 s kernels: ${mps_ms} ms as clients of one MPS server, ${plain_ms} ms as two plain processes"
+read -r mps_span mps_ov < <(span "$work/overlap-mps-1.txt" "$work/overlap-mps-2.txt")
+# Two clients of one server run at once: both done in about the time of one.
+# Two plain processes take turns: about twice that, however they interleave.
+if [ -n "$alone_ms" ] && [ "$mps_span" != none ] && [ "$plain_span" != none ] &&
+  [ "$mps_ov" = overlapping ] && [ $((mps_span * 10)) -le $((alone_ms * 13)) ] && [ $((plain_span * 10)) -ge $((alone_ms * 17)) ]; then
+  result overlap PASS "the same work ($iters FMAs, ${alone_ms} ms alone): two MPS clients ${mps_span} ms together ($mps_ov), two plain processes ${plain_span} ms ($plain_ov)"
 else
-  result overlap FAIL "two 2 s kernels: ${mps_ms} ms with one MPS server, ${plain_ms} ms without (overlap-*.txt)"
+  result overlap FAIL "the same work ($iters FMAs, '${alone_ms}' ms alone): two MPS clients ${mps_span} ms ($mps_ov), two plain processes ${plain_span} ms ($plain_ov) (overlap-*.txt)"
 fi
 
 # ---- escapes in the default compute mode (facts) ----------------------------

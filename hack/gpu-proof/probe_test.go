@@ -100,6 +100,21 @@ func TestProbeSpin(t *testing.T) {
 	}
 }
 
+// work runs its fixed chain of iterations (the stand-in sleeps one
+// nanosecond an iteration) and prints the kernel's interval, which the
+// script compares between two processes.
+func TestProbeWork(t *testing.T) {
+	probe, fake := build(t)
+	out, code := run(t, probe, []string{"LD_LIBRARY_PATH=" + fake}, "work", "300000000")
+	m := regexp.MustCompile(`work 300000000 iters: start \d+\.\d+ end \d+\.\d+ took (\d+) ms`).FindStringSubmatch(out)
+	if code != 0 || m == nil {
+		t.Fatalf("probe work: exit %d: %q", code, out)
+	}
+	if took, _ := strconv.Atoi(m[1]); took < 300 || took > 900 {
+		t.Errorf("the kernel took %d ms, want about 300", took)
+	}
+}
+
 // Without a GPU the script stops at once and says why, rather than
 // reporting results it could not measure.
 func TestScriptRefusesWithoutAGPU(t *testing.T) {

@@ -144,3 +144,16 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     as_container(device, limit, &memory->total, &memory->used, &memory->free);
     return ret;
 }
+
+/* nvmlInternalGetExportTable is in no header, but nvidia-smi asks for it to
+ * check that it runs against its own driver's NVML: without it, nvidia-smi
+ * stops with "Mismatch in versions between nvidia-smi and NVML" (seen on
+ * r580, docs/gpu-proof; NVIDIA's own mock NVML in k8s-test-infra implements
+ * it for the same reason). Forwarded untouched: the table holds the real
+ * library's entries. */
+nvmlReturn_t nvmlInternalGetExportTable(const void **table, const void *id) {
+    nvmlReturn_t (*f)(const void **, const void *) =
+        (nvmlReturn_t (*)(const void **, const void *))gpufrac_real_symbol("nvmlInternalGetExportTable");
+    if (!f) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    return f(table, id);
+}

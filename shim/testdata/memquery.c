@@ -32,5 +32,11 @@ int main(void) {
         printf("gpu=%u total=%llu used=%llu free=%llu v2total=%llu v2reserved=%llu v2free=%llu name=%d\n",
                i, m.total >> 20, m.used >> 20, m.free >> 20, m2.total >> 20, m2.reserved >> 20, m2.free >> 20, name(d, buf, sizeof buf));
     }
+    /* nvidia-smi's first call: the real library's internal table. */
+    nvmlReturn_t (*table)(const void **, const void *) = (nvmlReturn_t (*)(const void **, const void *))dlsym(h, "nvmlInternalGetExportTable");
+    const void *t = NULL;
+    if (!table) printf("export table: missing\n");
+    else if ((r = table(&t, NULL)) != 0) printf("export table: %d\n", r);
+    else printf("export table: %llx\n", *(const unsigned long long *)t);
     return 0;
 }

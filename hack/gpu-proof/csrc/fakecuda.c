@@ -8,7 +8,8 @@
  *   FAKECUDA_FREE_MIB    largest allocation that succeeds (default: all);
  *                        larger ones return CUDA_ERROR_OUT_OF_MEMORY
  *
- * A "kernel" is a sleep of its cycles at a 1 GHz clock. It is not CUDA and
+ * A "kernel" is a sleep of its first parameter in nanoseconds (spin's
+ * cycles at a 1 GHz clock; work's iterations, one a nanosecond). It is not CUDA and
  * proves nothing about a GPU: it tests probe's own logic and output.
  */
 #include <stdlib.h>
@@ -74,7 +75,7 @@ CUresult cuModuleLoadData(CUmodule *m, const void *image) {
 }
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
   (void)m;
-  if (strcmp(name, "spin") != 0) return CUDA_ERROR_NOT_FOUND;
+  if (strcmp(name, "spin") != 0 && strcmp(name, "work") != 0) return CUDA_ERROR_NOT_FOUND;
   *f = (CUfunction)1;
   return 0;
 }

@@ -9,7 +9,12 @@
  *                       allocate MIB MiB on device 0 in one piece, and hold
  *                       it HOLD_MS milliseconds (the script asks the MPS
  *                       daemon meanwhile whether this process is its client)
- *   probe spin MS       run one block that spins for MS milliseconds
+ *   probe spin MS       run one block that spins for MS milliseconds (by
+ *                       its SM's clock, which runs on while another
+ *                       context has the GPU: it cannot show time-slicing)
+ *   probe work ITERS    run one thread through ITERS dependent FMAs: a fixed
+ *                       amount of work, which takes twice as long when the
+ *                       GPU is time-sliced with another context
  *
  * Exit status: 0 done, 1 usage, 2 no driver (libcuda or a symbol missing),
  * 3 the operation failed (a CUDA error, named on stderr).
@@ -40,7 +45,9 @@ static CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsi
                                   unsigned, void *, void **, void **);
 static CUresult (*cuGetErrorName)(CUresult, const char **);
 
-/* A kernel that spins until its clock has advanced by the given cycles. */
+/* spin: a kernel that spins until its clock has advanced by the given
+ * cycles; work: one that runs a fixed chain of dependent FMAs and stores
+ * the result (so that it cannot be optimised away). */
 static const char spin_ptx[] =
     ".version 7.0\n"
     ".target sm_70\n"
@@ -56,6 +63,25 @@ static const char spin_ptx[] =
     "  sub.u64 %rd4, %rd3, %rd2;\n"
     "  setp.lt.u64 %p, %rd4, %rd1;\n"
     "  @%p bra LOOP;\n"
+    "  ret;\n"
+    "}\n"
+    ".visible .entry work(.param .u64 iters, .param .u64 out)\n"
+    "{\n"
+    "  .reg .u64 %rd<4>;\n"
+    "  .reg .f32 %f<4>;\n"
+    "  .reg .pred %p;\n"
+    "  ld.param.u64 %rd1, [iters];\n"
+    "  ld.param.u64 %rd3, [out];\n"
+    "  mov.f32 %f1, 0f3F800000;\n"
+    "  mov.f32 %f2, 0f3F7FFFFF;\n"
+    "  mov.f32 %f3, 0f33800000;\n"
+    "  mov.u64 %rd2, 0;\n"
+    "WORK:\n"
+    "  fma.rn.f32 %f1, %f1, %f2, %f3;\n"
+    "  add.u64 %rd2, %rd2, 1;\n"
+    "  setp.lt.u64 %p, %rd2, %rd1;\n"
+    "  @%p bra WORK;\n"
+    "  st.global.f32 [%rd3], %f1;\n"
     "  ret;\n"
     "}\n";
 
@@ -181,7 +207,28 @@ static int spin(long ms) {
   return 0;
 }
 
-static const char usage[] = "usage: probe info | probe alloc MIB [HOLD_MS] | probe spin MS\n";
+static int work(long iters) {
+  CUdevice d;
+  CUmodule m;
+  CUfunction f;
+  CUdeviceptr out;
+  int rc = context(&d);
+  if (rc != 0) return rc;
+  CHECK(cuModuleLoadData(&m, spin_ptx));
+  CHECK(cuModuleGetFunction(&f, m, "work"));
+  CHECK(cuMemAlloc(&out, sizeof(float)));
+  unsigned long long n = (unsigned long long)iters;
+  void *args[] = {&n, &out};
+  double start = now();
+  CHECK(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
+  CHECK(cuCtxSynchronize());
+  double end = now();
+  printf("work %ld iters: start %.6f end %.6f took %.0f ms\n", iters, start, end, (end - start) * 1000);
+  CHECK(cuMemFree(out));
+  return 0;
+}
+
+static const char usage[] = "usage: probe info | probe alloc MIB [HOLD_MS] | probe spin MS | probe work ITERS\n";
 
 /* number reads a positive whole number, or says why not. */
 static int number(const char *what, const char *arg, long *n) {
@@ -199,7 +246,8 @@ int main(int argc, char **argv) {
   int is_info = argc == 2 && strcmp(argv[1], "info") == 0;
   int is_alloc = (argc == 3 || argc == 4) && strcmp(argv[1], "alloc") == 0;
   int is_spin = argc == 3 && strcmp(argv[1], "spin") == 0;
-  if (!is_info && !is_alloc && !is_spin) {
+  int is_work = argc == 3 && strcmp(argv[1], "work") == 0;
+  if (!is_info && !is_alloc && !is_spin && !is_work) {
     fputs(usage, stderr);
     return 1;
   }
@@ -209,5 +257,6 @@ int main(int argc, char **argv) {
   CHECK(cuInit(0));
   if (is_info) return info();
   if (is_alloc) return alloc(n, hold);
+  if (is_work) return work(n);
   return spin(n);
 }

@@ -254,9 +254,16 @@ func errOrZero(err error) string {
 }
 
 // quit asks the daemon to quit (which ends its servers and clients), and
-// kills it after StopGrace. It returns how the daemon ended.
+// kills it after StopGrace. It returns how the daemon ended. The daemon is
+// asked through its socket, as nvidia-cuda-mps-control asks it: one in the
+// foreground reads no commands from stdin (r580, measured: a "quit" written
+// there was never logged, and the daemon was killed at StopGrace with its
+// servers; docs/gpu-proof).
 func (d *Daemon) quit(stdin io.WriteCloser, cmd *exec.Cmd, exited chan error) error {
-	_, _ = io.WriteString(stdin, "quit\n")
+	// The supervisor's context is done: the command gets one of its own.
+	// Legacy quit answers only once its servers are gone, so a timeout
+	// here is no failure; StopGrace bounds the wait.
+	_, _ = d.control().Run(context.Background(), "quit")
 	_ = stdin.Close()
 	select {
 	case err := <-exited:

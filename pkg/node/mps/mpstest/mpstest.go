@@ -7,8 +7,9 @@
 // "MPS v3 Namespaces", "MPS v3 Configuration File") and what KAI's node
 // operator measured on r615:
 //
-//   - "-f" runs the control daemon in the foreground, reading stdin (it
-//     quits on "quit" or EOF); "-p 3" selects v3, "-a FILE" applies a TOML
+//   - "-f" runs the control daemon in the foreground; it takes commands on
+//     its socket only, never from stdin (r580, measured: docs/gpu-proof),
+//     and ends at stdin's EOF (a test's convenience); "-p 3" selects v3, "-a FILE" applies a TOML
 //     configuration whose keys must all be the driver release's
 //     (GPUFRAC_FAKE_MPS_RELEASE, default 615): any other key is a
 //     configuration error and the daemon exits 1;
@@ -154,15 +155,15 @@ func daemon(pipe, logDir string, protocol int, args []string) int {
 	appendLine(filepath.Join(logDir, "starts"), fmt.Sprint(os.Getpid()))
 	d.record()
 	quit := make(chan struct{})
+	var once sync.Once
+	end := func() { once.Do(func() { close(quit) }) }
 	go func() {
-		// The foreground daemon reads stdin: "quit" or EOF ends it.
-		sc := bufio.NewScanner(os.Stdin)
-		for sc.Scan() {
-			if strings.TrimSpace(sc.Text()) == "quit" {
-				break
-			}
-		}
-		close(quit)
+		// The real foreground daemon reads no commands from stdin (r580,
+		// measured: docs/gpu-proof): a "quit" line here does nothing, quit
+		// comes over the socket. This one ends at stdin's EOF only so that
+		// a test whose supervisor was killed leaves no daemon behind.
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		end()
 	}()
 	go func() {
 		for {
@@ -170,7 +171,7 @@ func daemon(pipe, logDir string, protocol int, args []string) int {
 			if err != nil {
 				return
 			}
-			go d.serve(conn, quit)
+			go d.serve(conn, end)
 		}
 	}()
 	<-quit
@@ -260,7 +261,7 @@ func (d *fakeDaemon) configure(path string) error {
 	return nil
 }
 
-func (d *fakeDaemon) serve(conn net.Conn, quit chan struct{}) {
+func (d *fakeDaemon) serve(conn net.Conn, quit func()) {
 	defer func() { _ = conn.Close() }()
 	line, _ := bufio.NewReader(conn).ReadString('\n')
 	args := strings.Split(strings.TrimSpace(line), "\t")
@@ -275,11 +276,7 @@ func (d *fakeDaemon) serve(conn net.Conn, quit chan struct{}) {
 	}
 	fmt.Fprint(conn, out)
 	if len(args) == 1 && args[0] == "quit" {
-		select {
-		case <-quit:
-		default:
-			close(quit)
-		}
+		quit()
 	}
 }
 
