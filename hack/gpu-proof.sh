@@ -212,6 +212,19 @@ else
   result view FAIL "nvidia-smi in the pod's environment shows '$(head -1 "$work/view.txt")' with a '${limit}' MiB limit (view.txt)"
 fi
 
+# What the real NVML exports that the view library does not forward (each
+# is a call nvidia-smi or a tool could make that fails through the view).
+realnvml=$(ldconfig -p | awk '/libnvidia-ml.so.1 /{print $NF; exit}')
+for d in ${LD_LIBRARY_PATH//:/ }; do [ -z "$realnvml" ] && [ -f "$d/libnvidia-ml.so.1" ] && realnvml=$d/libnvidia-ml.so.1; done
+if command -v nm >/dev/null 2>&1 && [ -n "$realnvml" ]; then
+  nm -D --defined-only "$realnvml" | awk '$2=="T"{print $3}' | sed 's/@.*//' | sort -u >"$work/nvml-real-symbols.txt"
+  nm -D --defined-only "$shimdir/libnvidia-ml.so.1" | awk '$2=="T"{print $3}' | sort -u >"$work/nvml-view-symbols.txt"
+  comm -23 "$work/nvml-real-symbols.txt" "$work/nvml-view-symbols.txt" >"$work/nvml-not-forwarded.txt"
+  result view-symbols INFO "$realnvml exports $(wc -l <"$work/nvml-real-symbols.txt") functions; the view library lacks $(wc -l <"$work/nvml-not-forwarded.txt"): $(head -20 "$work/nvml-not-forwarded.txt" | tr '\n' ' ')"
+else
+  result view-symbols INFO "not listed: nm '$(command -v nm)', real NVML '$realnvml'"
+fi
+
 # ---- plain processes: two contexts, time-sliced --------------------------
 # A fixed amount of work (probe work), not a spin on the clock: an SM's clock
 # runs on while another context has the GPU, so two spinning kernels end
