@@ -75,7 +75,7 @@ trap cleanup EXIT
 {
   echo "date: $(date -u +%FT%TZ)"
   echo "host: $(uname -a)"
-  echo "commit: $(git -C "$root" rev-parse HEAD 2>/dev/null || cat "$root/build/gpu-proof/commit" 2>/dev/null || echo unknown)"
+  echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown), carried build from $(cut -c1-7 "$root/build/gpu-proof/commit" 2>/dev/null || echo none)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode,mig.mode.current --format=csv,noheader
   echo "nvidia-smi: $(command -v nvidia-smi); MPS control: $(command -v nvidia-cuda-mps-control || echo none on PATH)"
 } >"$work/machine.txt" 2>&1
