@@ -189,8 +189,9 @@ func (d *Daemon) once(ctx context.Context, logger klog.Logger, args []string, st
 	// Its own process group: a wedged daemon is killed with the servers
 	// it started.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	// In the foreground the daemon reads commands from stdin until EOF:
-	// stdin stays open for as long as the daemon should run.
+	// Its stdin is a pipe the supervisor holds, not the supervisor's own:
+	// the daemon takes no commands there (r580, measured: docs/gpu-proof)
+	// and must not read what is meant for its supervisor.
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return "", err
