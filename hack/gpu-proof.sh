@@ -24,9 +24,10 @@
 #               the time of one); two plain processes (separate contexts)
 #               are time-sliced (about twice that);
 #   view        nvidia-smi in that environment shows the limit as the total;
-#   exclusive   with the GPU in EXCLUSIVE_PROCESS and the daemon's server up,
-#               a process without the pipe directory cannot create a
-#               context, and a second client still can;
+#   exclusive   `gpufrac exclusive-process` (the node agent's code) puts the
+#               GPU in EXCLUSIVE_PROCESS: with the daemon's server up, a
+#               process without the pipe directory cannot create a context,
+#               and a second client still can; --restore gives Default back;
 # and records, as INFO, what escapes exist in the default compute mode and
 # through the control socket (get_server_list, quit), so that the node-side
 # hardening is designed on facts.
@@ -358,8 +359,12 @@ else
 fi
 cp -r "$mpsroot/log" "$work/mps-log-2" 2>/dev/null
 
-# ---- exclusive: EXCLUSIVE_PROCESS with the daemon's server up ---------------
-if nvidia-smi -i 0 -c EXCLUSIVE_PROCESS >"$work/exclusive-set.txt" 2>&1; then
+# ---- exclusive: the node agent's code sets EXCLUSIVE_PROCESS, and gives Default back
+smi_mode() { nvidia-smi -i 0 --query-gpu=compute_mode --format=csv,noheader | tr -d ' '; }
+"$gpufrac" exclusive-process --state-dir "$mpsroot" --hold "$uuid" >"$work/exclusive-set.txt" 2>&1
+rc_set=$?
+mode_set=$(smi_mode)
+if [ $rc_set -eq 0 ] && [ "$mode_set" = Exclusive_Process ]; then
   client "$probe" alloc 1024 6000 >"$work/exclusive-client-1.txt" 2>&1 &
   bg=$!
   until_true 60 holding "$work/exclusive-client-1.txt"
@@ -369,14 +374,29 @@ if nvidia-smi -i 0 -c EXCLUSIVE_PROCESS >"$work/exclusive-set.txt" 2>&1; then
   rc_c2=$?
   wait $bg
   rc_c1=$?
-  if [ $rc_c1 -eq 0 ] && [ $rc_c2 -eq 0 ] && [ $rc_out -ne 0 ]; then
-    result exclusive PASS "EXCLUSIVE_PROCESS: two clients of the server allocated; a process without the pipe directory could not ($(tr '\n' ' ' <"$work/exclusive-outsider.txt"))"
+  "$gpufrac" exclusive-process --state-dir "$mpsroot" --restore >"$work/exclusive-restore.txt" 2>&1
+  rc_restore=$?
+  mode_restored=$(smi_mode)
+  if [ $rc_c1 -eq 0 ] && [ $rc_c2 -eq 0 ] && [ $rc_out -ne 0 ] && [ $rc_restore -eq 0 ] && [ "$mode_restored" = Default ]; then
+    result exclusive PASS "gpufrac exclusive-process (the agent's code) set $mode_set: two clients of the server allocated; a process without the pipe directory could not ($(tr '\n' ' ' <"$work/exclusive-outsider.txt")); --restore gave back $mode_restored"
   else
-    result exclusive FAIL "EXCLUSIVE_PROCESS: client 1 exit $rc_c1, client 2 exit $rc_c2, outsider exit $rc_out ($(tr '\n' ' ' <"$work/exclusive-outsider.txt"))"
+    result exclusive FAIL "set $mode_set: client 1 exit $rc_c1, client 2 exit $rc_c2, outsider exit $rc_out ($(tr '\n' ' ' <"$work/exclusive-outsider.txt")); restore exit $rc_restore, mode $mode_restored ($(tr '\n' ' ' <"$work/exclusive-restore.txt"))"
   fi
-  nvidia-smi -i 0 -c DEFAULT >>"$work/exclusive-set.txt" 2>&1
 else
-  result exclusive SKIP "nvidia-smi -c EXCLUSIVE_PROCESS refused here: $(tr '\n' ' ' <"$work/exclusive-set.txt")"
+  result exclusive FAIL "gpufrac exclusive-process --hold: exit $rc_set, nvidia-smi says $mode_set: $(tr '\n' ' ' <"$work/exclusive-set.txt")"
+fi
+
+# ---- which privilege setting a compute mode needs (facts: the chart drops
+# every capability of the agent's container, uid 0)
+if command -v setpriv >/dev/null 2>&1; then
+  for caps in -all -all,+sys_admin; do
+    setpriv --bounding-set="$caps" --inh-caps=-all "$gpufrac" exclusive-process --state-dir "$mpsroot" --hold "$uuid" >"$work/exclusive-caps$caps.txt" 2>&1
+    rc=$?
+    got=$(smi_mode)
+    result exclusive-caps"$caps" INFO "uid 0 with capability bounding set '$caps': exclusive-process --hold exit $rc, mode $got: $(tail -c 300 "$work/exclusive-caps$caps.txt" | tr '\n' ' ')"
+    "$gpufrac" exclusive-process --state-dir "$mpsroot" --restore >>"$work/exclusive-caps$caps.txt" 2>&1
+    [ "$(smi_mode)" = Default ] || nvidia-smi -i 0 -c DEFAULT >/dev/null 2>&1
+  done
 fi
 
 # ---- stop: the supervisor quits its daemon and leaves no process ------------

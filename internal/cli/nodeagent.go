@@ -86,6 +86,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.ProcRoot, "proc-root", "/proc", "the host's /proc (run with hostPID, or mount it), to find containers' cgroups")
 	f.BoolVar(&opts.FailOpen, "fail-open", false, "start fractional containers that cannot be enforced WITHOUT a GPU instead of refusing them")
 	f.StringVar(&opts.MemoryLimits, "memory-limits", "auto", "how to enforce GPU memory limits: auto (the strongest the driver allows), driver (gpufrac's hook; r615/CUDA 13.4), toolkit (NVIDIA Container Toolkit's CDI hook), mps-pinned (MPS client limit only; weak) or off (node not ready for fractions unless --fail-open)")
+	f.BoolVar(&opts.ExclusiveProcess, "exclusive-process", true, "keep the GPUs that fractions share through MPS in the EXCLUSIVE_PROCESS compute mode (and give them their mode back when shared no more), so that no process outside MPS escapes its share; needs root and the GPUs' device nodes")
 	f.BoolVar(&opts.PublishGPULabels, "publish-gpu-labels", false, "set nvidia.com/gpu.count/.memory/.product where GPU Feature Discovery has not")
 	f.StringVar(&opts.Injection.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "gpufrac binary on the host, run as the createRuntime hook that applies memory limits; empty: no hook")
 	f.StringVar(&opts.Injection.MPSRoot, "mps-pipe-dir", "/run/gpufrac/mps", "host directory of the node's MPS control daemon (run by `gpufrac mps-daemon`): its pipe directory, with the sm-sharing containers' namespaces, is PIPE-DIR/pipe")

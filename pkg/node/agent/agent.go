@@ -30,6 +30,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/health"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
+	"github.com/gpufrac/gpufrac/pkg/node/exclusive"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/metrics"
@@ -81,6 +82,10 @@ type Options struct {
 	ResyncPeriod time.Duration
 	// DRA configures the second front door.
 	DRA DRAOptions
+	// ExclusiveProcess keeps the GPUs the node shares through MPS in
+	// EXCLUSIVE_PROCESS (package exclusive), so that no process outside
+	// MPS gets a context on them.
+	ExclusiveProcess bool
 }
 
 // DRAOptions configure the node's DRA driver (pkg/node/dra).
@@ -110,6 +115,9 @@ type Agent struct {
 	metrics   *metrics.Metrics
 	leases    *enforce.Leases
 	mps       *mps.Manager
+	// exclusive keeps the shared GPUs' compute mode; nil when
+	// Options.ExclusiveProcess is off.
+	exclusive *exclusive.Keeper
 
 	driver    *dra.Driver
 	draHelper *kubeletplugin.Helper
@@ -184,10 +192,16 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		a.mps = m
 	}
+	var ensureExclusive func([]string) error
+	if a.opts.ExclusiveProcess {
+		a.exclusive = exclusive.Open(env.nvml, filepath.Join(a.opts.StateDir, exclusive.StateFile))
+		ensureExclusive = a.exclusive.Ensure
+	}
 	// Until the first resync says which backend the driver allows, the
 	// backend is unset and fractional containers are refused.
 	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
-		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, MPS: a.mps, ObserveHook: a.metrics.ObserveHook})
+		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
+		EnsureExclusive: ensureExclusive})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
 	a.plugin = plugin
 	a.mu.Unlock()

@@ -57,6 +57,12 @@ func TestDecideFailsClosed(t *testing.T) {
 	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, labels: map[string]string{api.LabelGPUProduct: "other"}}, opts, 0, true); cfg.Publish.ReserveMiB != 512 {
 		t.Errorf("node labelled another model: reserve %d, want the global 512", cfg.Publish.ReserveMiB)
 	}
+	// A shared GPU left out of EXCLUSIVE_PROCESS is said where the
+	// scheduler reads it: the node's condition.
+	notExclusive := errors.New("GPU GPU-1 is not in EXCLUSIVE_PROCESS")
+	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, computeModeErr: notExclusive}, opts, 0, true); !errors.Is(cfg.Publish.ComputeModeErr, notExclusive) {
+		t.Errorf("a shared GPU not exclusive: published %v", cfg.Publish.ComputeModeErr)
+	}
 	// The cgroup check matters only to the backends that set driver limits.
 	opts.MemoryLimits = string(nodeapi.BackendMPSPinned)
 	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, cgroupErr: errors.New("cgroup v1")}, opts, 0, true); cfg.Injection.Backend != nodeapi.BackendMPSPinned || cfg.Publish.CgroupErr != nil {

@@ -35,6 +35,8 @@ type hardware struct {
 	mps       nodeapi.MPS
 	mpsErr    error
 	cgroupErr error
+	// computeModeErr says why a GPU the node shares is not exclusive.
+	computeModeErr error
 	// labels are the Node object's, as read.
 	labels map[string]string
 }
@@ -81,7 +83,7 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 	}
 	cfg.GPUMemoryReserveMiB = reserveFor(opts, hw.product())
 	return NodeConfig{Injection: cfg, Publish: publish.State{Inventory: hw.inv, InventoryErr: hw.invErr, NRIRegistered: registered,
-		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr,
+		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr, ComputeModeErr: hw.computeModeErr,
 		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB}}
 }
 
@@ -123,7 +125,38 @@ func (a *Agent) observe(ctx context.Context) (*corev1.Node, hardware, error) {
 	if a.env.checkCgroup != nil {
 		hw.cgroupErr = a.env.checkCgroup()
 	}
+	if hw.invErr == nil {
+		// Which GPUs the reservation pods hold, and so which are shared.
+		if _, err := a.annotator.Sync(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot annotate reservation pods")
+		}
+		hw.computeModeErr = a.syncComputeModes(ctx)
+	}
 	return node, hw, nil
+}
+
+// syncComputeModes puts the GPUs the reservation pods hold in
+// EXCLUSIVE_PROCESS and gives the others it changed their mode back. It
+// returns why a shared GPU is not exclusive.
+func (a *Agent) syncComputeModes(ctx context.Context) error {
+	if a.exclusive == nil {
+		return nil
+	}
+	logger := klog.FromContext(ctx)
+	r := a.exclusive.Sync(a.annotator.Held())
+	for _, uuid := range r.Set {
+		logger.Info("Set the compute mode of a GPU shared through MPS to EXCLUSIVE_PROCESS", "gpu", uuid)
+	}
+	for _, uuid := range r.Restored {
+		logger.Info("Gave a GPU shared no more its compute mode back", "gpu", uuid)
+	}
+	for uuid, err := range r.RestoreErr {
+		logger.Error(err, "Cannot give a GPU shared no more its compute mode back", "gpu", uuid)
+	}
+	if err := a.exclusive.StateErr(); err != nil {
+		logger.Error(err, "The record of changed compute modes is unreadable")
+	}
+	return r.Err()
 }
 
 // resync observes the node, decides what it is, and has every subscriber
@@ -212,15 +245,10 @@ func (a *Agent) record(hw hardware, cfg NodeConfig, ready bool) {
 	}
 }
 
-// offer tells reservation pods which GPU they hold, and publishes the DRA
-// devices of the GPUs the standing ones hold for shares.
+// offer publishes the DRA devices of the GPUs the standing reservation
+// pods hold for shares (observe told each pod its GPU).
 func (a *Agent) offer(ctx context.Context, gpusKnown bool, cfg NodeConfig) {
 	logger := klog.FromContext(ctx)
-	if gpusKnown {
-		if _, err := a.annotator.Sync(ctx); err != nil {
-			logger.Error(err, "Cannot annotate reservation pods")
-		}
-	}
 	if a.draHelper == nil {
 		return
 	}

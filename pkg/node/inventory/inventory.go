@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxa100"
@@ -164,6 +165,7 @@ func Simulated(machine string) (nvml.Interface, error) {
 		if !ok {
 			continue
 		}
+		simulateComputeMode(dev)
 		busID := fmt.Sprintf("0000:%02x:00.0", 0x18+i)
 		base := dev.GetPciInfoFunc
 		dev.GetPciInfoFunc = func() (nvml.PciInfo, nvml.Return) {
@@ -249,6 +251,27 @@ func cString(b []int8) string {
 		s.WriteByte(byte(c))
 	}
 	return s.String()
+}
+
+// simulateComputeMode gives a mock GPU a compute mode that NVML reads and
+// sets (the mocks have none), starting in Default as a real GPU does.
+func simulateComputeMode(dev *server.Device) {
+	var mu sync.Mutex
+	mode := nvml.COMPUTEMODE_DEFAULT
+	dev.GetComputeModeFunc = func() (nvml.ComputeMode, nvml.Return) {
+		mu.Lock()
+		defer mu.Unlock()
+		return mode, nvml.SUCCESS
+	}
+	dev.SetComputeModeFunc = func(m nvml.ComputeMode) nvml.Return {
+		if m < nvml.COMPUTEMODE_DEFAULT || m >= nvml.COMPUTEMODE_COUNT {
+			return nvml.ERROR_INVALID_ARGUMENT
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		mode = m
+		return nvml.SUCCESS
+	}
 }
 
 // nvmlError converts an NVML return code at the boundary into an error

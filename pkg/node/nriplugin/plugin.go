@@ -94,6 +94,10 @@ type Options struct {
 	DrainTimeout time.Duration
 	// ObserveHook, when set, receives how long each NRI hook took.
 	ObserveHook func(hook string, d time.Duration)
+	// EnsureExclusive, when set, puts a fractional container's GPUs in
+	// EXCLUSIVE_PROCESS before it starts (the resync does it too, but a
+	// container may come first); its error refuses the container.
+	EnsureExclusive func(uuids []string) error
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -236,6 +240,13 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		if err := p.ensureNamespace(ctx, pod, ctr, d); err != nil {
 			// Started without its namespace, its compute ceiling would be
 			// missing: refused, or on a fail-open node no GPU.
+			d = injection.Unenforceable(cfg, err)
+		}
+	}
+	if d.Verdict == injection.Run && d.Assignment != nil && p.opts.EnsureExclusive != nil {
+		if err := p.opts.EnsureExclusive(d.Assignment.Devices); err != nil {
+			// In another mode, a process of any container could take
+			// the GPU's memory outside MPS: refused, or no GPU.
 			d = injection.Unenforceable(cfg, err)
 		}
 	}

@@ -236,6 +236,56 @@ func TestCreateContainerOverNRI(t *testing.T) {
 	}
 }
 
+// A fractional container's GPUs are put in EXCLUSIVE_PROCESS before it
+// starts; where they cannot be, it is refused (no process outside MPS may
+// share the GPU with it), and ordinary containers are never asked about.
+func TestFractionsNeedAnExclusiveGPU(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	var asked [][]string
+	refuse := errors.New("GPU GPU-a is not in EXCLUSIVE_PROCESS (NVML cannot set it from Default: ERROR_NO_PERMISSION)")
+	var answer error
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, EnsureExclusive: func(uuids []string) error {
+		asked = append(asked, uuids)
+		return answer
+	}})
+	ctx := context.Background()
+	pod := sandbox("p1", "llm", scheduled)
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: container("c1", "p1", "main")}); err != nil {
+		t.Fatalf("CreateContainer: %v", err)
+	}
+	if len(asked) == 0 {
+		t.Fatal("a fractional container started without its GPU made exclusive")
+	}
+	answer = refuse
+	_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: container("c2", "p1", "main")})
+	if err == nil || !strings.Contains(err.Error(), refuse.Error()) {
+		t.Errorf("a GPU that cannot be made exclusive: %v", err)
+	}
+	before := len(asked)
+	plain := sandbox("p2", "web", map[string]string{"app": "web"})
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: plain}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: plain, Container: container("c3", "p2", "web")}); err != nil {
+		t.Errorf("ordinary container: %v", err)
+	}
+	if len(asked) != before {
+		t.Errorf("an ordinary container's GPUs were made exclusive: %v", asked[before:])
+	}
+	for _, a := range asked {
+		if !cmp.Equal(a, []string{"GPU-a"}) {
+			t.Errorf("asked to make exclusive: %v, want the decision's GPU-a", a)
+		}
+	}
+	if got := rec.get(&rec.refused); len(got) != 1 || !strings.Contains(got[0], "EXCLUSIVE_PROCESS") {
+		t.Errorf("refusals reported: %v", got)
+	}
+}
+
 func TestFailOpenStartsWithoutGPU(t *testing.T) {
 	rt := startRuntime(t, nil, nil)
 	rec := &recorder{}

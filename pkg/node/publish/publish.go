@@ -45,6 +45,7 @@ const (
 	ReasonMIG           = "MIGEnabled"
 	ReasonMPS           = "MPSDaemonUnavailable"
 	ReasonCgroup        = "CgroupUnsupported"
+	ReasonComputeMode   = "ComputeModeNotExclusive"
 )
 
 // State is what the agent knows about its node.
@@ -66,6 +67,10 @@ type State struct {
 	// (cgroup v1, no dmem or misc controller), for the backends that set
 	// them.
 	CgroupErr error
+	// ComputeModeErr says why a GPU the node shares through MPS is not in
+	// EXCLUSIVE_PROCESS (package exclusive): a process outside MPS could
+	// use it past every share.
+	ComputeModeErr error
 	// FailOpen: the operator lets unenforceable containers run without a GPU.
 	FailOpen bool
 	// PublishGPULabels: write nvidia.com/gpu.* where GFD has not.
@@ -140,6 +145,8 @@ func readiness(s State) (corev1.ConditionStatus, string, string) {
 		return corev1.ConditionFalse, ReasonMPS, "every fractional container is a client of the node's MPS daemon (memacct guarantees its request, the server applies its pinned limit), and the daemon is unavailable: " + s.MPSErr.Error()
 	case s.CgroupErr != nil:
 		return corev1.ConditionFalse, ReasonCgroup, s.CgroupErr.Error()
+	case s.ComputeModeErr != nil:
+		return corev1.ConditionFalse, ReasonComputeMode, s.ComputeModeErr.Error() + "; fractions are refused until the node agent can set it (it needs root and the GPUs' device nodes; --exclusive-process=false turns this off)"
 	case s.Backend == nodeapi.BackendMPSPinned:
 		return corev1.ConditionTrue, ReasonReady, "memory limits: MPS pinned-memory limits only (" + versions +
 			"; driver enforcement needs r615 and CUDA 13.4); a process can bypass them"

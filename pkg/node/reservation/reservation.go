@@ -94,6 +94,17 @@ type Annotator struct {
 
 	mu       sync.Mutex
 	standing map[string]api.SharesHeld
+	held     map[string]bool
+}
+
+// Held is what the last Sync found: the GPUs this node's reservation pods
+// hold (for any group), by UUID, which fractions share through MPS. Nil
+// when the last Sync could not read the pods or their devices: unknown,
+// which is not "none".
+func (a *Annotator) Held() map[string]bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return maps.Clone(a.held)
 }
 
 // Standing is what the last Sync found: by GPU UUID, the GPUs standing
@@ -135,7 +146,7 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	logger := klog.FromContext(ctx)
 	// What a failed read leaves is no offer at all, not the last one.
 	a.mu.Lock()
-	a.standing = nil
+	a.standing, a.held = nil, nil
 	a.mu.Unlock()
 	pods, err := a.Client.CoreV1().Pods(a.Namespace).List(ctx, metav1.ListOptions{
 		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.Node).String(),
@@ -151,6 +162,21 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	held := map[string]bool{}
+	for i := range pods.Items {
+		// A pod being deleted still holds its GPU until it is gone: its
+		// tenants may run on.
+		pod := &pods.Items[i]
+		if r, _ := api.ReservationOf(pod); r.GPU != "" {
+			held[r.GPU] = true
+		}
+		for _, id := range devices[pod.Namespace+"/"+pod.Name] {
+			held[id] = true
+		}
+	}
+	a.mu.Lock()
+	a.held = held
+	a.mu.Unlock()
 	annotated := 0
 	for i := range pods.Items {
 		pod := &pods.Items[i]

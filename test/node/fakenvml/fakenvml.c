@@ -15,7 +15,11 @@
  *              nvmlDeviceGetMemoryLimits_v1 answers from the last line for
  *              the GPU and namespace, as the driver answers from its table;
  *   fail-set   if present, every SetMemoryLimits_v1 returns the NVML code it
- *              holds (default NVML_ERROR_UNKNOWN), as a driver refusing would.
+ *              holds (default NVML_ERROR_UNKNOWN), as a driver refusing would;
+ *   compute-mode-UUID
+ *              the GPU's compute mode, as NVML numbers it (absent: Default),
+ *              written by nvmlDeviceSetComputeMode (root only, as nvml.h
+ *              says of it: "Requires root/admin permissions").
  *
  * SetMemoryLimits_v1 checks what nvml.h documents of the real call: root only
  * (NVML_ERROR_NO_PERMISSION), softLimit <= hardLimit <= the GPU's memory
@@ -189,6 +193,42 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigne
     struct nvmlDevice_st *g = dev(d);
     if (g == NULL || current == NULL || pending == NULL) return NVML_ERROR_INVALID_ARGUMENT;
     *current = *pending = NVML_DEVICE_MIG_DISABLE;
+    return NVML_SUCCESS;
+}
+
+static const char *mode_path(struct nvmlDevice_st *g, char *buf, size_t n) {
+    char file[160];
+    snprintf(file, sizeof file, "compute-mode-%s", g->uuid);
+    return state_path(file, buf, n);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t d, nvmlComputeMode_t *mode) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    char path[4096];
+    FILE *f;
+    int m = NVML_COMPUTEMODE_DEFAULT;
+    if (g == NULL || mode == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (mode_path(g, path, sizeof path) != NULL && (f = fopen(path, "r")) != NULL) {
+        if (fscanf(f, "%d", &m) != 1) m = NVML_COMPUTEMODE_DEFAULT;
+        fclose(f);
+    }
+    *mode = (nvmlComputeMode_t)m;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t d, nvmlComputeMode_t mode) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    char path[4096], tmp[4200];
+    FILE *f;
+    if (g == NULL || (int)mode < 0 || mode >= NVML_COMPUTEMODE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    if (geteuid() != 0) return NVML_ERROR_NO_PERMISSION;
+    if (mode_path(g, path, sizeof path) == NULL) return NVML_ERROR_UNKNOWN;
+    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+    if ((f = fopen(tmp, "w")) == NULL) return NVML_ERROR_UNKNOWN;
+    fprintf(f, "%d\n", (int)mode);
+    if (fclose(f) != 0 || rename(tmp, path) != 0) return NVML_ERROR_UNKNOWN;
     return NVML_SUCCESS;
 }
 
