@@ -655,9 +655,11 @@ func TestChartDashboard(t *testing.T) {
 
 // The node agent's pod gets exactly what its two containers need, in the
 // chart and in deploy/ alike: the host PID namespace (memacct registers MPS
-// clients by host PID), root without capabilities or privilege escalation,
-// read-only root file systems, and the host's /proc and cgroup file system
-// read only. Nothing privileged, no host network or IPC.
+// clients by host PID), root without privilege escalation, read-only root
+// file systems, the host's /proc and cgroup file system read only, and no
+// capability but the agent's SYS_ADMIN, which setting a GPU's compute mode
+// needs (--exclusive-process, on by default; off, none). Nothing
+// privileged, no host network or IPC.
 func TestNodeAgentPrivileges(t *testing.T) {
 	chart := find(mustRender(t), "DaemonSet", "gpufrac-system", "gpufrac-node-agent")
 	var ref *unstructured.Unstructured
@@ -681,11 +683,18 @@ func TestNodeAgentPrivileges(t *testing.T) {
 			names = append(names, c["name"].(string))
 			sc, _ := c["securityContext"].(map[string]any)
 			caps, _ := sc["capabilities"].(map[string]any)
+			args, _ := c["args"].([]any)
+			wantAdd := "<nil>"
+			if c["name"] == "agent" {
+				wantAdd = "[SYS_ADMIN]"
+				if !slices.ContainsFunc(args, func(a any) bool { return a == "--exclusive-process" || a == "--exclusive-process=true" }) {
+					t.Errorf("%s: the agent runs without --exclusive-process: %v", name, args)
+				}
+			}
 			if sc["privileged"] == true || sc["allowPrivilegeEscalation"] != false || sc["readOnlyRootFilesystem"] != true ||
-				fmt.Sprint(caps["drop"]) != "[ALL]" || caps["add"] != nil {
+				fmt.Sprint(caps["drop"]) != "[ALL]" || fmt.Sprint(caps["add"]) != wantAdd {
 				t.Errorf("%s container %s: securityContext %v", name, c["name"], sc)
 			}
-			args, _ := c["args"].([]any)
 			if c["name"] == "mps" && (len(args) == 0 || args[0] != "mps-daemon") {
 				t.Errorf("%s: the mps container runs %v, want gpufrac mps-daemon", name, args)
 			}
@@ -700,6 +709,14 @@ func TestNodeAgentPrivileges(t *testing.T) {
 		if !slices.Equal(names, []string{"agent", "mps"}) {
 			t.Errorf("%s: containers %v, want agent and mps", name, names)
 		}
+	}
+	// Off, the agent keeps no capability and says so.
+	off := find(mustRender(t, "--set", "nodeAgent.exclusiveProcess=false"), "DaemonSet", "gpufrac-system", "gpufrac-node-agent")
+	agent, _, _ := unstructured.NestedSlice(off.Object, "spec", "template", "spec", "containers")
+	c := agent[0].(map[string]any)
+	caps, _, _ := unstructured.NestedMap(c, "securityContext", "capabilities")
+	if caps["add"] != nil || !slices.Contains(c["args"].([]any), any("--exclusive-process=false")) {
+		t.Errorf("exclusiveProcess=false: capabilities %v, args %v", caps, c["args"])
 	}
 }
 

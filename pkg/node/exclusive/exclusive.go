@@ -223,17 +223,21 @@ func (k *Keeper) ensure(uuid string) (set bool, err error) {
 		// record of a mode to restore, never a change nobody knows of.
 		// A corrupt file is left for the admin to read (StateErr).
 		k.changed[uuid] = current
-		if err := k.save(); k.stateErr == nil && err != nil {
+		if err := k.save(); err != nil {
 			delete(k.changed, uuid)
 			return false, fmt.Errorf("cannot record its mode %s before changing it: %w", Mode(current), err)
 		}
 	}
 	if ret := dev.SetComputeMode(nvml.COMPUTEMODE_EXCLUSIVE_PROCESS); ret != nvml.SUCCESS {
-		return false, fmt.Errorf("NVML cannot set it from %s: %s (the node agent needs root and the GPU's device node)", Mode(current), ret)
+		return false, fmt.Errorf("NVML cannot set it from %s: %w (the caller needs CAP_SYS_ADMIN and the GPU's device node)", Mode(current), ret)
 	}
 	// Read back: a mode NVML accepted but did not apply is no mode.
-	if _, now, err := k.read(uuid); err != nil || now != nvml.COMPUTEMODE_EXCLUSIVE_PROCESS {
-		return false, fmt.Errorf("NVML accepted EXCLUSIVE_PROCESS but reads back %s (%v)", Mode(now), err)
+	_, now, err := k.read(uuid)
+	if err != nil {
+		return false, fmt.Errorf("NVML accepted EXCLUSIVE_PROCESS, then: %w", err)
+	}
+	if now != nvml.COMPUTEMODE_EXCLUSIVE_PROCESS {
+		return false, fmt.Errorf("NVML accepted EXCLUSIVE_PROCESS but reads back %s", Mode(now))
 	}
 	return true, nil
 }
@@ -250,13 +254,13 @@ func (k *Keeper) restore(uuid string) error {
 		return err
 	case current == nvml.COMPUTEMODE_EXCLUSIVE_PROCESS:
 		if ret := dev.SetComputeMode(previous); ret != nvml.SUCCESS {
-			return fmt.Errorf("NVML cannot set GPU %s back to %s: %s", uuid, Mode(previous), ret)
+			return fmt.Errorf("NVML cannot set GPU %s back to %s: %w", uuid, Mode(previous), ret)
 		}
 	default:
 		// Someone else changed it since: theirs to keep.
 	}
 	delete(k.changed, uuid)
-	if err := k.save(); k.stateErr == nil && err != nil {
+	if err := k.save(); err != nil {
 		k.changed[uuid] = previous
 		return fmt.Errorf("GPU %s is back in %s, but the record of it cannot be updated: %w", uuid, Mode(previous), err)
 	}
@@ -271,11 +275,11 @@ func (k *Keeper) read(uuid string) (nvml.Device, nvml.ComputeMode, error) {
 		return nil, 0, fmt.Errorf("%w: NVML lists no GPU %s", errNotFound, uuid)
 	}
 	if ret != nvml.SUCCESS {
-		return nil, 0, fmt.Errorf("NVML cannot find GPU %s: %s", uuid, ret)
+		return nil, 0, fmt.Errorf("NVML cannot find GPU %s: %w", uuid, ret)
 	}
 	mode, ret := dev.GetComputeMode()
 	if ret != nvml.SUCCESS {
-		return nil, 0, fmt.Errorf("NVML cannot read its compute mode: %s", ret)
+		return nil, 0, fmt.Errorf("NVML cannot read its compute mode: %w", ret)
 	}
 	return dev, mode, nil
 }
