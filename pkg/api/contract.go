@@ -1,10 +1,12 @@
 package api
 
 import (
+	"fmt"
 	"maps"
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 )
@@ -177,6 +179,8 @@ type NodeReport struct {
 	// ReserveMiB is LabelGPUMemoryReserve: what every reader of the
 	// node's GPUs keeps back on each. Always written.
 	ReserveMiB int64
+	// Heartbeat is LabelAgentHeartbeat, whole seconds; 0 removes it.
+	Heartbeat time.Duration
 }
 
 // Labels is the report as label values; a nil value removes the label.
@@ -189,6 +193,10 @@ func (r NodeReport) Labels() map[string]*string {
 	}
 	if r.Standing > 0 {
 		out[LabelStandingGPUs] = str(strconv.Itoa(r.Standing))
+	}
+	out[LabelAgentHeartbeat] = nil
+	if secs := int64(r.Heartbeat / time.Second); secs > 0 {
+		out[LabelAgentHeartbeat] = str(strconv.FormatInt(secs, 10))
 	}
 	if r.Inventory.Count > 0 {
 		out[LabelGPUCount] = str(strconv.Itoa(r.Inventory.Count))
@@ -216,6 +224,30 @@ func FractioningCondition(node *corev1.Node) (corev1.NodeCondition, bool) {
 		return corev1.NodeCondition{}, false
 	}
 	return node.Status.Conditions[i], true
+}
+
+// DefaultAgentHeartbeat bounds an agent's silence on a node without
+// LabelAgentHeartbeat: three of the agent's default 30 s resync periods.
+const DefaultAgentHeartbeat = 90 * time.Second
+
+// AgentSilent says whether the node's agent has gone unheard for longer
+// than the node's LabelAgentHeartbeat allows at now, and if so why, in
+// words for the pod's reason. A node without the condition is not silent
+// here: InventoryOf already refuses it.
+func AgentSilent(node *corev1.Node, now time.Time) (bool, string) {
+	cond, ok := FractioningCondition(node)
+	if !ok || cond.LastHeartbeatTime.IsZero() {
+		return false, ""
+	}
+	bound := DefaultAgentHeartbeat
+	if secs, err := strconv.ParseInt(node.Labels[LabelAgentHeartbeat], 10, 64); err == nil && secs > 0 {
+		bound = time.Duration(secs) * time.Second
+	}
+	silence := now.Sub(cond.LastHeartbeatTime.Time)
+	if silence <= bound {
+		return false, ""
+	}
+	return true, fmt.Sprintf("the node's gpufrac agent has not been heard from for %s (its %s heartbeat may be at most %s old): with the agent gone nothing injects a fraction's limits", silence.Round(time.Second), ConditionFractioningReady, bound)
 }
 
 // StandingLabelled says whether the node carries LabelStandingGPUs at all.

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -44,6 +45,7 @@ var contract = []contractKey{
 	{"LabelGPUMemoryReserve", LabelGPUMemoryReserve, "node", "NodeReport.Labels", "InventoryOf"},
 	{"LabelMemoryEnforcement", LabelMemoryEnforcement, "node", "NodeReport.Labels", "MemoryEnforcement"},
 	{"LabelStandingGPUs", LabelStandingGPUs, "node", "NodeReport.Labels", "StandingGPUs, StandingLabelled"},
+	{"LabelAgentHeartbeat", LabelAgentHeartbeat, "node", "NodeReport.Labels", "AgentSilent"},
 	{"ConditionFractioningReady", ConditionFractioningReady, "node condition", "publish.Compute (its one writer, pkg/node/publish)", "InventoryOf, FractioningCondition"},
 }
 
@@ -204,7 +206,8 @@ func TestContractRoundTrips(t *testing.T) {
 
 		// A node's report.
 		report := NodeReport{Inventory: Inventory{Count: 1 + rng.IntN(8), MemoryMiB: 1024 + rng.Int64N(200000), Model: "NVIDIA-H100"},
-			Enforcement: []string{"driver", "mps-pinned", "none"}[rng.IntN(3)], Standing: rng.IntN(3)}
+			Enforcement: []string{"driver", "mps-pinned", "none"}[rng.IntN(3)], Standing: rng.IntN(3),
+			Heartbeat: time.Duration(3+rng.IntN(300)) * time.Second}
 		report.ReserveMiB = rng.Int64N(report.Inventory.MemoryMiB)
 		report.Inventory.ReserveMiB = report.ReserveMiB
 		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{}}}
@@ -218,6 +221,44 @@ func TestContractRoundTrips(t *testing.T) {
 		if inv != report.Inventory || MemoryEnforcement(node) != report.Enforcement || StandingGPUs(node, inv.Count) != min(report.Standing, inv.Count) ||
 			StandingLabelled(node) != (report.Standing > 0) || !InventoryLabelled(node.Labels) {
 			t.Fatalf("case %d: report %+v read back as %+v (%s), enforcement %q, standing %d", i, report, inv, why, MemoryEnforcement(node), StandingGPUs(node, inv.Count))
+		}
+		// The heartbeat bound: silent just past it, not at it.
+		beat := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC)
+		node.Status.Conditions = []corev1.NodeCondition{{Type: ConditionFractioningReady, Status: corev1.ConditionTrue, LastHeartbeatTime: metav1.NewTime(beat)}}
+		if silent, _ := AgentSilent(node, beat.Add(report.Heartbeat)); silent {
+			t.Fatalf("case %d: silent at its bound %s", i, report.Heartbeat)
+		}
+		if silent, why := AgentSilent(node, beat.Add(report.Heartbeat+time.Second)); !silent || !strings.Contains(why, "has not been heard from for") {
+			t.Fatalf("case %d: not silent past its bound %s: %q", i, report.Heartbeat, why)
+		}
+	}
+}
+
+// An agent that stops renewing its heartbeat makes its node silent after
+// the bound it published (DefaultAgentHeartbeat without one); a node that
+// never reported the condition is InventoryOf's to refuse, not this.
+func TestAgentSilent(t *testing.T) {
+	beat := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC)
+	node := func(labels map[string]string, conds ...corev1.NodeCondition) *corev1.Node {
+		return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Status: corev1.NodeStatus{Conditions: conds}}
+	}
+	ready := corev1.NodeCondition{Type: ConditionFractioningReady, Status: corev1.ConditionTrue, LastHeartbeatTime: metav1.NewTime(beat)}
+	for _, tt := range []struct {
+		name   string
+		node   *corev1.Node
+		after  time.Duration
+		silent bool
+	}{
+		{"fresh", node(nil, ready), 10 * time.Second, false},
+		{"the default bound", node(nil, ready), DefaultAgentHeartbeat + time.Second, true},
+		{"its own bound", node(map[string]string{LabelAgentHeartbeat: "30"}, ready), 31 * time.Second, true},
+		{"a longer bound", node(map[string]string{LabelAgentHeartbeat: "300"}, ready), 120 * time.Second, false},
+		{"an unreadable bound: the default", node(map[string]string{LabelAgentHeartbeat: "soon"}, ready), 60 * time.Second, false},
+		{"no condition", node(nil), time.Hour, false},
+	} {
+		silent, why := AgentSilent(tt.node, beat.Add(tt.after))
+		if silent != tt.silent || (silent && !strings.Contains(why, "gpufrac agent has not been heard from for")) {
+			t.Errorf("%s: silent %v (%q), want %v", tt.name, silent, why, tt.silent)
 		}
 	}
 }

@@ -109,6 +109,11 @@ const (
 	// share of its memory less this. Absent (a node of another operator):
 	// 0, KAI's default.
 	LabelGPUMemoryReserve = "gpufrac.io/gpu-memory-reserve-mib"
+	// LabelAgentHeartbeat is how long, in seconds, the node's agent may go
+	// unheard (its ConditionFractioningReady heartbeat not renewed) before
+	// the node takes no fractions: three of its resync periods, published
+	// by the agent. Absent: DefaultAgentHeartbeat.
+	LabelAgentHeartbeat = "gpufrac.io/agent-heartbeat-seconds"
 	// StandingLabel marks a standing reservation pod (value "true"): one
 	// that holds its GPU for shares whether or not any share is there
 	// (kubectl get pods -n gpufrac-reservations -l gpufrac.io/standing).

@@ -151,15 +151,22 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	}
 	conditions := map[string]corev1.NodeCondition{}
 	enforcement := map[string]string{}
+	silent := map[string]bool{}
 	for _, n := range nodes {
 		enforcement[n.Name] = api.MemoryEnforcement(&n)
 		if cond, ok := api.FractioningCondition(&n); ok {
 			conditions[n.Name] = cond
 		}
+		// Ready as last published, but unheard since: shown as the
+		// scheduler sees it.
+		if quiet, why := api.AgentSilent(&n, time.Now()); quiet {
+			silent[n.Name] = true
+			conditions[n.Name] = corev1.NodeCondition{Reason: "AgentSilent", Message: why}
+		}
 	}
 	var held, total, free, stranded int64
 	for _, ln := range c.Nodes {
-		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready,
+		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready && !silent[ln.Name],
 			ReadyReason: conditions[ln.Name].Reason, ReadyMessage: conditions[ln.Name].Message,
 			Enforcement: enforcement[ln.Name], ReserveMiB: ln.Inventory.ReserveMiB}
 		for _, t := range ln.Tenants {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	corev1 "k8s.io/api/core/v1"
@@ -195,5 +196,18 @@ func TestRenderFitsEightyColumns(t *testing.T) {
 	var back View
 	if err := json.Unmarshal(raw, &back); err != nil || back.Summary != cluster().Summary {
 		t.Errorf("JSON round trip: %v %+v", err, back.Summary)
+	}
+}
+
+// A node whose agent went silent past its bound is shown not ready, with
+// the scheduler's reason, though its condition still says ready.
+func TestSilentAgentShownNotReady(t *testing.T) {
+	n := gpuNode("n1", 1, true)
+	for i := range n.Status.Conditions {
+		n.Status.Conditions[i].LastHeartbeatTime = metav1.NewTime(time.Now().Add(-time.Hour))
+	}
+	v := Build([]corev1.Node{n}, nil, nil, "gpufrac-reservations")
+	if len(v.Nodes) != 1 || v.Nodes[0].Ready || v.Nodes[0].ReadyReason != "AgentSilent" || !strings.Contains(v.Nodes[0].ReadyMessage, "has not been heard from") {
+		t.Errorf("silent agent: %+v", v.Nodes)
 	}
 }

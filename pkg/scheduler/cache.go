@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -47,6 +48,8 @@ type Cache struct {
 	// claims are the ResourceClaims whose DRA shares the ledger holds
 	// (SyncClaims), by claim UID.
 	claims map[types.UID]claimHeld
+	// now is the clock the agents' heartbeats are judged by (tests set it).
+	now func() time.Time
 }
 
 // demand is what one pod of the workload asks: its CPU and memory, and
@@ -82,7 +85,7 @@ type nodeState struct {
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
 	return &Cache{args: args, nodes: map[string]*nodeState{}, where: map[types.UID]string{}, assumed: map[types.UID]bool{},
-		dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}}
+		dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}, now: time.Now}
 }
 
 // Dirty returns a channel closed at the next change that may leave a

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -632,5 +633,38 @@ func TestFilterAtAppliesOnlyANewerNode(t *testing.T) {
 	gone.ResourceVersion = "9"
 	if v := c.FilterAt(gone, share); v.Fits || !strings.Contains(v.Reason, "not reported") {
 		t.Fatalf("FilterAt made up a node the cache did not know: %+v", v)
+	}
+}
+
+// A node whose agent stopped renewing its heartbeat takes no fractions
+// once its bound has passed, and says why; whole-GPU pods are not the
+// agent's business. The agent's next heartbeat (a node update) opens it.
+func TestSilentAgentTakesNoFractions(t *testing.T) {
+	beat := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC)
+	at := func(heartbeat time.Time, rv string) *corev1.Node {
+		n := node("n1", 2, 80000, true)
+		n.ResourceVersion = rv
+		n.Labels[api.LabelAgentHeartbeat] = "90"
+		n.Status.Conditions[0].LastHeartbeatTime = metav1.NewTime(heartbeat)
+		return n
+	}
+	c := NewCache(testArgs())
+	now := beat.Add(60 * time.Second)
+	c.now = func() time.Time { return now }
+	c.SetNode(at(beat, "1"))
+	share := ask("a", 1000, api.TimeSlicing, 1)
+	if v := c.Filter("n1", share); !v.Fits {
+		t.Fatalf("a heartbeat 60 s old (bound 90 s): %+v", v)
+	}
+	now = beat.Add(91 * time.Second)
+	v := c.Filter("n1", share)
+	if v.Fits || !v.Resolvable || !strings.Contains(v.Reason, "gpufrac agent has not been heard from for 1m31s") || !strings.Contains(v.Reason, "at most 1m30s old") {
+		t.Fatalf("a heartbeat 91 s old: %+v", v)
+	}
+	if v := c.Filter("n1", Ask{UID: "w", Whole: 1}); !v.Fits {
+		t.Errorf("a whole-GPU pod refused for the agent's silence: %+v", v)
+	}
+	if v := c.FilterAt(at(now.Add(-time.Second), "2"), share); !v.Fits {
+		t.Errorf("after a fresh heartbeat: %+v", v)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -113,7 +114,14 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 		return Verdict{Reason: "node has not reported its GPUs to gpufrac yet"}
 	case !ns.Ready:
 		return Verdict{Reason: ns.Why}
-	case len(ns.Conflicts) > 0:
+	}
+	if silent, why := ns.agentSilent(c.now()); silent {
+		// Ready as last published, but nobody has renewed it: a killed
+		// agent clears nothing. Its next heartbeat is a node update,
+		// which retries the pod.
+		return Verdict{Resolvable: true, Reason: why}
+	}
+	if len(ns.Conflicts) > 0 {
 		return Verdict{Resolvable: true, Reason: fmt.Sprintf("node has %d pod(s) holding GPUs that gpufrac cannot account for; it takes no fractions until they are gone (see gpufrac audit)", len(ns.Conflicts))}
 	}
 	r, _, err := c.request(ns, ask)
@@ -462,4 +470,13 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Suppl
 	}
 	supply.Unit = common
 	return placement.WithMemory(placement.Popular(keys, placement.Coverage), keys, mems), capacity, supply
+}
+
+// agentSilent says whether the node's agent has gone unheard past its
+// bound (api.AgentSilent); a node not yet seen is not judged here.
+func (ns *nodeState) agentSilent(now time.Time) (bool, string) {
+	if ns.seen == nil {
+		return false, ""
+	}
+	return api.AgentSilent(ns.seen, now)
 }

@@ -386,6 +386,57 @@ func TestHostileEnvironmentIsReplacedAndSidecarsSeeNoGPU(t *testing.T) {
 // container starts without our adjustment, since the runtime goes on
 // without a plugin. When the agent comes back, its audit of the runtime's
 // containers evicts exactly that pod and leaves the enforced one running.
+// A killed agent clears nothing: its node stays Ready as last published.
+// Once its heartbeat is older than the bound it published (three 2 s
+// resyncs, at least 30 s), the scheduler sends the node no fraction and
+// says why; once the agent is back, the waiting pod is placed and runs
+// with its limits.
+func TestSilentAgentsNodeTakesNoFractions(t *testing.T) {
+	node, err := theNode.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := node.Labels[api.LabelAgentHeartbeat]; got != "30" {
+		t.Fatalf("the agent publishes a heartbeat bound of %q s, want 30", got)
+	}
+	theNode.killProcess("node-agent")
+	killed := time.Now()
+	t.Cleanup(func() {
+		if theNode.exited("node-agent") != nil {
+			if err := theNode.startAgent(); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	time.Sleep(time.Until(killed.Add(31 * time.Second)))
+	createPod(t, "after-silence", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	const want = "gpufrac agent has not been heard from"
+	if err := waitFor("the scheduler to refuse the silent node", 30*time.Second, func() (bool, error) {
+		p := getPod(t, "after-silence")
+		if p.Spec.NodeName != "" {
+			return false, fmt.Errorf("placed on %s with its agent silent", p.Spec.NodeName)
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, want) {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Still refused a few seconds on: nothing else opens the node.
+	time.Sleep(3 * time.Second)
+	if p := getPod(t, "after-silence"); p.Spec.NodeName != "" {
+		t.Fatalf("placed on %s with its agent silent", p.Spec.NodeName)
+	}
+	if err := theNode.startAgent(); err != nil {
+		t.Fatal(err)
+	}
+	pod := running(t, "after-silence")
+	checkLimits(t, pod, assignment(t, pod, "main"), theNode.probeReport(t, pod, "main"))
+}
+
 func TestAgentOutageEvictsOnlyTheUnenforced(t *testing.T) {
 	createPod(t, "enforced", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
 	enforced := running(t, "enforced")

@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
@@ -67,5 +68,16 @@ func TestDecideFailsClosed(t *testing.T) {
 	opts.MemoryLimits = string(nodeapi.BackendMPSPinned)
 	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, cgroupErr: errors.New("cgroup v1")}, opts, 0, true); cfg.Injection.Backend != nodeapi.BackendMPSPinned || cfg.Publish.CgroupErr != nil {
 		t.Errorf("mps-pinned on cgroup v1: backend %q, cgroup error %v; want mps-pinned and none", cfg.Injection.Backend, cfg.Publish.CgroupErr)
+	}
+}
+
+func TestHeartbeatBound(t *testing.T) {
+	for period, want := range map[time.Duration]time.Duration{30 * time.Second: 90 * time.Second, 2 * time.Second: 30 * time.Second, time.Minute: 3 * time.Minute} {
+		if got := HeartbeatBound(period); got != want {
+			t.Errorf("HeartbeatBound(%s) = %s, want %s", period, got, want)
+		}
+	}
+	if cfg := decide(hardware{}, Options{ResyncPeriod: 20 * time.Second}, 0, true); cfg.Publish.Heartbeat != time.Minute {
+		t.Errorf("published heartbeat bound %s, want 1m0s", cfg.Publish.Heartbeat)
 	}
 }

@@ -84,8 +84,19 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 	cfg.GPUMemoryReserveMiB = reserveFor(opts, hw.product())
 	return NodeConfig{Injection: cfg, Publish: publish.State{Inventory: hw.inv, InventoryErr: hw.invErr, NRIRegistered: registered,
 		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr, ComputeModeErr: hw.computeModeErr,
-		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB}}
+		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB,
+		Heartbeat: HeartbeatBound(opts.ResyncPeriod)}}
 }
+
+// HeartbeatBound is how long an agent that resyncs every period may go
+// unheard before schedulers stop sending fractions to its node: three
+// periods, so that one slow or failed publish is no outage, and at least
+// MinHeartbeatBound, so that a short period on a loaded machine is none
+// either (the kubelet's own grace is 40 s).
+func HeartbeatBound(period time.Duration) time.Duration { return max(3*period, MinHeartbeatBound) }
+
+// MinHeartbeatBound is the least HeartbeatBound.
+const MinHeartbeatBound = 30 * time.Second
 
 // product is the node's GPU model as nvidia.com/gpu.product names it: the
 // label (GPU Feature Discovery's, which the scheduler's users key by), or,

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"maps"
 	"regexp"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -81,6 +82,9 @@ type State struct {
 	// ReserveMiB is the memory kept back on each GPU, published for every
 	// reader of the node's GPUs (api.LabelGPUMemoryReserve).
 	ReserveMiB int64
+	// Heartbeat is how long the agent may go unheard before schedulers
+	// stop sending fractions here (api.LabelAgentHeartbeat).
+	Heartbeat time.Duration
 }
 
 // Desired is what the node should carry.
@@ -98,7 +102,7 @@ func Compute(s State, current map[string]string) Desired {
 		Condition: corev1.NodeCondition{Type: ConditionReady, Status: status, Reason: reason, Message: message},
 		Labels:    map[string]*string{},
 	}
-	report := api.NodeReport{Enforcement: "none", Standing: s.StandingGPUs, ReserveMiB: s.ReserveMiB}
+	report := api.NodeReport{Enforcement: "none", Standing: s.StandingGPUs, ReserveMiB: s.ReserveMiB, Heartbeat: s.Heartbeat}
 	if s.InventoryErr == nil {
 		d.Labels[LabelDriverVersion] = ptr(labelValue(s.Inventory.DriverVersion))
 		d.Labels[LabelCUDAVersion] = ptr(s.Inventory.CUDAVersion())

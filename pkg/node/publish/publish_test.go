@@ -3,6 +3,7 @@ package publish
 import (
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	corev1 "k8s.io/api/core/v1"
@@ -69,6 +70,8 @@ func TestCompute(t *testing.T) {
 			corev1.ConditionFalse, ReasonNoEnforcement, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "none"}},
 		{"the reserve is published", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true, ReserveMiB: 1024}, nil,
 			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "driver", api.LabelGPUMemoryReserve: "1024"}},
+		{"the heartbeat bound is published", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true, Heartbeat: 90 * time.Second}, nil,
+			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "driver", api.LabelGPUMemoryReserve: "0", api.LabelAgentHeartbeat: "90"}},
 		{"enforcement off, failing open", State{Inventory: h100, Backend: nodeapi.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
 			corev1.ConditionTrue, ReasonFailOpen, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "none"}},
 	}
