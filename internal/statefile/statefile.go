@@ -1,5 +1,7 @@
 // Package statefile writes the node agent's small state files so that a
-// crash leaves either the old or the new content, never a torn file.
+// crash or a power loss leaves either the old or the new content, never a
+// torn or empty file: written to a temporary file, synced, renamed, and
+// the directory synced.
 package statefile
 
 import (
@@ -44,6 +46,11 @@ func Write(path string, data []byte) error {
 	}
 	tmp := f.Name()
 	_, werr := f.Write(data)
+	if werr == nil {
+		// On disk before the rename: after a power loss the name holds
+		// the old content or the new, never an empty file.
+		werr = f.Sync()
+	}
 	if cerr := f.Close(); werr == nil {
 		werr = cerr
 	}
@@ -57,5 +64,21 @@ func Write(path string, data []byte) error {
 		_ = os.Remove(tmp)
 		return fmt.Errorf("write %s: %w", path, werr)
 	}
+	// And the rename itself: it lives in the directory.
+	if err := syncDir(filepath.Dir(path)); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
 	return nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	err = d.Sync()
+	if cerr := d.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }

@@ -117,8 +117,8 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	}
 	if silent, why := ns.agentSilent(c.now()); silent {
 		// Ready as last published, but nobody has renewed it: a killed
-		// agent clears nothing. Its next heartbeat is a node update,
-		// which retries the pod.
+		// agent clears nothing. One that starts again flips its
+		// condition (AgentStarting, then Ready), which retries the pod.
 		return Verdict{Resolvable: true, Reason: why}
 	}
 	if len(ns.Conflicts) > 0 {

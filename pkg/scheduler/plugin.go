@@ -594,7 +594,9 @@ func (p *Plugin) Bind(ctx context.Context, state fwk.CycleState, pod *corev1.Pod
 //   - a bound pod's annotations change: the decision a pod bound without
 //     one was waiting for, or the GPU a node agent wrote on a reservation
 //     pod, either of which clears a node's conflict;
-//   - a node changes (new GPUs, readiness);
+//   - a node changes (new GPUs, readiness; an agent back from silence
+//     says AgentStarting, then Ready: kube-scheduler retries on a
+//     condition's status, never on a heartbeat alone);
 //   - a claim of gpufrac's driver is released or changes;
 //   - a node's ResourceSlices change: a claim pod refused in Reserve
 //     because the slices lagged behind the annotation shares fits once

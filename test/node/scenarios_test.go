@@ -437,6 +437,61 @@ func TestSilentAgentsNodeTakesNoFractions(t *testing.T) {
 	checkLimits(t, pod, assignment(t, pod, "main"), theNode.probeReport(t, pod, "main"))
 }
 
+// A corrupt state file does not put the agent in a crash loop: it keeps
+// running, the node is not ready with the file named and what to do, and
+// no fraction is placed; once the file is moved aside and the agent
+// restarted, the node is ready again.
+func TestCorruptStateMakesTheNodeNotReady(t *testing.T) {
+	leases := theNode.path("agent", "leases.json")
+	theNode.killProcess("node-agent")
+	saved, err := os.ReadFile(leases)
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if saved != nil {
+			_ = os.WriteFile(leases, saved, 0o600)
+		} else {
+			_ = os.Remove(leases)
+		}
+		theNode.killProcess("node-agent")
+		if err := theNode.startAgent(); err != nil {
+			t.Error(err)
+		}
+		if err := theNode.waitFractionReady(time.Minute); err != nil {
+			t.Error(err)
+		}
+	})
+	if err := os.WriteFile(leases, []byte("{torn"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := theNode.startAgent(); err != nil {
+		t.Fatal(err)
+	}
+	var message string
+	if err := waitFor("the node to say its agent's state is unreadable", time.Minute, func() (bool, error) {
+		if err := theNode.exited("node-agent"); err != nil {
+			return false, err
+		}
+		node, err := theNode.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		cond, ok := api.FractioningCondition(node)
+		message = cond.Message
+		return ok && cond.Status == corev1.ConditionFalse && cond.Reason == "AgentStateUnreadable", nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(message, leases) || !strings.Contains(message, "restart the agent") {
+		t.Errorf("the reason does not name the file and the fix: %q", message)
+	}
+	time.Sleep(5 * time.Second) // two resyncs: still running
+	if err := theNode.exited("node-agent"); err != nil {
+		t.Fatalf("the agent did not keep running: %v", err)
+	}
+}
+
 func TestAgentOutageEvictsOnlyTheUnenforced(t *testing.T) {
 	createPod(t, "enforced", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
 	enforced := running(t, "enforced")

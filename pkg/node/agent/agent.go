@@ -113,8 +113,11 @@ type Agent struct {
 	plugin    *nriplugin.Plugin // set by Run, under mu: Ready may read it before
 	recorder  record.EventRecorder
 	metrics   *metrics.Metrics
-	leases    *enforce.Leases
-	mps       *mps.Manager
+	leases    *enforce.Leases // nil when its file cannot be read (stateErr)
+	mps       *mps.Manager    // nil without an MPS root, or when its file cannot be read
+	// stateErr says which of the agent's state files cannot be read, and
+	// what to do: the node then takes no fractions.
+	stateErr error
 	// exclusive keeps the shared GPUs' compute mode; nil when
 	// Options.ExclusiveProcess is off.
 	exclusive *exclusive.Keeper
@@ -173,9 +176,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer env.stop()
 	a.env = env
 	a.annotator = &reservation.Annotator{Client: a.client, Node: a.opts.NodeName, Namespace: a.opts.ReservationNamespace, Source: env.devices}
+	// A state file that cannot be read is not a crash loop: the agent
+	// keeps running, refuses fractions (it cannot release or account for
+	// what the file records) and says why through the node's readiness,
+	// until an admin has looked at the file and restarted it.
 	leases, err := enforce.OpenLeases(filepath.Join(a.opts.StateDir, "leases.json"))
 	if err != nil {
-		return err
+		logger.Error(err, "Cannot read the agent's state; the node takes no fractions until it is fixed")
+		a.stateErr = errors.Join(a.stateErr, err)
 	}
 	a.leases = leases
 	// The namespaces a previous agent created stay claimed (its table is
@@ -188,7 +196,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		control := mps.Control{Binary: a.opts.MPSControl, Root: a.opts.Injection.MPSRoot, Timeout: 10 * time.Second}
 		m, err := mps.OpenManager(control, filepath.Join(a.opts.StateDir, "mps-namespaces.json"))
 		if err != nil {
-			return err
+			logger.Error(err, "Cannot read the agent's state; the node takes no fractions until it is fixed")
+			a.stateErr = errors.Join(a.stateErr, err)
 		}
 		a.mps = m
 	}
@@ -228,6 +237,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}()
 	}
 
+	a.markStarting(logger)
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
 	defer ticker.Stop()
 	for {
@@ -293,17 +303,31 @@ func (a *Agent) startDRA(ctx context.Context) (func(), error) {
 // markStopped tells schedulers to stop sending fractions here: with the
 // agent gone, nothing injects their limits.
 func (a *Agent) markStopped(logger klog.Logger) {
+	if err := a.markNotReady(publish.ReasonStopped, "the gpufrac node agent is not running, so GPU-fraction limits cannot be injected"); err != nil {
+		logger.Error(err, "Cannot mark the node not ready on shutdown")
+	}
+}
+
+// markStarting says, before the first resync, that the agent has not yet
+// checked the node. Besides being true, it makes the first resync's Ready
+// a change of status: kube-scheduler retries pending pods on a node
+// condition's status change, never on a heartbeat alone, so pods refused
+// while the agent was silent would otherwise wait for its periodic flush.
+func (a *Agent) markStarting(logger klog.Logger) {
+	if err := a.markNotReady(publish.ReasonStarting, "the gpufrac node agent has just started and has not yet checked the node"); err != nil {
+		logger.Error(err, "Cannot mark the node not ready while starting")
+	}
+}
+
+func (a *Agent) markNotReady(reason, message string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	d := publish.Desired{Condition: corev1.NodeCondition{Type: publish.ConditionReady, Status: corev1.ConditionFalse,
-		Reason: "AgentStopped", Message: "the gpufrac node agent is not running, so GPU-fraction limits cannot be injected"}}
+	d := publish.Desired{Condition: corev1.NodeCondition{Type: publish.ConditionReady, Status: corev1.ConditionFalse, Reason: reason, Message: message}}
 	node, err := a.client.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
 	if err == nil {
 		err = publish.Apply(ctx, a.client, node, d)
 	}
-	if err != nil {
-		logger.Error(err, "Cannot mark the node not ready on shutdown")
-	}
+	return err
 }
 
 func (a *Agent) setPublished(ok bool) {

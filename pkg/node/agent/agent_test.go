@@ -64,6 +64,12 @@ func TestDecideFailsClosed(t *testing.T) {
 	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, computeModeErr: notExclusive}, opts, 0, true); !errors.Is(cfg.Publish.ComputeModeErr, notExclusive) {
 		t.Errorf("a shared GPU not exclusive: published %v", cfg.Publish.ComputeModeErr)
 	}
+	// A state file the agent cannot read: new fractions are refused and
+	// the running containers are not judged, the node says why.
+	corrupt := errors.New("GPU memory leases leases.json are corrupt")
+	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, stateErr: corrupt}, opts, 0, true); cfg.Injection.Backend != nodeapi.BackendUnset || !errors.Is(cfg.Publish.StateErr, corrupt) {
+		t.Errorf("unreadable state: backend %q, published %v", cfg.Injection.Backend, cfg.Publish.StateErr)
+	}
 	// The cgroup check matters only to the backends that set driver limits.
 	opts.MemoryLimits = string(nodeapi.BackendMPSPinned)
 	if cfg := decide(hardware{inv: r615, mps: nodeapi.MPSv3, cgroupErr: errors.New("cgroup v1")}, opts, 0, true); cfg.Injection.Backend != nodeapi.BackendMPSPinned || cfg.Publish.CgroupErr != nil {

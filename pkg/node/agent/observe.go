@@ -37,6 +37,8 @@ type hardware struct {
 	cgroupErr error
 	// computeModeErr says why a GPU the node shares is not exclusive.
 	computeModeErr error
+	// stateErr says which of the agent's state files cannot be read.
+	stateErr error
 	// labels are the Node object's, as read.
 	labels map[string]string
 }
@@ -71,6 +73,12 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 			cfg.Backend = nodeapi.BackendOff
 		}
 	}
+	if hw.stateErr != nil {
+		// Not knowing what it enforced is not enforcing: new fractional
+		// containers are refused and the running ones are not judged
+		// (the audit waits for a backend), as when the GPUs are unread.
+		cfg.Backend = nodeapi.BackendUnset
+	}
 	if hw.invErr != nil {
 		// Not knowing the GPUs is not knowing the backend: new fractional
 		// containers are refused, and an audit of the running ones waits
@@ -83,7 +91,7 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 	}
 	cfg.GPUMemoryReserveMiB = reserveFor(opts, hw.product())
 	return NodeConfig{Injection: cfg, Publish: publish.State{Inventory: hw.inv, InventoryErr: hw.invErr, NRIRegistered: registered,
-		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr, ComputeModeErr: hw.computeModeErr,
+		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr, ComputeModeErr: hw.computeModeErr, StateErr: hw.stateErr,
 		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB,
 		Heartbeat: HeartbeatBound(opts.ResyncPeriod)}}
 }
@@ -122,7 +130,7 @@ func reserveFor(opts Options, product string) int64 {
 // observe reads the node: its GPUs, the Node object, the MPS daemon and
 // the cgroups. An error is the Node object's: nothing can be published.
 func (a *Agent) observe(ctx context.Context) (*corev1.Node, hardware, error) {
-	var hw hardware
+	hw := hardware{stateErr: a.stateErr}
 	hw.inv, hw.invErr = inventory.Read(a.env.nvml)
 	if hw.invErr != nil {
 		klog.FromContext(ctx).Error(hw.invErr, "Cannot read the GPUs; the node is not ready for GPU fractions")
@@ -250,7 +258,9 @@ func (a *Agent) reconcileContainers(ctx context.Context, mpsUp bool) {
 func (a *Agent) record(hw hardware, cfg NodeConfig, ready bool) {
 	a.metrics.Node(hw.inv, cfg.Publish.Backend, ready)
 	a.metrics.Tenants(a.plugin.Tenants())
-	a.metrics.Containers(a.env.nvml, a.leases.All())
+	if a.leases != nil {
+		a.metrics.Containers(a.env.nvml, a.leases.All())
+	}
 	if hw.invErr == nil {
 		a.metrics.GPUUse(a.env.nvml, hw.inv)
 	}

@@ -47,6 +47,11 @@ const (
 	ReasonMPS           = "MPSDaemonUnavailable"
 	ReasonCgroup        = "CgroupUnsupported"
 	ReasonComputeMode   = "ComputeModeNotExclusive"
+	ReasonState         = "AgentStateUnreadable"
+	// ReasonStarting and ReasonStopped are the agent's own, outside a
+	// resync: just started, and stopped in order.
+	ReasonStarting = "AgentStarting"
+	ReasonStopped  = "AgentStopped"
 )
 
 // State is what the agent knows about its node.
@@ -72,6 +77,9 @@ type State struct {
 	// EXCLUSIVE_PROCESS (package exclusive): a process outside MPS could
 	// use it past every share.
 	ComputeModeErr error
+	// StateErr says which of the agent's state files cannot be read (and
+	// what to do): what it enforced is unknown, so it takes no fractions.
+	StateErr error
 	// FailOpen: the operator lets unenforceable containers run without a GPU.
 	FailOpen bool
 	// PublishGPULabels: write nvidia.com/gpu.* where GFD has not.
@@ -122,6 +130,10 @@ func Compute(s State, current map[string]string) Desired {
 
 func readiness(s State) (corev1.ConditionStatus, string, string) {
 	switch {
+	case s.StateErr != nil:
+		// Not even failing open: the agent does not know what it
+		// enforced, nor what it must release.
+		return corev1.ConditionFalse, ReasonState, "the node agent cannot read its state, so it takes no fractions: " + s.StateErr.Error() + "; then restart the agent (delete its pod)"
 	case s.InventoryErr != nil:
 		return corev1.ConditionFalse, ReasonNVMLError, "cannot read the GPUs: " + s.InventoryErr.Error()
 	case len(s.Inventory.GPUs) == 0:
