@@ -3,6 +3,7 @@ package scheduler
 import (
 	"crypto/rand"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -178,7 +179,7 @@ func (c *Cache) rebuild(ns *nodeState) {
 	ns.Relayout(true)
 	for uid, pod := range ns.waiting {
 		if t, err := c.tenantOf(pod, ns); err != nil {
-			ns.Conflicts[string(uid)] = err.Error()
+			conflict(ns, uid, err)
 		} else {
 			delete(ns.waiting, uid)
 			if t != nil {
@@ -271,7 +272,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	if err != nil {
 		ns.waiting[pod.UID] = pod
 		if ns.Ledger != nil {
-			ns.Conflicts[string(pod.UID)] = err.Error()
+			conflict(ns, pod.UID, err)
 		}
 		return
 	}
@@ -330,7 +331,7 @@ func (c *Cache) tenantOf(pod *corev1.Pod, ns *nodeState) (*ledgers.Tenant, error
 		Assignment: &api.Assignment{Container: reqs[0].Container, RequestMiB: resolved.RequestMiB, LimitMiB: resolved.LimitMiB, Mode: share.Mode}}
 	fit, unfit := ns.Ledger.Fit(t.Request)
 	if unfit != nil {
-		return nil, fmt.Errorf("pod %s/%s is bound without a GPU decision and does not fit: %w", pod.Namespace, pod.Name, unfit)
+		return nil, fmt.Errorf("pod %s/%s is bound without a GPU decision and does not fit: %w (%w)", pod.Namespace, pod.Name, unfit, errUndecided)
 	}
 	for _, slot := range fit[:t.Request.Devices] {
 		g := groupAt(ns, slot)
@@ -340,6 +341,25 @@ func (c *Cache) tenantOf(pod *corev1.Pod, ns *nodeState) (*ledgers.Tenant, error
 		t.Groups = append(t.Groups, g)
 	}
 	return t, nil
+}
+
+// errUndecided marks a fractional pod bound without a GPU decision that
+// does not fit its node: no trusted scheduler placed it (spec.nodeName, or
+// another scheduler), and its node's agent refuses its containers, which
+// it cannot run without a device list. It holds no GPU, so it is no
+// conflict: one such pod must not close a node to every fraction (audit
+// reports it, FractionWithoutDevices). One that fits is charged while its
+// decision may still come.
+var errUndecided = errors.New("no trusted scheduler placed it, and its node refuses its containers")
+
+// conflict records why a pod cannot be booked on its node, which then
+// takes no fractions, unless the pod holds nothing (errUndecided).
+func conflict(ns *nodeState, uid types.UID, err error) {
+	if errors.Is(err, errUndecided) {
+		delete(ns.Conflicts, string(uid))
+		return
+	}
+	ns.Conflicts[string(uid)] = err.Error()
 }
 
 // groupAt is the GPU group a new share on a slot joins: the live group

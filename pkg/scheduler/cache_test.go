@@ -370,6 +370,30 @@ func TestConflictsCloseTheNode(t *testing.T) {
 	}
 }
 
+// A fractional pod bound without a decision that cannot fit (created with
+// spec.nodeName and gpu-memory "999999": no trusted scheduler placed it,
+// and the node refuses its containers) holds nothing and closes nothing:
+// other tenants keep being placed. One that fits is charged meanwhile.
+func TestUndecidedSquatterNeverClosesTheNode(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 2, 80000, true))
+	c.SetPod(pod("squatter", "n1", map[string]string{"gpu-memory": "999999"}))
+	if v := c.Filter("n1", ask("a", 1000, api.TimeSlicing, 1)); !v.Fits {
+		t.Fatalf("one undecided pod that cannot fit closed the node: %+v", v)
+	}
+	if got := strings.TrimSpace(summary(c, "n1")); got != "idle=2 whole=0 conflicts=0" {
+		t.Errorf("the squatter was booked: %s", got)
+	}
+	c.SetPod(pod("pending-decision", "n1", map[string]string{"gpu-memory": "30000"}))
+	if got := summary(c, "n1"); !strings.HasPrefix(got, "idle=1 ") {
+		t.Errorf("an undecided pod that fits is not charged: %s", got)
+	}
+	c.DeletePod(pod("squatter", "n1", nil))
+	if v := c.Filter("n1", ask("a", 1000, api.TimeSlicing, 1)); !v.Fits {
+		t.Errorf("after the squatter left: %+v", v)
+	}
+}
+
 func TestReservationName(t *testing.T) {
 	if got := ReservationName("node-1", "abc"); got != "gpufrac-node-1-abc" {
 		t.Errorf("ReservationName = %q", got)
