@@ -1,6 +1,8 @@
 package cli
 
 import (
+	"slices"
+
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
@@ -18,7 +20,9 @@ func newWebhookCommand() *cobra.Command {
   ` + admission.ValidatePath + `  rejects pods and workload templates whose GPU-fraction annotations break
              a rule (the same rules and messages as 'gpufrac validate'), and denies
              anyone but the scheduler setting, changing or removing the keys the
-             scheduler owns, or changing a scheduled pod's fraction;
+             scheduler owns, or changing a scheduled pod's fraction, and refuses
+             a fractional pod created with spec.nodeName or for a scheduler not
+             in --trusted-scheduler, or gaining a fraction by an update;
   ` + admission.MutatePath + `    writes the canonical per-container keys from the pod-level shorthands,
              labels fractional pods ` + admission.SelectionLabel + `=true, and with
              --scheduler-name sends them to that scheduler.
@@ -27,6 +31,11 @@ The certificate and key (tls.crt, tls.key in --cert-dir) are reloaded when
 they change.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			// The scheduler fractional pods are sent to is trusted to
+			// place them, whatever --trusted-scheduler says.
+			if opts.SchedulerName != "" && !slices.Contains(opts.Identity.Schedulers, opts.SchedulerName) {
+				opts.Identity.Schedulers = append(opts.Identity.Schedulers, opts.SchedulerName)
+			}
 			ctx := cmd.Context()
 			logger := klog.FromContext(ctx)
 			ctrllog.SetLogger(logger)
@@ -41,5 +50,7 @@ they change.`,
 	f.StringSliceVar(&opts.Identity.Users, "scheduler-user", []string{admission.DefaultSchedulerUser},
 		"user names allowed to write scheduler-owned keys (service accounts as system:serviceaccount:NS:NAME); repeatable")
 	f.StringVar(&opts.SchedulerName, "scheduler-name", "", "schedulerName to give fractional pods that use the default scheduler (empty: leave it)")
+	f.StringSliceVar(&opts.Identity.Schedulers, "trusted-scheduler", []string{"gpufrac"},
+		"schedulerNames trusted to place GPU fractions (with --scheduler-name's), each a name or a glob (gpufrac-*): a fractional pod created for another, or with spec.nodeName, is refused; repeatable (KAI: kai-scheduler)")
 	return cmd
 }

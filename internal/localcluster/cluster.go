@@ -313,7 +313,7 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 	o := c.env.WebhookInstallOptions
 	srv := admission.NewServer(admission.ServerOptions{
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
-		Identity: admission.Identity{Users: []string{schedulerUser}}, SchedulerName: "gpufrac",
+		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{"gpufrac"}}, SchedulerName: "gpufrac",
 	})
 	// The webhook runs in this process; its log goes to a file like the
 	// other components', not over the progress lines.

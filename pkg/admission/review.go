@@ -8,6 +8,7 @@ package admission
 import (
 	"fmt"
 	"maps"
+	"path"
 	"slices"
 	"strings"
 
@@ -31,6 +32,12 @@ type Identity struct {
 	// Users are user names as the API server authenticates them; a service
 	// account is system:serviceaccount:<namespace>:<name>.
 	Users []string
+	// Schedulers are the schedulerNames trusted to place fractions
+	// (gpufrac's profiles; KAI's where it is the one), each a name or a
+	// glob (path.Match: gpufrac-*). A pod that asks for a fraction with
+	// another, or with spec.nodeName, is refused: nothing would pick its
+	// GPU, and the node would refuse it anyway. Empty: not checked.
+	Schedulers []string
 }
 
 // IsScheduler reports whether user is one of the scheduler's identities.
@@ -62,12 +69,56 @@ func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (wa
 			return nil, nil
 		}
 	}
+	if op == Update && old != nil && !scheduler && !hasFractionKeys(old.Annotations) {
+		// Gaining a fraction after creation skips the create-time checks
+		// below, and the scheduler may have placed the pod already.
+		key := changedFractionKeys(old.Annotations, pod.Annotations)[0]
+		return nil, api.ErrorList{{Key: key, Value: pod.Annotations[key],
+			Rule: "cannot be added to a pod after it is created: a pod asks for a GPU fraction when it is created; delete and recreate it with the annotation"}}
+	}
 	if scheduler {
 		// What the scheduler wrote is not user intent.
 		pod = api.Intent(pod)
 	}
-	_, warnings, err = api.Check(pod.Annotations, &pod.Spec)
-	return warnings, err
+	reqs, warnings, err := api.Check(pod.Annotations, &pod.Spec)
+	if err != nil || len(reqs) == 0 || scheduler || op != Create {
+		return warnings, err
+	}
+	return warnings, i.placedByTrusted(pod)
+}
+
+// placedByTrusted refuses a new fractional pod that no trusted scheduler
+// would place: one created bound (spec.nodeName), or given to another
+// scheduler. Either would reach a node with no GPU chosen for it, where
+// it cannot run; left alone it would only look like a tenant.
+func (i Identity) placedByTrusted(pod *corev1.Pod) error {
+	if len(i.Schedulers) == 0 {
+		return nil
+	}
+	trusted := strings.Join(i.Schedulers, ", ")
+	if pod.Spec.NodeName != "" {
+		return api.ErrorList{{Key: "spec.nodeName", Value: pod.Spec.NodeName,
+			Rule: fmt.Sprintf("cannot be set on a pod that asks for a GPU fraction: only a trusted scheduler (%s) places one, choosing its GPU; pin it with a nodeSelector or node affinity instead", trusted)}}
+	}
+	name := pod.Spec.SchedulerName
+	if name == "" {
+		name = corev1.DefaultSchedulerName
+	}
+	if !slices.ContainsFunc(i.Schedulers, func(pattern string) bool { ok, _ := path.Match(pattern, name); return ok }) {
+		return api.ErrorList{{Key: "spec.schedulerName", Value: name,
+			Rule: fmt.Sprintf("is not trusted to place GPU fractions: set schedulerName to one that is (%s)", trusted)}}
+	}
+	return nil
+}
+
+// hasFractionKeys says whether annotations ask for anything of gpufrac.
+func hasFractionKeys(annotations map[string]string) bool {
+	for k := range annotations {
+		if api.IsFractionKey(k) {
+			return true
+		}
+	}
+	return false
 }
 
 // ReviewBinding decides whether user may bind a pod with a Binding that

@@ -80,6 +80,55 @@ func TestReviewPod(t *testing.T) {
 	}
 }
 
+// Squatting: with trusted schedulers configured, a fraction is created
+// only for one of them to place, and never gained afterwards.
+func TestOnlyATrustedSchedulerPlacesAFraction(t *testing.T) {
+	id := Identity{Users: []string{scheduler}, Schedulers: []string{"gpufrac", "kai-scheduler", "team-*"}}
+	onScheduler := func(name, node string, a ann) *corev1.Pod {
+		p := pod(a, node)
+		p.Spec.SchedulerName = name
+		return p
+	}
+	ask := ann{"gpu-memory": "999999"}
+	for _, tt := range []struct {
+		name    string
+		op      Operation
+		user    string
+		old     *corev1.Pod
+		pod     *corev1.Pod
+		wantErr string
+	}{
+		{"gpufrac places it", Create, "alice", nil, onScheduler("gpufrac", "", ask), ""},
+		{"KAI places it", Create, "alice", nil, onScheduler("kai-scheduler", "", ask), ""},
+		{"a glob", Create, "alice", nil, onScheduler("team-a", "", ask), ""},
+		{"created bound", Create, "alice", nil, onScheduler("gpufrac", "gpu-node-2", ask),
+			`spec.nodeName "gpu-node-2" cannot be set on a pod that asks for a GPU fraction: only a trusted scheduler (gpufrac, kai-scheduler, team-*) places one, choosing its GPU; pin it with a nodeSelector or node affinity instead`},
+		{"another scheduler", Create, "alice", nil, onScheduler("my-scheduler", "", ask),
+			`spec.schedulerName "my-scheduler" is not trusted to place GPU fractions: set schedulerName to one that is (gpufrac, kai-scheduler, team-*)`},
+		{"the default scheduler", Create, "alice", nil, onScheduler("", "", ask),
+			`spec.schedulerName "default-scheduler" is not trusted to place GPU fractions: set schedulerName to one that is (gpufrac, kai-scheduler, team-*)`},
+		{"a pod asking nothing may be created bound", Create, "alice", nil, onScheduler("", "n1", ann{"team": "ml"}), ""},
+		{"a fraction gained by UPDATE", Update, "alice", onScheduler("my-scheduler", "", nil), onScheduler("my-scheduler", "", ask),
+			`gpu-memory "999999" cannot be added to a pod after it is created: a pod asks for a GPU fraction when it is created; delete and recreate it with the annotation`},
+		{"the scheduler creates what it places", Create, scheduler, nil, onScheduler("gpufrac", "n1", ask), ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := id.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
+			got := ""
+			if err != nil {
+				got = err.Error()
+			}
+			if got != tt.wantErr {
+				t.Errorf("ReviewPod error:\n got  %q\n want %q", got, tt.wantErr)
+			}
+		})
+	}
+	// Without trusted schedulers configured, nothing of this is checked.
+	if _, err := identity.ReviewPod(Create, "alice", nil, onScheduler("my-scheduler", "n1", ask)); err != nil {
+		t.Errorf("unconfigured: %v", err)
+	}
+}
+
 func with(m ann, k, v string) ann {
 	out := ann{k: v}
 	for key, val := range m {

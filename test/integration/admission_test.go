@@ -104,7 +104,7 @@ func runWithEnv(m *testing.M) (int, error) {
 	o := env.WebhookInstallOptions
 	w.serving = admission.ServerOptions{
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
-		Identity: admission.Identity{Users: []string{schedulerUser}}, SchedulerName: schedulerName,
+		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{schedulerName, "gpufrac-*"}}, SchedulerName: schedulerName,
 	}
 	if err := w.startWebhook(); err != nil {
 		return 0, err
@@ -356,7 +356,9 @@ func TestFractionFixedOnceBound(t *testing.T) {
 	ctx := context.Background()
 	p := fracPod(map[string]string{"gpu-fraction": "0.5"})
 	p.Spec.NodeName = "gpu-node-1"
-	bound, err := shared.alice.CoreV1().Pods("default").Create(ctx, p, metav1.CreateOptions{})
+	// Only a scheduler creates a fractional pod bound (a user may not:
+	// TestTenantCannotSquatANode).
+	bound, err := shared.scheduler.CoreV1().Pods("default").Create(ctx, p, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
