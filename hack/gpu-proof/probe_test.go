@@ -84,34 +84,24 @@ func TestProbe(t *testing.T) {
 	}
 }
 
-// spin runs its kernel for the time asked (the stand-in sleeps the
-// kernel's cycles at its 1 GHz clock, so the cycles probe computed from
-// the clock rate are what is checked) and prints the times the script
-// compares between two clients.
-func TestProbeSpin(t *testing.T) {
+// spin and work run their kernel for the time asked (the stand-in sleeps
+// the kernel's first parameter in nanoseconds: spin's cycles, computed from
+// the clock rate, or work's iterations) and print the kernel's interval,
+// which the script compares between two processes.
+func TestProbeKernels(t *testing.T) {
 	probe, fake := build(t)
-	out, code := run(t, probe, []string{"LD_LIBRARY_PATH=" + fake}, "spin", "300")
-	m := regexp.MustCompile(`spin 300 ms: start \d+\.\d+ end \d+\.\d+ took (\d+) ms`).FindStringSubmatch(out)
-	if code != 0 || m == nil {
-		t.Fatalf("probe spin: exit %d: %q", code, out)
-	}
-	if took, _ := strconv.Atoi(m[1]); took < 300 || took > 900 {
-		t.Errorf("the kernel took %d ms, want about 300", took)
-	}
-}
-
-// work runs its fixed chain of iterations (the stand-in sleeps one
-// nanosecond an iteration) and prints the kernel's interval, which the
-// script compares between two processes.
-func TestProbeWork(t *testing.T) {
-	probe, fake := build(t)
-	out, code := run(t, probe, []string{"LD_LIBRARY_PATH=" + fake}, "work", "300000000")
-	m := regexp.MustCompile(`work 300000000 iters: start \d+\.\d+ end \d+\.\d+ took (\d+) ms`).FindStringSubmatch(out)
-	if code != 0 || m == nil {
-		t.Fatalf("probe work: exit %d: %q", code, out)
-	}
-	if took, _ := strconv.Atoi(m[1]); took < 300 || took > 900 {
-		t.Errorf("the kernel took %d ms, want about 300", took)
+	for _, tt := range []struct{ args, line string }{
+		{"spin 300", `spin 300 ms: start \d+\.\d+ end \d+\.\d+ took (\d+) ms`},
+		{"work 300000000", `work 300000000 iters: start \d+\.\d+ end \d+\.\d+ took (\d+) ms`},
+	} {
+		out, code := run(t, probe, []string{"LD_LIBRARY_PATH=" + fake}, strings.Fields(tt.args)...)
+		m := regexp.MustCompile(tt.line).FindStringSubmatch(out)
+		if code != 0 || m == nil {
+			t.Fatalf("probe %s: exit %d: %q", tt.args, code, out)
+		}
+		if took, _ := strconv.Atoi(m[1]); took < 300 || took > 900 {
+			t.Errorf("probe %s: the kernel took %d ms, want about 300", tt.args, took)
+		}
 	}
 }
 

@@ -313,7 +313,9 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 	o := c.env.WebhookInstallOptions
 	srv := admission.NewServer(admission.ServerOptions{
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
-		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{"gpufrac"}}, SchedulerName: "gpufrac",
+		// KAI's scheduler is trusted too: the local cluster plays KAI's
+		// side in the interop scenarios (a pod KAI admits and binds).
+		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{"gpufrac", "kai-scheduler"}}, SchedulerName: "gpufrac",
 	})
 	// The webhook runs in this process; its log goes to a file like the
 	// other components', not over the progress lines.

@@ -24,19 +24,38 @@ func pod(annotations map[string]string, node string) *corev1.Pod {
 
 type ann = map[string]string
 
+// reviewCase is one ReviewPod call and the denial it must give ("": none).
+type reviewCase struct {
+	name    string
+	op      Operation
+	user    string
+	old     *corev1.Pod
+	pod     *corev1.Pod
+	wantErr string
+}
+
+func checkReviews(t *testing.T, id Identity, tests []reviewCase) {
+	t.Helper()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := id.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
+			got := ""
+			if err != nil {
+				got = err.Error()
+			}
+			if got != tt.wantErr {
+				t.Errorf("ReviewPod error:\n got  %q\n want %q", got, tt.wantErr)
+			}
+		})
+	}
+}
+
 func TestReviewPod(t *testing.T) {
 	devices := "nvidia.com/container.main.gpus.devices"
 	portion := "nvidia.com/container.main.gpu-compute.portion"
 	resolvedReq := "nvidia.com/container.main.gpu-memory.request"
 	scheduled := ann{"gpu-fraction": "0.5", devices: "GPU-1", resolvedReq: "40448Mi"}
-	tests := []struct {
-		name    string
-		op      Operation
-		user    string
-		old     *corev1.Pod
-		pod     *corev1.Pod
-		wantErr string // "" means allowed
-	}{
+	tests := []reviewCase{
 		{"valid create", Create, "alice", nil, pod(ann{"gpu-fraction": "0.5"}, ""), ""},
 		{"invalid create names the rule", Create, "alice", nil, pod(ann{"gpu-fraction": "1"}, ""),
 			`container "main": gpu-fraction "1" must be greater than 0 and less than 1`},
@@ -66,18 +85,7 @@ func TestReviewPod(t *testing.T) {
 		{"user breaks the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "50"}, ""),
 			`container "main": gpu-fraction "50" must be greater than 0 and less than 1`},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			_, err := identity.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
-			got := ""
-			if err != nil {
-				got = err.Error()
-			}
-			if got != tt.wantErr {
-				t.Errorf("ReviewPod error:\n got  %q\n want %q", got, tt.wantErr)
-			}
-		})
-	}
+	checkReviews(t, identity, tests)
 }
 
 // Squatting: with trusted schedulers configured, a fraction is created
@@ -90,14 +98,7 @@ func TestOnlyATrustedSchedulerPlacesAFraction(t *testing.T) {
 		return p
 	}
 	ask := ann{"gpu-memory": "999999"}
-	for _, tt := range []struct {
-		name    string
-		op      Operation
-		user    string
-		old     *corev1.Pod
-		pod     *corev1.Pod
-		wantErr string
-	}{
+	checkReviews(t, id, []reviewCase{
 		{"gpufrac places it", Create, "alice", nil, onScheduler("gpufrac", "", ask), ""},
 		{"KAI places it", Create, "alice", nil, onScheduler("kai-scheduler", "", ask), ""},
 		{"a glob", Create, "alice", nil, onScheduler("team-a", "", ask), ""},
@@ -111,18 +112,7 @@ func TestOnlyATrustedSchedulerPlacesAFraction(t *testing.T) {
 		{"a fraction gained by UPDATE", Update, "alice", onScheduler("my-scheduler", "", nil), onScheduler("my-scheduler", "", ask),
 			`gpu-memory "999999" cannot be added to a pod after it is created: a pod asks for a GPU fraction when it is created; delete and recreate it with the annotation`},
 		{"the scheduler creates what it places", Create, scheduler, nil, onScheduler("gpufrac", "n1", ask), ""},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			_, err := id.ReviewPod(tt.op, tt.user, tt.old, tt.pod)
-			got := ""
-			if err != nil {
-				got = err.Error()
-			}
-			if got != tt.wantErr {
-				t.Errorf("ReviewPod error:\n got  %q\n want %q", got, tt.wantErr)
-			}
-		})
-	}
+	})
 	// Without trusted schedulers configured, nothing of this is checked.
 	if _, err := identity.ReviewPod(Create, "alice", nil, onScheduler("my-scheduler", "n1", ask)); err != nil {
 		t.Errorf("unconfigured: %v", err)
