@@ -230,24 +230,45 @@ func FractioningCondition(node *corev1.Node) (corev1.NodeCondition, bool) {
 // LabelAgentHeartbeat: three of the agent's default 30 s resync periods.
 const DefaultAgentHeartbeat = 90 * time.Second
 
-// AgentSilent says whether the node's agent has gone unheard for longer
-// than the node's LabelAgentHeartbeat allows at now, and if so why, in
-// words for the pod's reason. A node without the condition is not silent
-// here: InventoryOf already refuses it.
-func AgentSilent(node *corev1.Node, now time.Time) (bool, string) {
+// Heartbeat is when a node's agent was last heard (its
+// ConditionFractioningReady heartbeat) and how long it may go unheard
+// (LabelAgentHeartbeat). The zero Heartbeat is never silent.
+type Heartbeat struct {
+	Last  time.Time
+	Bound time.Duration
+}
+
+// AgentHeartbeat reads a node's Heartbeat: the zero one for a node
+// without the condition or a heartbeat in it (InventoryOf already refuses
+// such a node). Read once per Node object: Silent is what runs per pod.
+func AgentHeartbeat(node *corev1.Node) Heartbeat {
 	cond, ok := FractioningCondition(node)
 	if !ok || cond.LastHeartbeatTime.IsZero() {
-		return false, ""
+		return Heartbeat{}
 	}
-	bound := DefaultAgentHeartbeat
+	h := Heartbeat{Last: cond.LastHeartbeatTime.Time, Bound: DefaultAgentHeartbeat}
 	if secs, err := strconv.ParseInt(node.Labels[LabelAgentHeartbeat], 10, 64); err == nil && secs > 0 {
-		bound = time.Duration(secs) * time.Second
+		h.Bound = time.Duration(secs) * time.Second
 	}
-	silence := now.Sub(cond.LastHeartbeatTime.Time)
-	if silence <= bound {
+	return h
+}
+
+// Silent says whether the agent has gone unheard for longer than its
+// bound at now, and if so why, in words for the pod's reason.
+func (h Heartbeat) Silent(now time.Time) (bool, string) {
+	if h.Last.IsZero() {
 		return false, ""
 	}
-	return true, fmt.Sprintf("the node's gpufrac agent has not been heard from for %s (its %s heartbeat may be at most %s old): with the agent gone nothing injects a fraction's limits", silence.Round(time.Second), ConditionFractioningReady, bound)
+	silence := now.Sub(h.Last)
+	if silence <= h.Bound {
+		return false, ""
+	}
+	return true, fmt.Sprintf("the node's gpufrac agent has not been heard from for %s (its %s heartbeat may be at most %s old): with the agent gone nothing injects a fraction's limits", silence.Round(time.Second), ConditionFractioningReady, h.Bound)
+}
+
+// AgentSilent is AgentHeartbeat(node).Silent(now).
+func AgentSilent(node *corev1.Node, now time.Time) (bool, string) {
+	return AgentHeartbeat(node).Silent(now)
 }
 
 // StandingLabelled says whether the node carries LabelStandingGPUs at all.

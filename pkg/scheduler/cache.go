@@ -72,6 +72,8 @@ type nodeState struct {
 	// its version, so that FilterAt's usual case (the snapshot holds the
 	// informer's very object) costs a pointer comparison.
 	seen *corev1.Node
+	// heartbeat is seen's agent heartbeat (api.AgentHeartbeat).
+	heartbeat api.Heartbeat
 	// waiting are bound pods not yet turned into tenants: their node's
 	// inventory was unknown, or they did not fit. Each rebuild retries.
 	waiting map[types.UID]*corev1.Pod
@@ -134,6 +136,7 @@ func (c *Cache) SetNode(node *corev1.Node) {
 		return
 	}
 	ns.seen = node
+	ns.heartbeat = api.AgentHeartbeat(node) // read once here, judged per pod in Filter
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
 	if standing := api.StandingGPUs(node, inv.Count); standing != ns.Standing {
 		ns.Standing = standing

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -115,7 +114,7 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	case !ns.Ready:
 		return Verdict{Reason: ns.Why}
 	}
-	if silent, why := ns.agentSilent(c.now()); silent {
+	if silent, why := ns.heartbeat.Silent(c.now()); silent {
 		// Ready as last published, but nobody has renewed it: a killed
 		// agent clears nothing. One that starts again flips its
 		// condition (AgentStarting, then Ready), which retries the pod.
@@ -470,13 +469,4 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Suppl
 	}
 	supply.Unit = common
 	return placement.WithMemory(placement.Popular(keys, placement.Coverage), keys, mems), capacity, supply
-}
-
-// agentSilent says whether the node's agent has gone unheard past its
-// bound (api.AgentSilent); a node not yet seen is not judged here.
-func (ns *nodeState) agentSilent(now time.Time) (bool, string) {
-	if ns.seen == nil {
-		return false, ""
-	}
-	return api.AgentSilent(ns.seen, now)
 }
