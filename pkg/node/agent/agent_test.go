@@ -9,6 +9,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 )
 
 // The node derives sm-sharing portions with the reserve the scheduler
@@ -85,5 +86,26 @@ func TestHeartbeatBound(t *testing.T) {
 	}
 	if cfg := decide(hardware{}, Options{ResyncPeriod: 20 * time.Second}, 0, true); cfg.Publish.Heartbeat != time.Minute {
 		t.Errorf("published heartbeat bound %s, want 1m0s", cfg.Publish.Heartbeat)
+	}
+}
+
+// A GPU stays exclusive while a fractional container uses it, also when
+// no reservation pod on the node holds it any more (drained, or another
+// scheduler's); and while either half is unknown, nothing is given back.
+func TestSharedGPUs(t *testing.T) {
+	held := map[string]bool{"GPU-held": true}
+	tenants := []nriplugin.Tenant{{Devices: []string{"GPU-orphaned"}}, {Devices: []string{"GPU-held"}}}
+	got := sharedGPUs(held, tenants, true)
+	if len(got) != 2 || !got["GPU-held"] || !got["GPU-orphaned"] {
+		t.Errorf("shared = %v, want the held GPU and the one a tenant uses", got)
+	}
+	if held["GPU-orphaned"] {
+		t.Error("the annotator's set was changed")
+	}
+	if got := sharedGPUs(nil, tenants, true); got != nil {
+		t.Errorf("reservation pods unread: %v, want unknown", got)
+	}
+	if got := sharedGPUs(held, nil, false); got != nil {
+		t.Errorf("containers not yet audited: %v, want unknown", got)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 )
 
@@ -162,7 +164,7 @@ func (a *Agent) syncComputeModes(ctx context.Context) error {
 		return nil
 	}
 	logger := klog.FromContext(ctx)
-	r := a.exclusive.Sync(a.annotator.Held())
+	r := a.exclusive.Sync(sharedGPUs(a.annotator.Held(), a.plugin.Tenants(), a.plugin.Audited()))
 	for _, uuid := range r.Set {
 		logger.Info("Set the compute mode of a GPU shared through MPS to EXCLUSIVE_PROCESS", "gpu", uuid)
 	}
@@ -176,6 +178,25 @@ func (a *Agent) syncComputeModes(ctx context.Context) error {
 		logger.Error(err, "The record of changed compute modes is unreadable")
 	}
 	return r.Err()
+}
+
+// sharedGPUs are the GPUs fractions share on the node: those its
+// reservation pods hold, and those its fractional containers use, for a
+// reservation pod can be gone (drained, deleted by hand) or in another
+// scheduler's namespace while its tenants run, and their GPU must stay
+// exclusive. Nil (unknown: nothing is given its mode back) while either
+// half is unknown.
+func sharedGPUs(held map[string]bool, tenants []nriplugin.Tenant, audited bool) map[string]bool {
+	if held == nil || !audited {
+		return nil
+	}
+	shared := maps.Clone(held)
+	for _, t := range tenants {
+		for _, uuid := range t.Devices {
+			shared[uuid] = true
+		}
+	}
+	return shared
 }
 
 // resync observes the node, decides what it is, and has every subscriber

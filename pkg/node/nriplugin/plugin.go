@@ -172,6 +172,15 @@ func (p *Plugin) SetInjection(cfg injection.Config) {
 // the node's readiness.
 func (p *Plugin) Registered() bool { return p.registered.Load() }
 
+// Audited reports whether the plugin knows every fractional container
+// that runs: registered, and its audit of the runtime's list not waiting
+// for a backend. Until then Tenants may miss running ones.
+func (p *Plugin) Audited() bool {
+	p.auditMu.Lock()
+	defer p.auditMu.Unlock()
+	return p.registered.Load() && p.deferred == nil
+}
+
 // Run registers with the runtime over its NRI socket and serves until ctx
 // ends or the runtime goes away.
 func (p *Plugin) Run(ctx context.Context, socketPath string) error {

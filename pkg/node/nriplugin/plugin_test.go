@@ -383,8 +383,14 @@ func TestSynchronizeBeforeTheBackendIsKnownWaitsForIt(t *testing.T) {
 	if got := rec.get(&rec.evict); len(got) != 0 {
 		t.Fatalf("evicted while the backend was still unknown: %v", got)
 	}
+	if p.Audited() {
+		t.Error("Audited before the deferred audit ran: its tenants are not all known")
+	}
 	p.SetInjection(cfg)
 	p.WaitForEvictions()
+	if !p.Audited() || len(p.Tenants()) == 0 {
+		t.Errorf("after the audit: Audited %v, tenants %v", p.Audited(), p.Tenants())
+	}
 	if got, want := rec.get(&rec.evict), []string{`unenforced: NVIDIA_GPU_MEMORY_REQUEST is "", want "40448"`}; !cmp.Equal(got, want) {
 		t.Errorf("evictions once the backend is known = %v, want %v", got, want)
 	}
