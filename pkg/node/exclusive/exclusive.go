@@ -83,7 +83,13 @@ func (r Report) Err() error {
 		return nil
 	}
 	uuids := slices.Sorted(maps.Keys(r.NotExclusive))
-	return fmt.Errorf("GPU %s is not in EXCLUSIVE_PROCESS (%w), so a process outside MPS could use it past every share", uuids[0], r.NotExclusive[uuids[0]])
+	return notExclusive(uuids[0], r.NotExclusive[uuids[0]])
+}
+
+// notExclusive is the one-line reason a shared GPU could not be made
+// exclusive, for the node's readiness and a refused container alike.
+func notExclusive(uuid string, err error) error {
+	return fmt.Errorf("GPU %s is not in EXCLUSIVE_PROCESS (%w), so a process outside MPS could use it past every share", uuid, err)
 }
 
 // StateFile is the Keeper's file in the node agent's state directory,
@@ -159,7 +165,7 @@ func (k *Keeper) Ensure(uuids []string) error {
 	defer func() { _ = k.lib.Shutdown() }() // nothing to do if releasing the library fails
 	for _, uuid := range uuids {
 		if _, err := k.ensure(uuid); err != nil {
-			return fmt.Errorf("GPU %s is not in EXCLUSIVE_PROCESS (%w), so a process outside MPS could use it past every share", uuid, err)
+			return notExclusive(uuid, err)
 		}
 	}
 	return nil
