@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	podresources "k8s.io/kubelet/pkg/apis/podresources/v1"
 
@@ -343,14 +344,32 @@ func TestLimitsThatCannotBeSetNeverRunTheProcess(t *testing.T) {
 }
 
 // A container that sets the GPU variables itself gets the decision's
-// values instead; a sidecar of the same pod, not a GPU container, sees no
-// GPU.
+// values instead (the image's NVIDIA_VISIBLE_DEVICES=all included); a
+// sidecar of the same pod, not a GPU container, sees no GPU. A pod that
+// sets a variable its image sets too is never started: the runtime would
+// put the pod's value back over the decision's (measured here before the
+// node refused it: the container saw "all").
 func TestHostileEnvironmentIsReplacedAndSidecarsSeeNoGPU(t *testing.T) {
 	hostile := map[string]string{
-		nodeapi.EnvVisibleDevices: "all", nodeapi.EnvMemoryLimit: "999999", nodeapi.EnvMemoryRequest: "999999",
+		nodeapi.EnvMemoryLimit: "999999", nodeapi.EnvMemoryRequest: "999999",
 		nodeapi.EnvMPSPipeDirectory: "/tmp/evil", nodeapi.EnvMPSPinnedLimit: "0=999999M",
 	}
-	createPod(t, "hostile", map[string]string{"gpu-fraction": "0.1"}, probe("main", hostile), probe("sidecar", map[string]string{nodeapi.EnvVisibleDevices: "all"}))
+	createPod(t, "hostile", map[string]string{"gpu-fraction": "0.1"}, probe("main", hostile), probe("sidecar", nil))
+	createPod(t, "hostile-twice", map[string]string{"gpu-fraction": "0.1"}, probe("main", map[string]string{nodeapi.EnvVisibleDevices: "all"}))
+	const twice = "NVIDIA_VISIBLE_DEVICES is set more than once"
+	if err := waitFor("the pod that sets NVIDIA_VISIBLE_DEVICES over its image's to be refused", 60*time.Second, func() (bool, error) {
+		for _, c := range getPod(t, "hostile-twice").Status.ContainerStatuses {
+			if c.State.Running != nil || c.State.Terminated != nil {
+				return false, fmt.Errorf("its container started: %+v", c.State)
+			}
+			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, twice) {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Error(err)
+	}
 	pod := running(t, "hostile")
 	a := assignment(t, pod, "main")
 	main := theNode.probeReport(t, pod, "main")
@@ -378,6 +397,64 @@ func TestHostileEnvironmentIsReplacedAndSidecarsSeeNoGPU(t *testing.T) {
 		if strings.HasSuffix(c.Cgroup, id) {
 			t.Errorf("the driver got limits for the sidecar: %+v", c)
 		}
+	}
+}
+
+// Every container on the node sees exactly the GPUs granted to it. The
+// probe image sets NVIDIA_VISIBLE_DEVICES=all, as NVIDIA's CUDA images do:
+// a pod that asks for no GPU sees none (and its Events say why); a
+// whole-GPU pod sees exactly the one GPU the device plugin gave it. One
+// that also writes "all" in its own env is never started: the kubelet
+// puts that after the device plugin's value, so the runtime would keep it
+// over any change the agent makes, and the container would see every GPU.
+func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
+	gpu := func(env map[string]string) corev1.Container {
+		c := probe("main", env)
+		c.Resources.Limits = corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}
+		return c
+	}
+	createPod(t, "no-gpu", nil, probe("main", nil))
+	createPod(t, "whole-gpu", nil, gpu(nil))
+	createPod(t, "whole-gpu-all", nil, gpu(map[string]string{nodeapi.EnvVisibleDevices: "all"}))
+
+	pod := running(t, "no-gpu")
+	if got := theNode.probeReport(t, pod, "main").Env[nodeapi.EnvVisibleDevices]; got != "void" {
+		t.Errorf("a pod that asked for no GPU sees %s=%q, want void", nodeapi.EnvVisibleDevices, got)
+	}
+	pod = running(t, "whole-gpu")
+	got := theNode.probeReport(t, pod, "main").Env[nodeapi.EnvVisibleDevices]
+	if !slices.ContainsFunc(theNode.plugin.allocated(), func(ids []string) bool { return len(ids) == 1 && ids[0] == got }) {
+		t.Errorf("the whole-GPU pod sees %s=%q, want exactly the one GPU the device plugin gave it (allocations %v)",
+			nodeapi.EnvVisibleDevices, got, theNode.plugin.allocated())
+	}
+	const refused = "NVIDIA_VISIBLE_DEVICES is set more than once"
+	if err := waitFor("the whole-GPU pod that asks for all to be refused", 60*time.Second, func() (bool, error) {
+		p := getPod(t, "whole-gpu-all")
+		for _, c := range p.Status.ContainerStatuses {
+			if c.State.Running != nil || c.State.Terminated != nil {
+				return false, fmt.Errorf("its container started: %+v", c.State)
+			}
+			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, refused) {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Error(err)
+	}
+	if err := waitFor("the GPUAccessRestricted Event", 30*time.Second, func() (bool, error) {
+		events, err := theNode.admin.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "reason=GPUAccessRestricted"})
+		if err != nil {
+			return false, err
+		}
+		for _, e := range events.Items {
+			if e.InvolvedObject.Name == "no-gpu" && strings.Contains(e.Message, `NVIDIA_VISIBLE_DEVICES="all" names GPUs not granted`) {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Error(err)
 	}
 }
 

@@ -7,6 +7,10 @@
 //     can be pulled here;
 //   - localhost/gpufrac/probe:1, whose containers run the probe (or a shell).
 //
+// Both set the environment NVIDIA's CUDA images set (NVIDIA_VISIBLE_DEVICES
+// =all): what the node agent must keep from every container it did not
+// grant a GPU.
+//
 // Usage: mkimage BUSYBOX PROBE OUT.tar
 package main
 
@@ -54,7 +58,9 @@ func run(busybox, probe, out string) error {
 		"registry.k8s.io/pause:3.10": {Entrypoint: []string{"/bin/sleep", "2147483647"}},
 		"localhost/gpufrac/probe:1":  {Entrypoint: []string{"/bin/probe"}},
 	} {
-		cfg.Env = []string{"PATH=/bin"}
+		// As NVIDIA's CUDA images do: every container of them asks for
+		// all GPUs unless something on the node says otherwise.
+		cfg.Env = []string{"PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility", "CUDA_VERSION=13.0.0"}
 		img, err := mutate.Config(base, cfg)
 		if err != nil {
 			return err

@@ -86,6 +86,11 @@ type Options struct {
 	// EXCLUSIVE_PROCESS (package exclusive), so that no process outside
 	// MPS gets a context on them.
 	ExclusiveProcess bool
+	// RestrictGPUVisibility makes every container of the node see only the
+	// GPUs granted to it (its gpufrac share, the device plugin's
+	// allocation, its DRA shares): an image's NVIDIA_VISIBLE_DEVICES=all
+	// on a pod that asked for no GPU becomes void. Real nodes only.
+	RestrictGPUVisibility bool
 }
 
 // DRAOptions configure the node's DRA driver (pkg/node/dra).
@@ -208,9 +213,13 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	// Until the first resync says which backend the driver allows, the
 	// backend is unset and fractional containers are refused.
+	var grants func(context.Context, nriplugin.PodRef, string, []string) ([]string, error)
+	if a.opts.RestrictGPUVisibility && env.containerDevices != nil {
+		grants = a.grants
+	}
 	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
-		EnsureExclusive: ensureExclusive})
+		EnsureExclusive: ensureExclusive, Grants: grants})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
 	a.plugin = plugin
 	a.mu.Unlock()
@@ -251,6 +260,24 @@ func (a *Agent) Run(ctx context.Context) error {
 		case <-ticker.C:
 		}
 	}
+}
+
+// grants is what a container outside any gpufrac share was granted of
+// the node's GPUs: what the device plugin allocated to it (the kubelet's
+// PodResources) and the GPUs of the DRA shares among its CDI devices.
+func (a *Agent) grants(ctx context.Context, pod nriplugin.PodRef, container string, cdiDevices []string) ([]string, error) {
+	ids, err := a.env.containerDevices(ctx, pod.Namespace, pod.Name, container)
+	if err != nil {
+		return nil, err
+	}
+	if a.driver == nil {
+		return ids, nil
+	}
+	shares, err := a.driver.Granted(cdiDevices)
+	if err != nil {
+		return nil, err
+	}
+	return append(ids, shares...), nil
 }
 
 // standingGPUs is how many GPUs the node asks to have held for shares.
@@ -360,7 +387,14 @@ func podRef(p nriplugin.PodRef) *corev1.ObjectReference {
 func (a *Agent) Refused(pod nriplugin.PodRef, container string, err error) {
 	a.metrics.Count(metrics.EventRefused)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionRefused",
-		"container %s not started: its GPU fraction cannot be enforced: %v", container, err)
+		"container %s not started: %v", container, err)
+}
+
+// Policed records an Event on the pod.
+func (a *Agent) Policed(pod nriplugin.PodRef, container, detail string) {
+	a.metrics.Count(metrics.EventPoliced)
+	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUAccessRestricted",
+		"container %s sees only the GPUs granted to it: %s", container, detail)
 }
 
 // FailedOpen records an Event on the pod.

@@ -37,6 +37,9 @@ type environment struct {
 	nvml nvml.Interface
 	// devices tells which GPU the device plugin gave each reservation pod.
 	devices reservation.Source
+	// containerDevices are the NVIDIA devices the device plugin allocated
+	// to a container; nil where no container runs.
+	containerDevices func(ctx context.Context, namespace, pod, container string) ([]string, error)
 	// nriSocket is the NRI endpoint the plugin registers with.
 	nriSocket string
 	// draPluginDir, draRegistrarDir, cdiDir are the DRA driver's
@@ -72,7 +75,7 @@ func realNode(opts Options) (*environment, error) {
 		return nil, err
 	}
 	return &environment{
-		nvml: nvml.New(), devices: source, nriSocket: opts.NRISocket,
+		nvml: nvml.New(), devices: source, containerDevices: source.ContainerDevices, nriSocket: opts.NRISocket,
 		draPluginDir: DefaultDRAPluginDir, draRegistrarDir: DefaultDRARegistrarDir, cdiDir: DefaultCDIDir,
 		containers:  true,
 		checkCgroup: func() error { return enforce.CheckCgroup(opts.CgroupRoot) },

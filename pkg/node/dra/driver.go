@@ -396,3 +396,52 @@ func Publish(ctx context.Context, h *kubeletplugin.Helper, d *Driver, reserveMiB
 	}
 	return nil
 }
+
+// Granted is what a container's CDI device names (as the kubelet handed
+// them to the runtime) grant it of the node's GPUs: for each device of a
+// share this driver prepared, the GPUs its spec shows the container
+// (NVIDIA_VISIBLE_DEVICES of its edits). Other devices grant nothing
+// here: their own edits carry what they give.
+func (d *Driver) Granted(cdiNames []string) ([]string, error) {
+	var out []string
+	for _, full := range cdiNames {
+		name, ok := strings.CutPrefix(full, CDIKind+"=")
+		if !ok {
+			continue
+		}
+		entries, err := os.ReadDir(d.CDIDir)
+		if err != nil {
+			return nil, fmt.Errorf("CDI device %s: %w", full, err)
+		}
+		found := false
+		for _, e := range entries {
+			uid, ok := strings.CutPrefix(strings.TrimSuffix(e.Name(), ".json"), specPrefix)
+			if !ok || !strings.HasPrefix(name, uid+"-") {
+				continue
+			}
+			raw, err := os.ReadFile(filepath.Join(d.CDIDir, e.Name()))
+			if err != nil {
+				return nil, fmt.Errorf("CDI device %s: %w", full, err)
+			}
+			var spec cdispec.Spec
+			if err := json.Unmarshal(raw, &spec); err != nil {
+				return nil, fmt.Errorf("CDI device %s: its spec %s: %w", full, e.Name(), err)
+			}
+			for _, dev := range spec.Devices {
+				if dev.Name != name {
+					continue
+				}
+				found = true
+				for _, kv := range dev.ContainerEdits.Env {
+					if v, ok := strings.CutPrefix(kv, nodeapi.EnvVisibleDevices+"="); ok {
+						out = append(out, strings.Split(v, ",")...)
+					}
+				}
+			}
+		}
+		if !found {
+			return nil, fmt.Errorf("CDI device %s: this node prepared no such share", full)
+		}
+	}
+	return out, nil
+}

@@ -7,7 +7,9 @@ package injection
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -135,7 +137,46 @@ type Decision struct {
 // a complete scheduler decision is refused, unless the node fails open.
 // Containers of a fractional pod that get no GPU are shown none, so an
 // image's NVIDIA_VISIBLE_DEVICES=all cannot reach the pod's neighbours.
+// A container whose environment the adjustment cannot set (a variable
+// both the image and the pod set: the runtime keeps the pod's) is
+// refused, failing open or not: not even "no GPU" could be made to hold.
 func Decide(pod Pod, container string, env []string, cfg Config) Decision {
+	d := decide(pod, container, env, cfg)
+	if d.Verdict != Refuse && d.Adjustment != nil {
+		if err := CheckApplies(env, d.Adjustment); err != nil {
+			return Decision{Verdict: Refuse, Reason: fmt.Errorf("container %q: %w", container, err)}
+		}
+	}
+	return d
+}
+
+// CheckApplies says whether adj sets the environment it means to once the
+// runtime applies it (ApplyEnv): where env holds a key adj changes more
+// than once, the runtime changes only the first entry and puts the later
+// ones back, so the last one written, normally the pod's own, wins.
+func CheckApplies(env []string, adj *nriapi.ContainerAdjustment) error {
+	got := ApplyEnv(env, adj)
+	want := map[string]*nriapi.KeyValue{}
+	for _, kv := range adj.GetEnv() {
+		k, _ := nriapi.IsMarkedForRemoval(kv.Key)
+		want[k] = kv
+	}
+	keys := slices.Sorted(maps.Keys(want))
+	for _, k := range keys {
+		kv := want[k]
+		value, set := got[k]
+		_, removed := nriapi.IsMarkedForRemoval(kv.Key)
+		if (removed && !set) || (!removed && set && value == kv.Value) {
+			continue
+		}
+		values, _ := lookupSet(env, k)
+		return fmt.Errorf("%s is set more than once (%q: by the image and again by the pod), and the runtime keeps the last value over any change the node makes; remove %s from the pod's env",
+			k, values, k)
+	}
+	return nil
+}
+
+func decide(pod Pod, container string, env []string, cfg Config) Decision {
 	if !api.AsksForFraction(pod.Annotations) {
 		return Decision{Verdict: Run}
 	}
@@ -373,18 +414,37 @@ func injectInto(e edits, a api.Assignment, namespace string, env []string, cfg C
 }
 
 // ApplyEnv returns the environment env (KEY=VALUE entries) becomes once
-// adj's removals and additions are applied, as the runtime applies them.
-// The plugin's audit compares running containers with it.
+// adj's removals and additions are applied, exactly as the runtime applies
+// them (NRI's runtime-tools generator, AdjustEnv): an adjusted key's first
+// entry takes the new value or goes, but a later entry of the same key is
+// put back and, the last one setting a key winning, overrides it. The
+// plugin's audit and Police compare with it.
 func ApplyEnv(env []string, adj *nriapi.ContainerAdjustment) map[string]string {
+	mod := map[string]*nriapi.KeyValue{}
+	for _, kv := range adj.GetEnv() {
+		k, _ := nriapi.IsMarkedForRemoval(kv.Key)
+		mod[k] = kv
+	}
 	out := make(map[string]string, len(env))
 	for _, kv := range env {
-		k, v, _ := strings.Cut(kv, "=")
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			continue
+		}
+		if m, adjusted := mod[k]; adjusted {
+			delete(mod, k)
+			if _, removed := nriapi.IsMarkedForRemoval(m.Key); !removed {
+				out[k] = m.Value
+			}
+			continue
+		}
 		out[k] = v
 	}
 	for _, kv := range adj.GetEnv() {
-		if k, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
-			delete(out, k)
-		} else {
+		if _, removed := nriapi.IsMarkedForRemoval(kv.Key); removed {
+			continue
+		}
+		if _, left := mod[kv.Key]; left {
 			out[kv.Key] = kv.Value
 		}
 	}

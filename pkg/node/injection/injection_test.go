@@ -407,3 +407,30 @@ func TestBackendsShapeTheInjection(t *testing.T) {
 		}
 	}
 }
+
+// A variable both the image and the pod set cannot be changed: the runtime
+// changes the first entry and puts the pod's back (ApplyEnv, as NRI's
+// AdjustEnv does). Such a container is refused, failing open or not;
+// a variable set once is replaced as always.
+func TestDecideRefusesWhatTheRuntimeWouldUndo(t *testing.T) {
+	ann := map[string]string{"gpu-fraction": "0.5", "nvidia.com/container.main.gpus.devices": "GPU-a",
+		"nvidia.com/container.main.gpu-memory.request": "40448Mi", "nvidia.com/container.main.gpu-memory.limit": "40448Mi"}
+	image := []string{"NVIDIA_VISIBLE_DEVICES=all", "PATH=/bin"}
+	for _, failOpen := range []bool{false, true} {
+		c := cfg
+		c.FailOpen = failOpen
+		d := Decide(Pod{UID: "u", Annotations: ann}, "main", append(image, "NVIDIA_VISIBLE_DEVICES=all"), c)
+		if d.Verdict != Refuse || !strings.Contains(d.Reason.Error(), `container "main": NVIDIA_VISIBLE_DEVICES is set more than once ("all,all"`) {
+			t.Errorf("fail-open %v: %s %v, want refused", failOpen, d.Verdict, d.Reason)
+		}
+		// The fraction's sidecar, which would be shown no GPU, likewise.
+		d = Decide(Pod{UID: "u", Annotations: ann}, "sidecar", append(image, "NVIDIA_VISIBLE_DEVICES=GPU-b"), c)
+		if d.Verdict != Refuse {
+			t.Errorf("fail-open %v: sidecar %s, want refused", failOpen, d.Verdict)
+		}
+	}
+	d := Decide(Pod{UID: "u", Annotations: ann}, "main", image, cfg)
+	if d.Verdict != Run || ApplyEnv(image, d.Adjustment)["NVIDIA_VISIBLE_DEVICES"] != "GPU-a" {
+		t.Errorf("set once: %s %v", d.Verdict, d.Reason)
+	}
+}

@@ -113,6 +113,7 @@ const (
 	EventReleaseFailed = "release_failed"
 	EventUnenforced    = "unenforced"
 	EventMPSRestarted  = "mps_restarted"
+	EventPoliced       = "policed"
 )
 
 // Count records one enforcement event.

@@ -6,6 +6,7 @@ package nriplugin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	"github.com/containerd/nri/pkg/stub"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
@@ -62,6 +64,9 @@ type Reporter interface {
 	// MPSRestarted: the node's MPS daemon was replaced under a running
 	// container, whose MPS clients lost their contexts.
 	MPSRestarted(pod PodRef, container, detail string)
+	// Policed: a container outside any gpufrac share named GPUs it was
+	// not granted, and now sees only its grant (detail says what changed).
+	Policed(pod PodRef, container, detail string)
 }
 
 // Evictor evicts a pod (through the Eviction API, so disruption budgets
@@ -98,6 +103,12 @@ type Options struct {
 	// EXCLUSIVE_PROCESS before it starts (the resync does it too, but a
 	// container may come first); its error refuses the container.
 	EnsureExclusive func(uuids []string) error
+	// Grants, when set, tells which GPUs a container outside any gpufrac
+	// share was granted (the device plugin's allocation, its DRA shares,
+	// from cdiDevices as the kubelet named them): every such container
+	// is made to see exactly those (injection.Police). Its error refuses
+	// a container that names GPUs: what it may see is unknown.
+	Grants func(ctx context.Context, pod PodRef, container string, cdiDevices []string) ([]string, error)
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -260,6 +271,18 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		}
 	}
 	ref, logger := refOf(pod), klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+	if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
+		adj, note, err := p.police(ctx, ref, ctr)
+		if err != nil {
+			d = injection.Decision{Verdict: injection.Refuse, Reason: err}
+		} else if adj != nil {
+			logger.Info("The container names GPUs it was not granted; it sees only its grant", "change", note)
+			if p.opts.Reporter != nil {
+				p.opts.Reporter.Policed(ref, ctr.GetName(), note)
+			}
+			d.Adjustment = adj
+		}
+	}
 	switch d.Verdict {
 	case injection.Run:
 		if d.Assignment != nil {
@@ -283,12 +306,41 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		}
 		return d.Adjustment, nil, nil
 	}
-	logger.Info("Refusing the container: its GPU fraction cannot be enforced", "reason", d.Reason.Error())
+	if api.AsksForFraction(pod.GetAnnotations()) {
+		d.Reason = fmt.Errorf("its GPU fraction cannot be enforced: %w", d.Reason)
+	}
+	logger.Info("Refusing the container", "reason", d.Reason.Error())
 	if p.opts.Reporter != nil {
 		p.opts.Reporter.Refused(ref, ctr.GetName(), d.Reason)
 	}
 	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), d.Reason)
 }
+
+// police is injection.Police for a container outside any gpufrac share:
+// nil when it names no GPU beyond its grant. The grant is read only for a
+// container that names GPUs at all (most name none).
+func (p *Plugin) police(ctx context.Context, pod PodRef, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, string, error) {
+	if p.opts.Grants == nil {
+		return nil, "", nil
+	}
+	if adj, _, err := injection.Police(ctr.GetEnv(), ctr.GetMounts(), nil); adj == nil && err == nil {
+		return nil, "", nil
+	}
+	var cdi []string
+	for _, d := range ctr.GetCDIDevices() {
+		cdi = append(cdi, d.GetName())
+	}
+	granted, err := p.opts.Grants(ctx, pod, ctr.GetName(), cdi)
+	if err != nil {
+		return nil, "", fmt.Errorf("the container names GPUs (%s=%q) and %w: %w",
+			nodeapi.EnvVisibleDevices, envValue(ctr.GetEnv(), nodeapi.EnvVisibleDevices), errGrantUnknown, err)
+	}
+	return injection.Police(ctr.GetEnv(), ctr.GetMounts(), granted)
+}
+
+// errGrantUnknown is police's error when what a container was granted
+// cannot be read (not what it names).
+var errGrantUnknown = errors.New("which ones it was granted cannot be read")
 
 func withNotes(detail string, notes []string) string {
 	if len(notes) == 0 {
@@ -678,6 +730,20 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 		live[ctr.GetId()] = true
 		d := p.decide(pod, ctr)
 		reason := missingEnforcement(d, ctr)
+		if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
+			// Started while the agent was away, it may see GPUs it was
+			// never granted; a grant that cannot be read now is judged at
+			// the next synchronization, not guessed.
+			adj, note, err := p.police(ctx, refOf(pod), ctr)
+			switch {
+			case errors.Is(err, errGrantUnknown):
+				logger.Error(err, "Cannot check a running container's GPUs against its grant", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+			case err != nil:
+				reason = "running with GPUs it was not granted: " + err.Error()
+			case adj != nil:
+				reason = "running with GPUs it was not granted: " + note
+			}
+		}
 		if d.Assignment != nil {
 			state := StateEnforced
 			if reason != "" {

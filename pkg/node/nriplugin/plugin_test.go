@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -67,9 +68,13 @@ func startRuntimeAt(t *testing.T, sock string, pods []*nriapi.PodSandbox, ctrs [
 
 // recorder is the Reporter and Evictor of the tests.
 type recorder struct {
-	mu                                                                            sync.Mutex
-	refused, failedOpen, evict, releaseFailed, enforced, unenforced, mpsRestarted []string
-	failEvictions                                                                 int
+	mu                                                                                     sync.Mutex
+	refused, failedOpen, evict, releaseFailed, enforced, unenforced, mpsRestarted, policed []string
+	failEvictions                                                                          int
+}
+
+func (r *recorder) Policed(pod PodRef, c, detail string) {
+	r.add(&r.policed, pod.Name+"/"+c+": "+detail)
 }
 
 func (r *recorder) Refused(pod PodRef, c string, err error) {
@@ -228,11 +233,68 @@ func TestCreateContainerOverNRI(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: unscheduled, Container: container("c3", "p3", "main")})
-	if err == nil || !strings.Contains(err.Error(), `gpufrac: pod ml/sneaky container "main": gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`) {
+	if err == nil || !strings.Contains(err.Error(), `gpufrac: pod ml/sneaky container "main": its GPU fraction cannot be enforced: gpu-fraction "0.5" asks for a GPU fraction, but no scheduler has assigned the pod GPUs (no nvidia.com/container.<container>.gpus.devices)`) {
 		t.Errorf("unscheduled fraction: error %v", err)
 	}
 	if got := rec.get(&rec.refused); len(got) != 1 || !strings.HasPrefix(got[0], "sneaky/main: ") {
 		t.Errorf("refusals reported: %v", got)
+	}
+}
+
+// Every container outside a gpufrac share sees exactly what it was
+// granted: an image's "all" on an ordinary pod becomes void, a whole-GPU
+// pod's list its one GPU; the grant is asked only of containers that name
+// GPUs, and one that cannot be read refuses the container (fail closed).
+func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	var asked []string
+	var grantErr error
+	grants := map[string][]string{"ml/trainer/main": {"GPU-b"}, "ml/share/main": {"GPU-c"}}
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec,
+		Grants: func(_ context.Context, pod PodRef, c string, cdi []string) ([]string, error) {
+			asked = append(asked, pod.Namespace+"/"+pod.Name+"/"+c)
+			if pod.Name == "share" && (len(cdi) != 1 || cdi[0] != "gpu.gpufrac.io/share=uid-1-gpu") {
+				return nil, fmt.Errorf("CDI devices %v", cdi)
+			}
+			return grants[pod.Namespace+"/"+pod.Name+"/"+c], grantErr
+		}})
+	ctx := context.Background()
+	create := func(id, name string, ctr *nriapi.Container) (map[string]string, error) {
+		pod := sandbox(id, name, nil)
+		if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+		return injection.ApplyEnv(ctr.Env, resp.GetAdjust()), err
+	}
+	env, err := create("p1", "web", container("c1", "p1", "main", "NVIDIA_VISIBLE_DEVICES=all", "CUDA_VERSION=12.4"))
+	if err != nil || env["NVIDIA_VISIBLE_DEVICES"] != "void" {
+		t.Errorf("ordinary pod with a CUDA image: NVIDIA_VISIBLE_DEVICES=%q, err %v; want void", env["NVIDIA_VISIBLE_DEVICES"], err)
+	}
+	env, err = create("p2", "trainer", container("c2", "p2", "main", "NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b"))
+	if err != nil || env["NVIDIA_VISIBLE_DEVICES"] != "GPU-b" {
+		t.Errorf("whole-GPU pod naming a neighbour's GPU: NVIDIA_VISIBLE_DEVICES=%q, err %v; want its GPU-b", env["NVIDIA_VISIBLE_DEVICES"], err)
+	}
+	shareCtr := container("c3", "p3", "main", "NVIDIA_VISIBLE_DEVICES=GPU-c")
+	shareCtr.CDIDevices = []*nriapi.CDIDevice{{Name: "gpu.gpufrac.io/share=uid-1-gpu"}}
+	if env, err = create("p3", "share", shareCtr); err != nil || env["NVIDIA_VISIBLE_DEVICES"] != "GPU-c" {
+		t.Errorf("a DRA share's consumer: NVIDIA_VISIBLE_DEVICES=%q, err %v; want its GPU-c untouched", env["NVIDIA_VISIBLE_DEVICES"], err)
+	}
+	if _, err = create("p4", "plain", container("c4", "p4", "main", "PATH=/bin")); err != nil {
+		t.Errorf("a container naming no GPU: %v", err)
+	}
+	if want := []string{"ml/web/main", "ml/trainer/main", "ml/share/main"}; !slices.Equal(asked, want) {
+		t.Errorf("grants asked for %v, want %v (never for a container naming no GPU)", asked, want)
+	}
+	if got := rec.get(&rec.policed); len(got) != 2 || !strings.Contains(got[0], `NVIDIA_VISIBLE_DEVICES="all" names GPUs not granted`) {
+		t.Errorf("policed containers reported: %v", got)
+	}
+
+	grantErr = errors.New("kubelet PodResources List: connection refused")
+	_, err = create("p5", "blind", container("c5", "p5", "main", "NVIDIA_VISIBLE_DEVICES=all"))
+	if err == nil || !strings.Contains(err.Error(), `the container names GPUs (NVIDIA_VISIBLE_DEVICES="all") and which ones it was granted cannot be read: kubelet PodResources List: connection refused`) {
+		t.Errorf("grant unreadable: err %v, want the container refused", err)
 	}
 }
 
@@ -340,6 +402,31 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 	slices.Sort(got)
 	slices.Sort(want)
 	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("evictions (-want +got):\n%s", diff)
+	}
+}
+
+// With grants known, a container that started while the agent was away
+// and sees GPUs it was not granted is stopped too; one whose grant covers
+// what it names is left alone.
+func TestSynchronizeStopsContainersSeeingUngrantedGPUs(t *testing.T) {
+	pods := []*nriapi.PodSandbox{sandbox("p1", "web", nil), sandbox("p2", "trainer", nil)}
+	ctrs := []*nriapi.Container{
+		container("c1", "p1", "web", "NVIDIA_VISIBLE_DEVICES=all"),
+		container("c2", "p2", "main", "NVIDIA_VISIBLE_DEVICES=GPU-b"),
+	}
+	rt := startRuntime(t, pods, ctrs)
+	rec := &recorder{}
+	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec,
+		Grants: func(_ context.Context, pod PodRef, _ string, _ []string) ([]string, error) {
+			if pod.Name == "trainer" {
+				return []string{"GPU-b"}, nil
+			}
+			return nil, nil
+		}})
+	p.WaitForEvictions()
+	want := []string{`web: running with GPUs it was not granted: NVIDIA_VISIBLE_DEVICES="all" names GPUs not granted to the container (all): set to "void"`}
+	if diff := cmp.Diff(want, rec.get(&rec.evict)); diff != "" {
 		t.Errorf("evictions (-want +got):\n%s", diff)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 
 	"google.golang.org/grpc"
@@ -71,6 +72,34 @@ func (k *Kubelet) Devices(ctx context.Context, _ []corev1.Pod) (map[string][]str
 				if d.GetResourceName() == api.ResourceGPU {
 					key := pod.GetNamespace() + "/" + pod.GetName()
 					out[key] = append(out[key], d.GetDeviceIds()...)
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// ContainerDevices are the NVIDIA device IDs the kubelet's device
+// manager allocated to one container of a pod.
+func (k *Kubelet) ContainerDevices(ctx context.Context, namespace, pod, container string) ([]string, error) {
+	resp, err := k.client.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("kubelet PodResources List: %w", err)
+	}
+	var out []string
+	for _, p := range resp.GetPodResources() {
+		if p.GetNamespace() != namespace || p.GetName() != pod {
+			continue
+		}
+		for _, c := range p.GetContainers() {
+			if c.GetName() != container {
+				continue
+			}
+			for _, d := range c.GetDevices() {
+				// nvidia.com/gpu, and what NVIDIA's plugin serves besides:
+				// renamed shared GPUs (nvidia.com/gpu.shared), MIG devices.
+				if strings.HasPrefix(d.GetResourceName(), "nvidia.com/") {
+					out = append(out, d.GetDeviceIds()...)
 				}
 			}
 		}

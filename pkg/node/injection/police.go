@@ -1,0 +1,152 @@
+package injection
+
+import (
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	nriapi "github.com/containerd/nri/pkg/api"
+
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+)
+
+// What NVIDIA's container toolkit reads to choose a container's GPUs,
+// besides NVIDIA_VISIBLE_DEVICES (nvidia-container-toolkit,
+// internal/config/image/cuda_image.go): an image is "legacy" when it sets
+// CUDA_VERSION and not NVIDIA_REQUIRE_CUDA, and then an unset device list
+// means all GPUs; with the volume-mounts strategy the list is read from
+// mounts of /dev/null under DeviceListAsVolumeMountsRoot.
+const (
+	envCUDAVersion      = "CUDA_VERSION"
+	envRequireCUDA      = "NVIDIA_REQUIRE_CUDA"
+	deviceMountsRoot    = "/var/run/nvidia-container-devices"
+	deviceMountSource   = "/dev/null"
+	noDevicesButDrivers = "none"
+)
+
+// Police makes a container that holds no gpufrac share (a pod with no
+// fraction, a whole-GPU pod, a DRA consumer) see exactly the GPUs granted
+// to it: granted are the device IDs the device plugin allocated to the
+// container (the kubelet's PodResources API, "GPU-<uuid>", "GPU-<uuid>::n"
+// for a shared replica, "MIG-<uuid>", or an index where the plugin names
+// devices so) and the GPUs of its DRA shares. Any other request, in
+// NVIDIA_VISIBLE_DEVICES (an image's "all", a pod's own value) or in the
+// toolkit's volume-mounts list, is replaced: by the granted list, by
+// "void" when nothing is granted. It returns nil when the container asks
+// for nothing more than it was granted, and otherwise the adjustment with
+// a note for the pod's Event. A container whose environment no adjustment
+// can correct (the variable set twice, the last value wrong: the runtime
+// puts it back, see ApplyEnv) is an error: it must not start.
+func Police(env []string, mounts []*nriapi.Mount, granted []string) (*nriapi.ContainerAdjustment, string, error) {
+	allowed := grantedIDs(granted)
+	adj := &nriapi.ContainerAdjustment{}
+	var notes []string
+	value, set := lookupSet(env, nodeapi.EnvVisibleDevices)
+	want := strings.Join(allowed, ",")
+	if want == "" {
+		want = noDevices
+	}
+	switch {
+	case !set:
+		// Unset means no GPU, except for a legacy CUDA image, where the
+		// toolkit reads it as all of them (set but empty is none).
+		if lookup(env, envCUDAVersion) != "" && lookup(env, envRequireCUDA) == "" {
+			setEnv(adj, nodeapi.EnvVisibleDevices, want)
+			notes = append(notes, fmt.Sprintf("the image is a legacy CUDA image (CUDA_VERSION without NVIDIA_REQUIRE_CUDA), for which NVIDIA's toolkit takes an unset %s as all GPUs: set to %q", nodeapi.EnvVisibleDevices, want))
+		}
+	default:
+		if bad := ungranted(strings.Split(value, ","), allowed); len(bad) > 0 {
+			setEnv(adj, nodeapi.EnvVisibleDevices, want)
+			notes = append(notes, fmt.Sprintf("%s=%q names GPUs not granted to the container (%s): set to %q", nodeapi.EnvVisibleDevices, value, strings.Join(bad, ","), want))
+		}
+	}
+	for _, m := range mounts {
+		device, ok := mountedDevice(m)
+		if !ok || len(ungranted([]string{device}, allowed)) == 0 {
+			continue
+		}
+		adj.RemoveMount(m.GetDestination())
+		notes = append(notes, fmt.Sprintf("the device-list mount %s names a GPU not granted to the container: removed", m.GetDestination()))
+	}
+	if len(notes) == 0 {
+		return nil, "", nil
+	}
+	if got, ok := ApplyEnv(env, adj)[nodeapi.EnvVisibleDevices]; ok {
+		if bad := ungranted(strings.Split(got, ","), allowed); len(bad) > 0 {
+			return nil, "", fmt.Errorf("%s is set more than once (%q), and the runtime keeps the last value, %q, over any change the node makes: it names GPUs not granted to the container (%s); remove %s from the pod's env (the device plugin sets it)",
+				nodeapi.EnvVisibleDevices, value, got, strings.Join(bad, ","), nodeapi.EnvVisibleDevices)
+		}
+	}
+	return adj, strings.Join(notes, "; "), nil
+}
+
+// grantedIDs are the device IDs a container may name: the granted ones,
+// a shared replica ("GPU-x::2") by its GPU, once each, in order.
+func grantedIDs(granted []string) []string {
+	var out []string
+	for _, id := range granted {
+		id, _, _ = strings.Cut(strings.TrimSpace(id), "::")
+		if id != "" && !slices.Contains(out, id) {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// ungranted are the entries of a device list that name a GPU not in
+// allowed. An entry is a device ID, or a CDI name whose device is one
+// ("nvidia.com/gpu=GPU-x"); "void" and "none" name no GPU; "all", an
+// index the plugin did not grant, or another CDI device name one.
+func ungranted(entries, allowed []string) []string {
+	var bad []string
+	for _, e := range entries {
+		e = strings.TrimSpace(e)
+		switch {
+		case e == "" || e == noDevices || e == noDevicesButDrivers:
+			continue
+		case slices.Contains(allowed, e):
+			continue
+		}
+		if i := strings.LastIndex(e, "="); i > 0 && slices.Contains(allowed, e[i+1:]) {
+			continue
+		}
+		bad = append(bad, e)
+	}
+	return bad
+}
+
+// mountedDevice is the device a mount requests under the toolkit's
+// volume-mounts strategy: /dev/null mounted at
+// /var/run/nvidia-container-devices/<device>.
+func mountedDevice(m *nriapi.Mount) (string, bool) {
+	if filepath.Clean(m.GetSource()) != deviceMountSource {
+		return "", false
+	}
+	rest, ok := strings.CutPrefix(filepath.Clean(m.GetDestination()), deviceMountsRoot+"/")
+	if !ok || rest == "" || strings.HasPrefix(rest, "imex/") {
+		return "", false // IMEX channels are not GPUs
+	}
+	// CDI requests are cdi/<vendor>/<class>/<device> or
+	// cdi/<vendor>/<class>=<device>: the device is the last part.
+	if cdi, ok := strings.CutPrefix(rest, "cdi/"); ok {
+		parts := strings.FieldsFunc(cdi, func(r rune) bool { return r == '/' || r == '=' })
+		if len(parts) == 0 {
+			return rest, true
+		}
+		return parts[len(parts)-1], true
+	}
+	return rest, true
+}
+
+// lookupSet is key's value in env, every occurrence's entries together
+// (a list with the key twice is judged on both), and whether it is set.
+func lookupSet(env []string, key string) (string, bool) {
+	var values []string
+	for _, kv := range env {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == key {
+			values = append(values, v)
+		}
+	}
+	return strings.Join(values, ","), len(values) > 0
+}
