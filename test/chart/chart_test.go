@@ -27,6 +27,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -593,6 +594,29 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 	}
 	if err := uuid("reservation-gpu-b"); !apierrors.IsForbidden(err) {
 		t.Errorf("agent on gpu-a annotating gpu-b's reservation pod: %v", err)
+	}
+	// A tenant's pod found running unenforced is deleted (no disruption
+	// budget may keep it), by its own node's agent only.
+	for _, n := range []string{"gpu-a", "gpu-b"} {
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "tenant-" + n, Namespace: namespace},
+			Spec:       corev1.PodSpec{NodeName: n, Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
+		}
+		if _, err := admin.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	del := func(pod string) error {
+		return agent("gpu-a").CoreV1().Pods(namespace).Delete(ctx, pod, metav1.DeleteOptions{})
+	}
+	if err := del("tenant-gpu-b"); !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), `may change only its own node and its pods, not pods "tenant-gpu-b"`) {
+		t.Errorf("agent on gpu-a deleting gpu-b's pod: %v", err)
+	}
+	if err := del("tenant-gpu-a"); err != nil {
+		t.Errorf("agent on gpu-a deleting its own node's pod: %v", err)
+	}
+	if err := agent("gpu-a").PolicyV1().Evictions(namespace).Evict(ctx, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: "tenant-gpu-b", Namespace: namespace}}); !apierrors.IsForbidden(err) {
+		t.Errorf("agent evicting a pod: %v, want forbidden (it has no eviction right left)", err)
 	}
 }
 

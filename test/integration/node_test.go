@@ -16,8 +16,11 @@ import (
 
 	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/wait"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
@@ -453,17 +456,41 @@ func TestNodeAgentEventsAndEvictions(t *testing.T) {
 		t.Fatalf("no GPUFractionRefused event: %v", err)
 	}
 
-	// An eviction names the pod by UID: a stale reference evicts nothing.
+	// A tenant's disruption budget does not keep it running: the budget
+	// would refuse an eviction, and the agent deletes the pod.
+	one := intstr.FromInt32(1)
+	victim.Labels = map[string]string{"app": "pinned"}
+	if victim, err = shared.admin.CoreV1().Pods(ns).Update(ctx, victim, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Running and ready, as a budget protects it (a pending pod's
+	// eviction ignores budgets).
+	victim.Status.Phase = corev1.PodRunning
+	victim.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+	if _, err = shared.admin.CoreV1().Pods(ns).UpdateStatus(ctx, victim, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := shared.admin.PolicyV1().PodDisruptionBudgets(ns).Create(ctx, &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Name: "pin", Namespace: ns},
+		Spec:       policyv1.PodDisruptionBudgetSpec{MinAvailable: &one, Selector: &metav1.LabelSelector{MatchLabels: victim.Labels}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = shared.admin.PolicyV1().Evictions(ns).Evict(ctx, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: victim.Name, Namespace: ns}})
+	if !apierrors.IsTooManyRequests(err) {
+		t.Fatalf("the budget does not refuse an eviction (%v): the test would prove nothing", err)
+	}
+	// The agent names the pod by UID: a stale reference removes nothing.
 	stale := ref
 	stale.UID = "00000000-0000-0000-0000-000000000000"
 	if err := a.Evict(ctx, stale, "test"); err == nil {
-		t.Error("eviction with a stale UID succeeded")
+		t.Error("removal with a stale UID succeeded")
 	}
 	if err := a.Evict(ctx, ref, "test"); err != nil {
 		t.Fatalf("evict: %v", err)
 	}
 	if _, err := shared.admin.CoreV1().Pods(ns).Get(ctx, victim.Name, metav1.GetOptions{}); err == nil {
-		t.Error("evicted pod still exists")
+		t.Error("the pod still exists under its disruption budget")
 	}
 }
 

@@ -17,7 +17,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
-	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -408,7 +407,7 @@ func (a *Agent) FailedOpen(pod nriplugin.PodRef, container string, err error) {
 func (a *Agent) Evicted(pod nriplugin.PodRef, container, reason string) {
 	a.metrics.Count(metrics.EventEvicted)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUFractionNotEnforced",
-		"evicted: container %s runs without its GPU-fraction enforcement (%s)", container, reason)
+		"deleted, whatever its disruption budgets say: container %s runs without its GPU enforcement (%s)", container, reason)
 }
 
 // Enforced records a Normal Event on the pod: its limits are in force.
@@ -441,12 +440,13 @@ func (a *Agent) ReleaseFailed(pod nriplugin.PodRef, container string, err error)
 		"container %s stopped but its GPU soft limit could not be released: %v", container, err)
 }
 
-// Evict evicts a pod through the Eviction API.
+// Evict removes a pod found running without its enforcement: it deletes
+// it (named by UID, so a new pod that took the name is never touched),
+// not through the Eviction API, whose disruption budgets a tenant writes
+// and could use to keep an unenforced container running for good. The
+// node agent may delete only the pods of its own node (deploy/'s and the
+// chart's own-node policy).
 func (a *Agent) Evict(ctx context.Context, pod nriplugin.PodRef, _ string) error {
 	uid := types.UID(pod.UID)
-	return a.client.PolicyV1().Evictions(pod.Namespace).Evict(ctx, &policyv1.Eviction{
-		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: pod.Namespace},
-		// Never evict a new pod that took the old one's name.
-		DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}},
-	})
+	return a.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 }

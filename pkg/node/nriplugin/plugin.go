@@ -69,8 +69,9 @@ type Reporter interface {
 	Policed(pod PodRef, container, detail string)
 }
 
-// Evictor evicts a pod (through the Eviction API, so disruption budgets
-// are honoured).
+// Evictor removes a pod that must not keep running, whatever disruption
+// budgets say (the agent deletes it): an unenforced container is stopped,
+// not negotiated with.
 type Evictor interface {
 	Evict(ctx context.Context, pod PodRef, reason string) error
 }
