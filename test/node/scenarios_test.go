@@ -587,7 +587,9 @@ func pinPod(t *testing.T, name string) {
 	if _, err := theNode.admin.PolicyV1().PodDisruptionBudgets(ns).Create(ctx, pdb, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = theNode.admin.PolicyV1().PodDisruptionBudgets(ns).Delete(ctx, name, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		_ = theNode.admin.PolicyV1().PodDisruptionBudgets(ns).Delete(ctx, name, metav1.DeleteOptions{})
+	})
 	if err := waitFor("the budget to refuse an eviction", 30*time.Second, func() (bool, error) {
 		err := theNode.admin.PolicyV1().Evictions(ns).Evict(ctx, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 			DeleteOptions: &metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}}})
