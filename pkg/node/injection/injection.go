@@ -386,15 +386,24 @@ func injectInto(e edits, a api.Assignment, namespace string, env []string, cfg C
 	//   - under the legacy v2 interface there are no namespaces: the
 	//     daemon's pipe directory, for the pinned limit.
 	e.setEnv(nodeapi.EnvMPSPipeDirectory, nodeapi.ContainerPipeDir)
+	// A client's own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE can only lower its
+	// share (the effective one is the lower of it and its namespace's
+	// ceiling), so a valid one is kept: as the ceiling where it is lower,
+	// untouched for time-slicing (KAI's node operator keeps it too).
+	own, hasOwn := ownThreadPercentage(env)
 	switch {
 	case namespace != "":
-		e.setEnv(nodeapi.EnvMPSThreads, strconv.Itoa(a.ActiveThreadPercentage()))
+		e.setEnv(nodeapi.EnvMPSThreads, strconv.Itoa(min(a.ActiveThreadPercentage(), own)))
 		e.addMount(nodeapi.NamespaceDir(cfg.MPSRoot, namespace), nodeapi.ContainerPipeDir, []string{"rbind", "rw"})
 	case cfg.MPS == nodeapi.MPSv3:
-		e.removeEnv(nodeapi.EnvMPSThreads)
+		if !hasOwn {
+			e.removeEnv(nodeapi.EnvMPSThreads)
+		}
 		e.addMount(filepath.Join(nodeapi.PipeDir(cfg.MPSRoot), "control"), filepath.Join(nodeapi.ContainerPipeDir, "control"), []string{"bind", "rw"})
 	default:
-		e.removeEnv(nodeapi.EnvMPSThreads)
+		if !hasOwn {
+			e.removeEnv(nodeapi.EnvMPSThreads)
+		}
 		e.addMount(nodeapi.PipeDir(cfg.MPSRoot), nodeapi.ContainerPipeDir, []string{"rbind", "rw"})
 	}
 
@@ -411,6 +420,21 @@ func injectInto(e edits, a api.Assignment, namespace string, env []string, cfg C
 			nodeapi.EnvHookLimitMiB + "=" + limit,
 		})
 	}
+}
+
+// ownThreadPercentage is the container's own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+// when it is a whole percentage from 1 to 100 (100 and false otherwise: a
+// value MPS would not read as a share is dropped, not kept).
+func ownThreadPercentage(env []string) (int, bool) {
+	v, set := lookupSet(env, nodeapi.EnvMPSThreads)
+	if !set {
+		return 100, false
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(v))
+	if err != nil || n < 1 || n > 100 {
+		return 100, false
+	}
+	return n, true
 }
 
 // ApplyEnv returns the environment env (KEY=VALUE entries) becomes once

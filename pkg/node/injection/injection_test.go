@@ -34,7 +34,7 @@ const (
 
 func TestAdjust(t *testing.T) {
 	hostile := []string{
-		"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=999999", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100",
+		"NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_GPU_MEMORY_LIMIT=999999", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=250",
 		"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=80G", "CUDA_MPS_PIPE_DIRECTORY=/tmp/evil", "LD_LIBRARY_PATH=/usr/lib/app:/opt/gpufrac-not",
 		"HOME=/root",
 	}
@@ -432,5 +432,46 @@ func TestDecideRefusesWhatTheRuntimeWouldUndo(t *testing.T) {
 	d := Decide(Pod{UID: "u", Annotations: ann}, "main", image, cfg)
 	if d.Verdict != Run || ApplyEnv(image, d.Adjustment)["NVIDIA_VISIBLE_DEVICES"] != "GPU-a" {
 		t.Errorf("set once: %s %v", d.Verdict, d.Reason)
+	}
+}
+
+// A container's own thread percentage can only lower its share, so a valid
+// one is kept: untouched for time-slicing, the ceiling where it is below
+// the sm-sharing portion's; one MPS would not read as a share is dropped.
+func TestOwnLowerThreadPercentageIsKept(t *testing.T) {
+	timeSlicing := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "20Gi"}
+	smSharing := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "20Gi",
+		"nvidia.com/container.main.gpu-compute.mode": "sm-sharing", "nvidia.com/container.main.gpu-compute.portion": "0.25"}
+	for _, tc := range []struct {
+		name string
+		ann  map[string]string
+		own  string // "" for none
+		want string // "-" for unset
+	}{
+		{"time-slicing keeps its own", timeSlicing, "30", "30"},
+		{"time-slicing with none gets none", timeSlicing, "", "-"},
+		{"time-slicing drops a value that is no share", timeSlicing, "0", "-"},
+		{"time-slicing drops a non-number", timeSlicing, "half", "-"},
+		{"sm-sharing keeps a lower own", smSharing, "10", "10"},
+		{"sm-sharing caps a higher own at its portion", smSharing, "80", "25"},
+		{"sm-sharing replaces an out-of-range own", smSharing, "250", "25"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var env []string
+			if tc.own != "" {
+				env = []string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=" + tc.own}
+			}
+			d := Decide(Pod{UID: "u", Annotations: tc.ann}, "main", env, cfg)
+			if d.Verdict != Run {
+				t.Fatalf("%s: %v", d.Verdict, d.Reason)
+			}
+			got, ok := ApplyEnv(env, d.Adjustment)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+			if !ok {
+				got = "-"
+			}
+			if got != tc.want {
+				t.Errorf("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = %q, want %q", got, tc.want)
+			}
+		})
 	}
 }
