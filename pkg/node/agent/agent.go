@@ -190,6 +190,20 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.stateErr = errors.Join(a.stateErr, err)
 	}
 	a.leases = leases
+	boot := enforce.BootID(a.opts.ProcRoot)
+	if leases != nil {
+		// What a reboot or a removed cgroup cleared is not released again.
+		dropped, err := leases.Prune(boot, func(cgroup string) bool {
+			_, err := os.Stat(cgroup)
+			return !errors.Is(err, os.ErrNotExist)
+		})
+		if err != nil {
+			logger.Error(err, "Cannot rewrite the GPU memory leases after dropping those a reboot or a removed cgroup cleared")
+		}
+		if len(dropped) > 0 {
+			logger.Info("Dropped GPU memory leases whose limits are already gone (taken before the last boot, or their cgroup is removed)", "containers", dropped)
+		}
+	}
 	// The namespaces a previous agent created stay claimed (its table is
 	// read back); those of containers that are gone are deleted by the
 	// first resync after the plugin's synchronization.
@@ -217,7 +231,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		grants = a.grants
 	}
 	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
-		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
+		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, BootID: boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
 		EnsureExclusive: ensureExclusive, Grants: grants})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
 	a.plugin = plugin

@@ -4,6 +4,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -322,5 +323,57 @@ func TestCheckCgroup(t *testing.T) {
 		if (tt.wantErr == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tt.wantErr)) {
 			t.Errorf("%s: %v, want %q", tt.name, err, tt.wantErr)
 		}
+	}
+}
+
+// After a reboot the driver holds none of the recorded limits, and a gone
+// cgroup took its limits with it: those leases are dropped, not released
+// (their release would fail and be reported forever). A lease of a live
+// cgroup from this boot, or from a table that predates boot IDs, stays.
+func TestPruneDropsLeasesOfEarlierBootsAndGoneCgroups(t *testing.T) {
+	dir := t.TempDir()
+	live := filepath.Join(dir, "live")
+	if err := os.Mkdir(live, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "leases.json")
+	l, err := OpenLeases(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for id, lease := range map[string]Lease{
+		"rebooted":  {Cgroup: live, Boot: "boot-1"},
+		"gone":      {Cgroup: filepath.Join(dir, "gone"), Boot: "boot-2"},
+		"this-boot": {Cgroup: live, Boot: "boot-2"},
+		"old-table": {Cgroup: live},
+	} {
+		if err := l.Put(id, lease); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exists := func(p string) bool { _, err := os.Stat(p); return err == nil }
+	dropped, err := l.Prune("boot-2", exists)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"gone", "rebooted"}; !slices.Equal(dropped, want) {
+		t.Errorf("dropped %v, want %v", dropped, want)
+	}
+	reopened, err := OpenLeases(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := reopened.IDs(), []string{"old-table", "this-boot"}; !slices.Equal(got, want) {
+		t.Errorf("the table on disk keeps %v, want %v", got, want)
+	}
+	proc := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(proc, "sys", "kernel", "random"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(proc, "sys", "kernel", "random", "boot_id"), []byte("abc-123\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got := BootID(proc); got != "abc-123" {
+		t.Errorf("BootID = %q", got)
 	}
 }

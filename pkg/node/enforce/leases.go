@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/gpufrac/gpufrac/internal/statefile"
@@ -22,6 +24,9 @@ type Lease struct {
 	Devices    []string `json:"devices"`
 	RequestMiB uint64   `json:"requestMiB"`
 	LimitMiB   uint64   `json:"limitMiB"`
+	// Boot is the host's boot ID when the lease was taken ("" in tables
+	// written before it was recorded): a reboot cleared its limits.
+	Boot string `json:"boot,omitempty"`
 }
 
 // Leases is the agent's persistent table of leases by container ID.
@@ -81,6 +86,40 @@ func (l *Leases) IDs() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return slices.Sorted(maps.Keys(l.m))
+}
+
+// Prune drops the leases nothing is left to release for: those taken
+// before the host last booted (boot is the current boot ID; the driver's
+// limits did not survive the reboot), and those whose cgroup is gone
+// ("removing the cgroup will also clear any limits", NVML's
+// nvmlDeviceSetMemoryLimits_v1). It returns the dropped container IDs.
+// A lease whose cgroup may still exist stays, to be released.
+func (l *Leases) Prune(boot string, cgroupExists func(string) bool) ([]string, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var dropped []string
+	for id, lease := range l.m {
+		rebooted := boot != "" && lease.Boot != "" && lease.Boot != boot
+		if rebooted || !cgroupExists(lease.Cgroup) {
+			delete(l.m, id)
+			dropped = append(dropped, id)
+		}
+	}
+	slices.Sort(dropped)
+	if len(dropped) == 0 {
+		return nil, nil
+	}
+	return dropped, l.save()
+}
+
+// BootID is the host's boot ID (procRoot/sys/kernel/random/boot_id), ""
+// where it cannot be read.
+func BootID(procRoot string) string {
+	raw, err := os.ReadFile(filepath.Join(procRoot, "sys", "kernel", "random", "boot_id"))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(raw))
 }
 
 // save writes the table atomically (a crash leaves the old or the new one).

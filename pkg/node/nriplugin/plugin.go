@@ -92,6 +92,9 @@ type Options struct {
 	NVML     nvml.Interface
 	ProcRoot string
 	Leases   *enforce.Leases
+	// BootID is the host's boot ID, recorded with each lease so that a
+	// restarted agent knows which limits a reboot already cleared.
+	BootID string
 	// MPS keeps the sm-sharing containers' namespaces of the node's MPS
 	// daemon; nil refuses sm-sharing containers.
 	MPS *mps.Manager
@@ -371,7 +374,7 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
 	if err == nil {
 		lease := enforce.Lease{Pod: pod.GetNamespace() + "/" + pod.GetName(), Container: a.Container, Cgroup: cgroup,
-			Devices: a.Devices, RequestMiB: limits.RequestMiB, LimitMiB: limits.LimitMiB}
+			Devices: a.Devices, RequestMiB: limits.RequestMiB, LimitMiB: limits.LimitMiB, Boot: p.opts.BootID}
 		if perr := p.opts.Leases.Put(ctr.GetId(), lease); perr != nil {
 			logger.Error(perr, "Cannot record the GPU memory lease; its soft limit may not be released at stop")
 		}
