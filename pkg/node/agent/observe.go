@@ -272,6 +272,7 @@ func (a *Agent) reconcileContainers(ctx context.Context, mpsUp bool) {
 		started = a.mpsStarted
 		a.mu.Unlock()
 	}
+	a.plugin.Reverify(ctx)
 	a.plugin.RetryEvictions(ctx, started)
 }
 

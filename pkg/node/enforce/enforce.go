@@ -341,11 +341,21 @@ func check(dev nvml.Device, uuid, cgroup string, soft, hard uint64) error {
 		return fmt.Errorf("GPU %s: read back memory limits of cgroup %s: nvmlDeviceGetMemoryLimits_v1: %w", uuid, cgroup, ret)
 	}
 	if got.SoftLimit != soft || got.HardLimit != hard {
-		return fmt.Errorf("GPU %s: cgroup %s has soft %dMi and hard %dMi, want %dMi and %dMi",
-			uuid, cgroup, got.SoftLimit/mebibyte, got.HardLimit/mebibyte, soft/mebibyte, hard/mebibyte)
+		return limitsDiffer(fmt.Sprintf("GPU %s: cgroup %s has soft %dMi and hard %dMi, want %dMi and %dMi",
+			uuid, cgroup, got.SoftLimit/mebibyte, got.HardLimit/mebibyte, soft/mebibyte, hard/mebibyte))
 	}
 	return nil
 }
+
+// ErrLimitsDiffer is in Verify's error when the driver was read and holds
+// other limits than the container's: a definite answer, unlike an NVML
+// call that failed (which a later try may pass).
+var ErrLimitsDiffer = errors.New("the driver holds other limits")
+
+type limitsDiffer string
+
+func (e limitsDiffer) Error() string        { return string(e) }
+func (e limitsDiffer) Is(target error) bool { return target == ErrLimitsDiffer }
 
 // Verify checks, after the container started, that the driver still holds
 // its limits on every device (nothing reset or bypassed them).

@@ -361,12 +361,27 @@ func withNotes(detail string, notes []string) string {
 func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
 	defer p.observe("PostStartContainer", time.Now())
 	cfg := p.injection.Load()
+	tenant, ok := p.tenants.get(ctr.GetId())
+	if !ok {
+		// Not seen at creation: a runtime whose NRI has no failure policy
+		// (containerd 1.7) starts a container whose CreateContainer timed
+		// out without its adjustment. Judged now as the audit would (not
+		// before the node's backend is known: see Synchronize).
+		if cfg.Backend == nodeapi.BackendUnset {
+			return nil
+		}
+		if _, reason := p.judge(ctx, pod, ctr); reason != "" {
+			klog.FromContext(ctx).Info("Stopping a container that started without what the node injects", "pod", pod.GetNamespace()+"/"+pod.GetName(),
+				"container", ctr.GetName(), "reason", reason)
+			p.evict(ctx, refOf(pod), ctr.GetName(), reason)
+		}
+		return nil
+	}
 	if cfg.Backend != nodeapi.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
 		return nil
 	}
-	tenant, ok := p.tenants.get(ctr.GetId())
-	if !ok || tenant.State != StateInjected {
-		return nil // not fractional, refused, or failed open
+	if tenant.State != StateInjected {
+		return nil // refused, or failed open
 	}
 	a := tenant.assignment
 	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
@@ -380,26 +395,71 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 		}
 		err = enforce.Verify(p.opts.NVML, cgroup, limits)
 	}
-	if err == nil {
-		p.tenants.setState(ctr.GetId(), StateEnforced)
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.Enforced(refOf(pod), ctr.GetName(), withNotes(fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
-				cgroup, limits.RequestMiB, limits.LimitMiB, strings.Join(limits.Devices, ",")), tenant.notes))
-		}
-		return nil
+	p.verified(ctx, ctr.GetId(), cgroup, err)
+	return nil
+}
+
+// maxVerifyTries bounds how many times a started container's limits may
+// fail to be read back (NVML errors, not a mismatch): the first at start,
+// the rest at the agent's resyncs. A transient NVML error must not evict a
+// healthy pod; one that persists cannot be told from missing limits.
+const maxVerifyTries = 3
+
+// verified records the outcome of reading a started container's limits
+// back: enforced; a mismatch (or an unknown cgroup) is unenforced at once;
+// a failed read is retried by Reverify until maxVerifyTries.
+func (p *Plugin) verified(ctx context.Context, id, cgroup string, err error) {
+	tenant, ok := p.tenants.get(id)
+	if !ok {
+		return
 	}
-	p.tenants.setState(ctr.GetId(), StateUnenforced)
+	logger := klog.FromContext(ctx).WithValues("pod", tenant.Pod.Namespace+"/"+tenant.Pod.Name, "container", tenant.Container)
+	a := tenant.assignment
+	if err == nil {
+		p.tenants.update(id, func(t *Tenant) { t.State, t.cgroup = StateEnforced, cgroup })
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Enforced(tenant.Pod, tenant.Container, withNotes(fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
+				cgroup, a.RequestMiB, a.LimitMiB, strings.Join(a.Devices, ",")), tenant.notes))
+		}
+		return
+	}
+	tries := tenant.verifyTries + 1
+	if cgroup != "" && !errors.Is(err, enforce.ErrLimitsDiffer) && tries < maxVerifyTries {
+		logger.Info("Cannot read the container's GPU memory limits back yet; retrying at the next resync", "try", tries, "reason", err.Error())
+		p.tenants.update(id, func(t *Tenant) { t.State, t.cgroup, t.verifyTries = StateUnverified, cgroup, tries })
+		return
+	}
+	p.tenants.update(id, func(t *Tenant) { t.State, t.cgroup, t.verifyTries = StateUnenforced, cgroup, tries })
 	reason := "GPU memory limits not in force after start: " + err.Error()
+	if !errors.Is(err, enforce.ErrLimitsDiffer) && cgroup != "" {
+		reason = fmt.Sprintf("GPU memory limits could not be read back in %d tries: %v", tries, err)
+	}
 	if p.opts.FailOpen {
 		logger.Info("GPU memory limits not in force; the node fails open, so the container keeps running", "reason", reason)
 		if p.opts.Reporter != nil {
-			p.opts.Reporter.Unenforced(refOf(pod), ctr.GetName(), reason)
+			p.opts.Reporter.Unenforced(tenant.Pod, tenant.Container, reason)
 		}
-		return nil
+		return
 	}
 	logger.Info("Evicting a pod whose GPU memory limits are not in force", "reason", reason)
-	p.evict(ctx, refOf(pod), ctr.GetName(), reason)
-	return nil
+	p.evict(ctx, tenant.Pod, tenant.Container, reason)
+}
+
+// Reverify reads back, off any NRI request, the limits of started
+// containers whose first read-back failed (StateUnverified).
+func (p *Plugin) Reverify(ctx context.Context) {
+	if p.opts.NVML == nil {
+		return
+	}
+	for id, t := range p.tenants.ids() {
+		if t.State != StateUnverified {
+			continue
+		}
+		a := t.assignment
+		err := enforce.Verify(p.opts.NVML, t.cgroup, enforce.Limits{Container: a.Container, Devices: a.Devices,
+			RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)})
+		p.verified(ctx, id, t.cgroup, err)
+	}
 }
 
 // StopContainer releases the stopped container's soft limit before its
@@ -732,22 +792,7 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 			continue
 		}
 		live[ctr.GetId()] = true
-		d := p.decide(pod, ctr)
-		reason := missingEnforcement(d, ctr)
-		if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
-			// Started while the agent was away, it may see GPUs it was
-			// never granted; a grant that cannot be read now is judged at
-			// the next synchronization, not guessed.
-			adj, note, err := p.police(ctx, refOf(pod), ctr)
-			switch {
-			case errors.Is(err, errGrantUnknown):
-				logger.Error(err, "Cannot check a running container's GPUs against its grant", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-			case err != nil:
-				reason = "running with GPUs it was not granted: " + err.Error()
-			case adj != nil:
-				reason = "running with GPUs it was not granted: " + note
-			}
-		}
+		d, reason := p.judge(ctx, pod, ctr)
 		if d.Assignment != nil {
 			state := StateEnforced
 			if reason != "" {
@@ -771,6 +816,27 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 		p.tenants.retain(live)
 	}
 	p.releaseVanished(ctx, byID, ctrs)
+}
+
+// judge is what CreateContainer would have made of a container that runs
+// already (its decision now), and why it must not run as it does ("" when
+// it may): its fraction not in force, or GPUs it was not granted. A grant
+// that cannot be read now is judged later, not guessed.
+func (p *Plugin) judge(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (injection.Decision, string) {
+	d := p.decide(pod, ctr)
+	reason := missingEnforcement(d, ctr)
+	if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
+		adj, note, err := p.police(ctx, refOf(pod), ctr)
+		switch {
+		case errors.Is(err, errGrantUnknown):
+			klog.FromContext(ctx).Error(err, "Cannot check a running container's GPUs against its grant", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+		case err != nil:
+			reason = "running with GPUs it was not granted: " + err.Error()
+		case adj != nil:
+			reason = "running with GPUs it was not granted: " + note
+		}
+	}
+	return d, reason
 }
 
 // missingEnforcement compares a running container's environment with what

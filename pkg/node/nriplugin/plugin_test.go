@@ -694,6 +694,98 @@ func TestDriverLimitsVerifiedAfterStartAndReleasedAtStop(t *testing.T) {
 	}
 }
 
+// A read-back that fails (an NVML error, not a mismatch) is retried at the
+// resyncs, so a transient error does not evict a healthy pod; one that
+// keeps failing for maxVerifyTries tries does.
+func TestTransientReadBackErrorsAreRetriedNotEvicted(t *testing.T) {
+	lib, drv, uuids := enforcetest.NewMachine(1)
+	proc := enforcetest.Proc(t, map[int]string{101: "/kubepods/pod-a/ctr-1", 102: "/kubepods/pod-b/ctr-2"})
+	leases, err := enforce.OpenLeases(filepath.Join(t.TempDir(), "leases.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	p := New(Options{Injection: cfg, Reporter: rec, Evictor: rec, NVML: lib, ProcRoot: proc, Leases: leases})
+	connect(t, p, rt)
+	ctx := context.Background()
+	start := func(id, name string, pid uint32, failGets int) {
+		pod, ctr := sandbox("p"+id, name, map[string]string{"nvidia.com/container.main.gpus.devices": uuids[0],
+			"nvidia.com/container.main.gpu-memory.request": "1Gi", "nvidia.com/container.main.gpu-memory.limit": "2Gi"}), container("c"+id, "p"+id, "main")
+		ctr.Pid = pid
+		cgroup := fmt.Sprintf("%s/kubepods/pod-%s/ctr-%s", enforcetest.CgroupFS, map[string]string{"1": "a", "2": "b"}[id], id)
+		if err := enforce.Apply(lib, cgroup, enforce.Limits{Devices: uuids, RequestMiB: 1024, LimitMiB: 2048}); err != nil {
+			t.Fatal(err)
+		}
+		if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr}); err != nil {
+			t.Fatal(err)
+		}
+		drv.FailNextGets(failGets)
+		if err := rt.PostStartContainer(ctx, &nriapi.PostStartContainerRequest{Pod: pod, Container: ctr}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	state := func(name string) string {
+		for _, tn := range p.Tenants() {
+			if tn.Pod.Name == name {
+				return tn.State
+			}
+		}
+		return ""
+	}
+	start("1", "blip", 101, 1)
+	if got := state("blip"); got != StateUnverified {
+		t.Fatalf("after one failed read-back: %s, want %s", got, StateUnverified)
+	}
+	p.Reverify(ctx)
+	p.WaitForEvictions()
+	if got := state("blip"); got != StateEnforced || len(rec.get(&rec.evict)) != 0 {
+		t.Fatalf("after a read-back that passed: %s, evictions %v", got, rec.get(&rec.evict))
+	}
+
+	start("2", "broken", 102, maxVerifyTries)
+	for range maxVerifyTries - 1 {
+		p.Reverify(ctx)
+	}
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 1 || !strings.HasPrefix(got[0], fmt.Sprintf("broken: GPU memory limits could not be read back in %d tries", maxVerifyTries)) {
+		t.Errorf("evictions %v, want broken's after %d tries", got, maxVerifyTries)
+	}
+}
+
+// A container the plugin never saw created (a runtime without an NRI
+// failure policy starts it when CreateContainer times out) is judged when
+// it starts: a fraction without its injection is stopped, one that names
+// no GPU is left alone.
+func TestStartedWithoutCreationIsJudgedAtStart(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	ctx := context.Background()
+	for _, pc := range []struct {
+		pod *nriapi.PodSandbox
+		ctr *nriapi.Container
+	}{
+		{sandbox("p1", "uninjected", scheduled), container("c1", "p1", "main", "NVIDIA_VISIBLE_DEVICES=all")},
+		{sandbox("p2", "plain", nil), container("c2", "p2", "web", "PATH=/bin")},
+	} {
+		if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pc.pod}); err != nil {
+			t.Fatal(err)
+		}
+		// No CreateContainer: as if it timed out.
+		if err := rt.PostStartContainer(ctx, &nriapi.PostStartContainerRequest{Pod: pc.pod, Container: pc.ctr}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 1 || !strings.HasPrefix(got[0], `uninjected: NVIDIA_VISIBLE_DEVICES is "all", want "GPU-a"`) {
+		t.Errorf("evictions %v, want only the uninjected fraction's", got)
+	}
+}
+
 // An empty resync keeps the leases: it may be a runtime that has not
 // caught up, and dropping them would leak every soft limit.
 func TestEmptyResyncKeepsLeases(t *testing.T) {

@@ -18,6 +18,10 @@ const (
 	// StateEnforced: the driver holds its limits (verified after start),
 	// or its backend enforces without a read-back.
 	StateEnforced = "enforced"
+	// StateUnverified: started, but reading its limits back failed (an
+	// NVML call, not a mismatch); re-read at each resync, and evicted
+	// if that keeps failing (maxVerifyTries).
+	StateUnverified = "unverified"
 	// StateUnenforced: found running without its limits; evicted.
 	StateUnenforced = "unenforced"
 	// StateFailOpen: started without a GPU because the node fails open.
@@ -45,6 +49,10 @@ type Tenant struct {
 	// did not say): one created before the node's MPS daemon started has
 	// mounts naming an older daemon's sockets.
 	started time.Time
+	// cgroup is the container's cgroup once started (driver backend);
+	// verifyTries counts the read-backs that failed.
+	cgroup      string
+	verifyTries int
 	// evicted: its pod's eviction was accepted; mpsReported: its pod was
 	// told the MPS daemon was replaced under it.
 	evicted, mpsReported bool

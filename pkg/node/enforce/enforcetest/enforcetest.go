@@ -26,6 +26,9 @@ type Driver struct {
 	calls  []Call
 	// FailSet makes SetMemoryLimits_v1 fail on this GPU.
 	FailSet string
+	// FailGets makes the next FailGets GetMemoryLimits_v1 calls fail
+	// (ERROR_UNKNOWN), as a transient driver error would.
+	FailGets int
 }
 
 // NewMachine returns n mock H100s sharing one limit table, and their UUIDs.
@@ -54,6 +57,10 @@ func NewMachine(n int) (*server.Server, *Driver, []string) {
 		dev.GetMemoryLimits_v1Func = func(cgroup string) (nvml.MemoryLimits_v1, nvml.Return) {
 			d.mu.Lock()
 			defer d.mu.Unlock()
+			if d.FailGets > 0 {
+				d.FailGets--
+				return nvml.MemoryLimits_v1{}, nvml.ERROR_UNKNOWN
+			}
 			return d.limits[uuid+cgroup], nvml.SUCCESS
 		}
 	}
@@ -78,6 +85,13 @@ func (d *Driver) Get(uuid, cgroup string) nvml.MemoryLimits_v1 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.limits[uuid+cgroup]
+}
+
+// FailNextGets makes the next n GetMemoryLimits_v1 calls fail.
+func (d *Driver) FailNextGets(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.FailGets = n
 }
 
 // Set overwrites the limits of cgroup on a GPU, as something outside
