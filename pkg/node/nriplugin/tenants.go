@@ -101,15 +101,6 @@ func (t *tenants) ids() map[string]Tenant {
 	return out
 }
 
-func (t *tenants) setState(id, state string) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if tenant, ok := t.m[id]; ok {
-		tenant.State = state
-		t.m[id] = tenant
-	}
-}
-
 func (t *tenants) remove(id string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
