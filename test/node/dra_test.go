@@ -64,7 +64,8 @@ func claimPod(t *testing.T, name, claim string) {
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever, Containers: []corev1.Container{c},
 			ResourceClaims:               []corev1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}},
-			AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2))},
+			AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2)),
+			SecurityContext: tenantUser()},
 	}
 	if _, err := theNode.admin.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)

@@ -44,6 +44,13 @@ func probe(name string, env map[string]string) corev1.Container {
 	return c
 }
 
+// tenantUser runs a pod's containers as an ordinary user, as a tenant's
+// should: the agent refuses fractional containers that run as root (an MPS
+// client as root may quit the node's daemon).
+func tenantUser() *corev1.PodSecurityContext {
+	return &corev1.PodSecurityContext{RunAsUser: new(int64(1000)), RunAsNonRoot: new(true)}
+}
+
 // createPod creates a pod for gpufrac's scheduler and deletes it at the
 // end of the test, waiting until the kubelet has stopped its containers.
 func createPod(t *testing.T, name string, annotations map[string]string, containers ...corev1.Container) *corev1.Pod {
@@ -52,7 +59,8 @@ func createPod(t *testing.T, name string, annotations map[string]string, contain
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
 		Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever, Containers: containers,
-			AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2))},
+			AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2)),
+			SecurityContext: tenantUser()},
 	}
 	created, err := theNode.admin.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{})
 	if err != nil {
@@ -347,7 +355,8 @@ func TestLimitsThatCannotBeSetNeverRunTheProcess(t *testing.T) {
 }
 
 // A container that sets the GPU variables itself gets the decision's
-// values instead (the image's NVIDIA_VISIBLE_DEVICES=all included); a
+// values instead (the image's NVIDIA_VISIBLE_DEVICES=all included), and
+// one that would be an MPS client as root is refused; a
 // sidecar of the same pod, not a GPU container, sees no GPU. A pod that
 // sets a variable its image sets too is never started: the runtime would
 // put the pod's value back over the decision's (measured here before the
@@ -359,6 +368,22 @@ func TestHostileEnvironmentIsReplacedAndSidecarsSeeNoGPU(t *testing.T) {
 	}
 	createPod(t, "hostile", map[string]string{"gpu-fraction": "0.1"}, probe("main", hostile), probe("sidecar", nil))
 	createPod(t, "hostile-twice", map[string]string{"gpu-fraction": "0.1"}, probe("main", map[string]string{nodeapi.EnvVisibleDevices: "all"}))
+	root := probe("main", nil)
+	root.SecurityContext = &corev1.SecurityContext{RunAsUser: new(int64(0)), RunAsNonRoot: new(false)}
+	createPod(t, "as-root", map[string]string{"gpu-fraction": "0.1"}, root)
+	if err := waitFor("the fraction that runs as root to be refused", 60*time.Second, func() (bool, error) {
+		for _, c := range getPod(t, "as-root").Status.ContainerStatuses {
+			if c.State.Running != nil || c.State.Terminated != nil {
+				return false, fmt.Errorf("its container started: %+v", c.State)
+			}
+			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, "runs as root (uid 0, no user namespace)") {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Error(err)
+	}
 	const twice = "NVIDIA_VISIBLE_DEVICES is set more than once"
 	if err := waitFor("the pod that sets NVIDIA_VISIBLE_DEVICES over its image's to be refused", 60*time.Second, func() (bool, error) {
 		for _, c := range getPod(t, "hostile-twice").Status.ContainerStatuses {

@@ -84,6 +84,13 @@ type Config struct {
 	// anyway: with its memory caps when only its compute mode or portion
 	// is unusable, with no GPU at all otherwise.
 	FailOpen bool
+	// AllowRootMPSClients lets a fractional container run as root (uid 0
+	// outside a user namespace). By default it is refused: every
+	// fractional container is a client of the node's MPS daemon and
+	// reaches its control socket, whose administrative commands (quit:
+	// every tenant's context gone) the daemon obeys for root and refused
+	// for an unprivileged uid (measured on an H200, docs/gpu-proof).
+	AllowRootMPSClients bool
 }
 
 // Pod is what the injection needs of a pod: its UID (which names the MPS

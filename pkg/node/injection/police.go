@@ -150,3 +150,15 @@ func lookupSet(env []string, key string) (string, bool) {
 	}
 	return strings.Join(values, ","), len(values) > 0
 }
+
+// CheckMPSClientUser refuses a container that would be a client of the
+// node's MPS daemon as root on the host: uid is the container process's
+// (nil where the runtime does not say, containerd before 2.x: then it is
+// not known, and not refused), userNamespace whether the container has a
+// user namespace of its own (its uid 0 is then no host root).
+func CheckMPSClientUser(uid *uint32, userNamespace bool, cfg Config) error {
+	if cfg.AllowRootMPSClients || uid == nil || *uid != 0 || userNamespace {
+		return nil
+	}
+	return fmt.Errorf("it runs as root (uid 0, no user namespace), and as a client of the node's MPS daemon root may quit it, ending every tenant's GPU context: run it as another user (securityContext.runAsUser, runAsNonRoot), in a user namespace (hostUsers: false), or have the admin start the agent with --allow-root-mps-clients")
+}

@@ -121,3 +121,29 @@ func FuzzPolice(f *testing.F) {
 		}
 	})
 }
+
+func TestCheckMPSClientUser(t *testing.T) {
+	uid := func(n uint32) *uint32 { return &n }
+	allow := Config{AllowRootMPSClients: true}
+	for _, tc := range []struct {
+		name   string
+		uid    *uint32
+		userNS bool
+		cfg    Config
+		refuse bool
+	}{
+		{"root on the host", uid(0), false, Config{}, true},
+		{"an ordinary user", uid(1000), false, Config{}, false},
+		{"root in a user namespace", uid(0), true, Config{}, false},
+		{"unknown (runtime did not say)", nil, false, Config{}, false},
+		{"root, allowed by the admin", uid(0), false, allow, false},
+	} {
+		err := CheckMPSClientUser(tc.uid, tc.userNS, tc.cfg)
+		if (err != nil) != tc.refuse {
+			t.Errorf("%s: %v, want refused %v", tc.name, err, tc.refuse)
+		}
+		if err != nil && !strings.Contains(err.Error(), "--allow-root-mps-clients") {
+			t.Errorf("%s: the error does not say how to proceed: %v", tc.name, err)
+		}
+	}
+}

@@ -267,6 +267,11 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			d = injection.Unenforceable(cfg, err)
 		}
 	}
+	if d.Verdict == injection.Run && (d.Assignment != nil || usesShare(ctr)) {
+		if err := injection.CheckMPSClientUser(uidOf(ctr), hasUserNamespace(ctr), cfg); err != nil {
+			d = injection.Unenforceable(cfg, fmt.Errorf("container %q: %w", ctr.GetName(), err))
+		}
+	}
 	if d.Verdict == injection.Run && d.Assignment != nil && p.opts.EnsureExclusive != nil {
 		if err := p.opts.EnsureExclusive(d.Assignment.Devices); err != nil {
 			// In another mode, a process of any container could take
@@ -318,6 +323,36 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		p.opts.Reporter.Refused(ref, ctr.GetName(), d.Reason)
 	}
 	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), d.Reason)
+}
+
+// usesShare says whether the kubelet handed the container a gpufrac DRA
+// share: its CDI edits make it an MPS client as an annotated fraction is.
+func usesShare(ctr *nriapi.Container) bool {
+	for _, d := range ctr.GetCDIDevices() {
+		if strings.HasPrefix(d.GetName(), api.DRADriver+"/share=") {
+			return true
+		}
+	}
+	return false
+}
+
+// uidOf is the container process's uid, nil where the runtime does not
+// say (NRI before 0.10, containerd 1.7).
+func uidOf(ctr *nriapi.Container) *uint32 {
+	if u := ctr.GetUser(); u != nil {
+		uid := u.GetUid()
+		return &uid
+	}
+	return nil
+}
+
+func hasUserNamespace(ctr *nriapi.Container) bool {
+	for _, ns := range ctr.GetLinux().GetNamespaces() {
+		if ns.GetType() == "user" {
+			return true
+		}
+	}
+	return false
 }
 
 // police is injection.Police for a container outside any gpufrac share:

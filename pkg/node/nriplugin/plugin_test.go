@@ -298,6 +298,42 @@ func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
 	}
 }
 
+// A fractional container (and a DRA share's consumer) is an MPS client;
+// one that runs as root on the host could quit the node's daemon, and is
+// refused unless the admin allows it. An ordinary pod as root is not asked.
+func TestRootMPSClientsAreRefused(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	ctx := context.Background()
+	create := func(id string, ann map[string]string, uid uint32, cdi ...string) error {
+		pod := sandbox(id, id, ann)
+		if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+			t.Fatal(err)
+		}
+		ctr := container("c-"+id, id, "main")
+		ctr.User = &nriapi.User{Uid: uid}
+		for _, name := range cdi {
+			ctr.CDIDevices = append(ctr.CDIDevices, &nriapi.CDIDevice{Name: name})
+		}
+		_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+		return err
+	}
+	const why = "runs as root (uid 0, no user namespace)"
+	if err := create("root-frac", scheduled, 0); err == nil || !strings.Contains(err.Error(), why) {
+		t.Errorf("a root fraction: %v, want refused", err)
+	}
+	if err := create("root-share", nil, 0, "gpu.gpufrac.io/share=uid-1-gpu"); err == nil || !strings.Contains(err.Error(), why) {
+		t.Errorf("a root DRA share consumer: %v, want refused", err)
+	}
+	if err := create("user-frac", scheduled, 1000); err != nil {
+		t.Errorf("a fraction as uid 1000: %v", err)
+	}
+	if err := create("root-plain", nil, 0); err != nil {
+		t.Errorf("an ordinary root pod: %v", err)
+	}
+}
+
 // A fractional container's GPUs are put in EXCLUSIVE_PROCESS before it
 // starts; where they cannot be, it is refused (no process outside MPS may
 // share the GPU with it), and ordinary containers are never asked about.
