@@ -16,7 +16,7 @@ func newMPSDaemonCommand() *cobra.Command {
 	var (
 		root, control, procRoot, driver string
 		opts                            mps.ConfigOptions
-		probe                           time.Duration
+		probe, minReplace               time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "mps-daemon",
@@ -54,7 +54,7 @@ which memacct cannot see the clients' PIDs and cgroups.`,
 				return fmt.Errorf("mps-daemon: %w", err)
 			}
 			d := mps.NewDaemon(control, root, major)
-			d.Options, d.ProcRoot, d.ProbeInterval = opts, procRoot, probe
+			d.Options, d.ProcRoot, d.ProbeInterval, d.MinReplaceInterval = opts, procRoot, probe, minReplace
 			return d.Run(klog.NewContext(cmd.Context(), klog.Background()))
 		},
 	}
@@ -66,5 +66,6 @@ which memacct cannot see the clients' PIDs and cgroups.`,
 	f.StringVar(&opts.Timeslice, "mps-timeslice", "", "[compute_policy] timeslice for every context (driver r620 and later; NVIDIA's example value: long); empty: the driver's default")
 	f.BoolVar(&opts.AuditLog, "mps-audit-log", false, "turn on memacct's audit log")
 	f.DurationVar(&probe, "probe-interval", 5*time.Second, "how often the daemon is asked for its servers; two missed answers make it wedged")
+	f.DurationVar(&minReplace, "min-replace-interval", mps.DefaultMinReplaceInterval, "least time between two replacements of the daemon at the node agent's request (a wedged shared server): each ends every tenant's GPU context, so a tenant that wedges the server again and again cannot make that happen at will; a request within the interval waits, and the node is not ready meanwhile")
 	return cmd
 }

@@ -336,6 +336,11 @@ func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr er
 		a.mu.Lock()
 		a.mpsStarted = status.Started
 		a.mu.Unlock()
+		if status.ReplaceDeferred != "" {
+			// The shared server is wedged and cannot be replaced yet: new
+			// containers would hang on it. The running ones are left be.
+			return nodeapi.MPSNone, fmt.Errorf("the MPS daemon's replacement is held back by its rate limit (mps-daemon --min-replace-interval): %s", status.ReplaceDeferred)
+		}
 	}
 	return want, nil
 }

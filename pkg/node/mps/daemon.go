@@ -34,6 +34,11 @@ type Status struct {
 	Running bool `json:"running"`
 	// LastExit says why the previous daemon of this supervisor ended.
 	LastExit string `json:"lastExit,omitempty"`
+	// Replaced is when the daemon was last replaced at the node agent's
+	// request; ReplaceDeferred, while set, is a request held back until
+	// Replaced + MinReplaceInterval (with its reason).
+	Replaced        time.Time `json:"replaced,omitzero"`
+	ReplaceDeferred string    `json:"replaceDeferred,omitempty"`
 }
 
 // replacePath is where the node agent asks for the daemon's replacement:
@@ -47,14 +52,22 @@ func RequestReplace(root, why string) error {
 	return statefile.Write(replacePath(root), []byte(why))
 }
 
-// takeReplaceRequest reads and clears a replacement request.
-func takeReplaceRequest(root string) (string, bool) {
+// replaceRequest reads a replacement request, leaving it in place.
+func replaceRequest(root string) (string, bool) {
 	data, err := os.ReadFile(replacePath(root))
 	if err != nil {
 		return "", false
 	}
-	_ = os.Remove(replacePath(root))
 	return strings.TrimSpace(string(data)), true
+}
+
+// takeReplaceRequest reads and clears a replacement request.
+func takeReplaceRequest(root string) (string, bool) {
+	why, ok := replaceRequest(root)
+	if ok {
+		_ = os.Remove(replacePath(root))
+	}
+	return why, ok
 }
 
 // StatusPath is where the supervisor writes its Status under root.
@@ -94,14 +107,25 @@ type Daemon struct {
 	MinBackoff, MaxBackoff time.Duration
 	// StopGrace is how long a quitting daemon may take before it is killed.
 	StopGrace time.Duration
+	// MinReplaceInterval rate-limits the node agent's replacement
+	// requests: every replacement ends every tenant's context and gets
+	// every fractional pod deleted, so a tenant that can wedge the shared
+	// server again and again (a client killed mid-kernel) must not be
+	// able to do that to the node's other tenants at will. A request
+	// within the interval waits for its end (the status says so).
+	MinReplaceInterval time.Duration
 }
 
 // NewDaemon returns a supervisor with the defaults filled in.
 func NewDaemon(binary, root string, release int) *Daemon {
 	return &Daemon{Binary: binary, ServerBinary: "nvidia-cuda-mps-server", Root: root, Release: release, ProcRoot: "/proc",
 		ProbeInterval: 5 * time.Second, CommandTimeout: 10 * time.Second,
-		MinBackoff: time.Second, MaxBackoff: 30 * time.Second, StopGrace: 30 * time.Second}
+		MinBackoff: time.Second, MaxBackoff: 30 * time.Second, StopGrace: 30 * time.Second, MinReplaceInterval: DefaultMinReplaceInterval}
 }
+
+// DefaultMinReplaceInterval is the least time between two replacements
+// of the daemon at the node agent's request.
+const DefaultMinReplaceInterval = 10 * time.Minute
 
 // Protocol is the interface the daemon speaks.
 func (d *Daemon) Protocol() nodeapi.MPS { return ProtocolFor(d.Release) }
@@ -145,7 +169,9 @@ func (d *Daemon) args() ([]string, error) {
 func (d *Daemon) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("mpsRoot", d.Root, "release", d.Release, "protocol", d.Protocol())
 	prev, _ := ReadStatus(d.Root)
-	status := Status{Generation: prev.Generation, Protocol: d.Protocol(), Release: d.Release}
+	// The last replacement's time survives the supervisor's restarts: the
+	// rate limit must not reset with the mps container.
+	status := Status{Generation: prev.Generation, Protocol: d.Protocol(), Release: d.Release, Replaced: prev.Replaced}
 	args, err := d.prepare()
 	if err != nil {
 		// Said where the node agent reads it, so the node's condition
@@ -220,9 +246,21 @@ func (d *Daemon) once(ctx context.Context, logger klog.Logger, args []string, st
 		case <-ctx.Done():
 			return fmt.Sprintf("stopped: its supervisor (the mps container) is shutting down (%s)", errOrZero(d.quit(stdin, cmd, exited))), nil
 		case <-probe.C:
-			if why, asked := takeReplaceRequest(d.Root); asked {
-				_ = d.kill(cmd, exited) // killed on purpose: its exit status says nothing
-				return "replaced at the node agent's request: " + why, nil
+			if why, asked := replaceRequest(d.Root); asked {
+				if until := status.Replaced.Add(d.MinReplaceInterval); time.Now().Before(until) {
+					deferred := fmt.Sprintf("%s (held until %s: the daemon was replaced at %s, and replacements are at least %s apart)",
+						why, until.UTC().Format(time.RFC3339), status.Replaced.UTC().Format(time.RFC3339), d.MinReplaceInterval)
+					if status.ReplaceDeferred != deferred {
+						logger.Info("Holding back a replacement of the MPS daemon: the last one was too recent", "reason", why, "until", until)
+						status.ReplaceDeferred = deferred
+						d.writeStatus(logger, *status)
+					}
+				} else {
+					_, _ = takeReplaceRequest(d.Root)
+					_ = d.kill(cmd, exited) // killed on purpose: its exit status says nothing
+					status.Replaced, status.ReplaceDeferred = time.Now().UTC(), ""
+					return "replaced at the node agent's request: " + why, nil
+				}
 			}
 			if err := d.control().Ping(ctx); err != nil {
 				if ctx.Err() != nil {

@@ -318,6 +318,42 @@ func TestWedgedDaemonIsReplaced(t *testing.T) {
 	}
 }
 
+// The node agent's replacement requests are rate-limited: the first
+// replaces the daemon, a second within MinReplaceInterval is held back
+// (the status says until when) and acted on once the interval is over.
+func TestReplacementsAreRateLimited(t *testing.T) {
+	root := mpstest.ShortRoot(t)
+	_, _ = mpstest.StartDaemon(t, root, 615, func(d *mps.Daemon) { d.MinReplaceInterval = 2 * time.Second })
+	if err := mps.RequestReplace(root, "wedged once"); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the first replacement", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation == 2 && s.Running
+	})
+	first, _ := mps.ReadStatus(root)
+	if !strings.Contains(first.LastExit, "wedged once") || first.Replaced.IsZero() {
+		t.Fatalf("after the first request: %+v", first)
+	}
+	if err := mps.RequestReplace(root, "wedged twice"); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the second request held back", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return strings.Contains(s.ReplaceDeferred, "wedged twice (held until")
+	})
+	if s, _ := mps.ReadStatus(root); s.Generation != 2 || s.PID != first.PID {
+		t.Fatalf("replaced again within the interval: %+v", s)
+	}
+	waitFor(t, "the held request acted on after the interval", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return s.Generation == 3 && s.Running && s.ReplaceDeferred == "" && strings.Contains(s.LastExit, "wedged twice")
+	})
+	if s, _ := mps.ReadStatus(root); s.Replaced.Sub(first.Replaced) < 2*time.Second {
+		t.Errorf("replacements %s apart, want at least 2s", s.Replaced.Sub(first.Replaced))
+	}
+}
+
 // A configuration the driver cannot take never starts a daemon, and the
 // status says why (the node's condition quotes it).
 func TestConfigurationErrorIsRecorded(t *testing.T) {
