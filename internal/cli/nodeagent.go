@@ -10,6 +10,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/internal/health"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -72,6 +73,11 @@ with no GPU, kubelet or container runtime.`,
 			if err != nil {
 				return err
 			}
+			if opts.MetricsAddr != "" {
+				if opts.MetricsAuth, err = health.KubernetesAuthorizer(cfg); err != nil {
+					return fmt.Errorf("--metrics-addr: %w", err)
+				}
+			}
 			return agent.New(opts, client).Run(klog.NewContext(cmd.Context(), klog.Background()))
 		},
 	}
@@ -97,7 +103,8 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.Injection.ShimDir, "nvidia-smi-shim-dir", "", "host directory of the nvidia-smi view library; empty: not mounted")
 	f.StringToInt64Var(&opts.GPUMemoryReserveMiBByModel, "gpu-memory-reserve-mib-by-model", nil, "per GPU model (the node's nvidia.com/gpu.product label), MODEL=MIB,... overriding --gpu-memory-reserve-mib")
 	f.Int64Var(&opts.Injection.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "MiB kept back on each GPU, the one place it is set: published on the node as gpufrac.io/gpu-memory-reserve-mib, which the scheduler, audit, top and the dashboard read; an sm-sharing pod placed without a compute portion, as released KAI places them, gets request ÷ (GPU memory − reserve)")
-	f.StringVar(&opts.HealthAddr, "health-addr", ":8082", "address of /healthz and /readyz; empty disables")
+	f.StringVar(&opts.HealthAddr, "health-addr", ":8082", "address of /healthz and /readyz (plain HTTP, for the kubelet's probes); empty disables")
+	f.StringVar(&opts.MetricsAddr, "metrics-addr", ":8443", "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", 30*time.Second, "how often to re-read the GPUs, republish and annotate reservation pods")
 	f.BoolVar(&opts.DRA.Enabled, "dra", false, "also serve GPU shares through Dynamic Resource Allocation (driver gpu.gpufrac.io): publish the node's shared GPUs as ResourceSlices and prepare claims as the NRI plugin injects annotated containers (Kubernetes 1.36+)")
 	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", -1, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -15,8 +16,10 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,6 +27,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
+	"github.com/gpufrac/gpufrac/internal/health"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/ledgers"
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
@@ -270,9 +274,14 @@ func TestNodeAgentSimulated(t *testing.T) {
 	ns := createNamespace(t, "gpufrac-reserve-c")
 	reservationPod(t, ns, "gpu-group-0", nodeName)
 
-	healthAddr := freeAddr(t)
+	healthAddr, metricsAddr := freeAddr(t), freeAddr(t)
+	authorize, err := health.KubernetesAuthorizer(shared.adminConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
 	a := agent.New(agent.Options{
 		NodeName: nodeName, SimulateGPUs: "dgxh200", ReservationNamespace: ns, HealthAddr: healthAddr,
+		MetricsAddr: metricsAddr, MetricsAuth: authorize,
 		StateDir: t.TempDir(), PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
 		// Simulated and without MPS: no containers run here.
 	}, shared.admin)
@@ -310,15 +319,29 @@ func TestNodeAgentSimulated(t *testing.T) {
 	for path, want := range map[string]string{
 		"/readyz":  "ok",
 		"/healthz": "ok",
-		"/metrics": `gpufrac_memory_enforcement{backend="mps-pinned"} 1`,
 	} {
 		body := httpGet(t, "http://"+healthAddr+path)
 		if !strings.Contains(body, want) {
 			t.Errorf("GET %s: %q lacks %q", path, body, want)
 		}
 	}
-	if body := httpGet(t, "http://"+healthAddr+"/metrics"); strings.Count(body, "gpufrac_gpu_memory_total_bytes{") != 8 || !strings.Contains(body, "gpufrac_node_ready 1") {
-		t.Errorf("metrics lack the 8 GPUs or readiness:\n%s", body)
+	// The metrics name every tenant's pods: not on the probes' plain port,
+	// and on their own only for a token allowed to get /metrics.
+	if body := httpGet(t, "http://"+healthAddr+"/metrics"); strings.Contains(body, "gpufrac_") {
+		t.Errorf("the plain health port serves the metrics: %.200s", body)
+	}
+	code, _ := metricsGet(t, metricsAddr, "", http.StatusUnauthorized)
+	if code != http.StatusUnauthorized {
+		t.Errorf("GET /metrics without a token: %d, want 401", code)
+	}
+	code, _ = metricsGet(t, metricsAddr, serviceAccountToken(t, ns, "tenant", false), http.StatusForbidden)
+	if code != http.StatusForbidden {
+		t.Errorf("GET /metrics as a service account without the right: %d, want 403", code)
+	}
+	code, body := metricsGet(t, metricsAddr, serviceAccountToken(t, ns, "prometheus", true), http.StatusOK)
+	if code != http.StatusOK || !strings.Contains(body, `gpufrac_memory_enforcement{backend="mps-pinned"} 1`) ||
+		strings.Count(body, "gpufrac_gpu_memory_total_bytes{") != 8 || !strings.Contains(body, "gpufrac_node_ready 1") {
+		t.Errorf("GET /metrics as the metrics reader: %d, metrics lack the enforcement, the 8 GPUs or readiness:\n%.500s", code, body)
 	}
 
 	cancel()
@@ -502,6 +525,65 @@ func freeAddr(t *testing.T) string {
 	}
 	defer func() { _ = l.Close() }()
 	return l.Addr().String()
+}
+
+// serviceAccountToken makes a service account in ns and returns a token
+// of it; reader binds it to the role that may get /metrics (the chart's
+// gpufrac-metrics-reader).
+func serviceAccountToken(t *testing.T, ns, name string, reader bool) string {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := shared.admin.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if reader {
+		role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: ns + "-metrics-reader"},
+			Rules: []rbacv1.PolicyRule{{NonResourceURLs: []string{"/metrics"}, Verbs: []string{"get"}}}}
+		if _, err := shared.admin.RbacV1().ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		binding := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: role.Name},
+			RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: role.Name},
+			Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Namespace: ns, Name: name}}}
+		if _, err := shared.admin.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_ = shared.admin.RbacV1().ClusterRoleBindings().Delete(context.Background(), role.Name, metav1.DeleteOptions{})
+			_ = shared.admin.RbacV1().ClusterRoles().Delete(context.Background(), role.Name, metav1.DeleteOptions{})
+		})
+	}
+	tok, err := shared.admin.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name, &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok.Status.Token
+}
+
+// metricsGet gets /metrics from the agent's TLS port (its certificate is
+// self-signed) with a bearer token, retried until it answers want (or 15 s
+// pass: the RBAC a test just wrote takes a moment to reach the authorizer).
+func metricsGet(t *testing.T, addr, token string, want int) (int, string) {
+	t.Helper()
+	client := &http.Client{Timeout: 10 * time.Second,
+		Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // the agent's self-signed certificate
+	var code int
+	var body string
+	_ = wait.PollUntilContextTimeout(context.Background(), 200*time.Millisecond, 15*time.Second, true, func(ctx context.Context) (bool, error) {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "https://"+addr+"/metrics", nil)
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return false, nil // not listening yet
+		}
+		defer func() { _ = resp.Body.Close() }()
+		raw, _ := io.ReadAll(resp.Body)
+		code, body = resp.StatusCode, string(raw)
+		return code == want, nil
+	})
+	return code, body
 }
 
 func httpGet(t *testing.T, url string) string {

@@ -504,7 +504,7 @@ func (n *node) startAgent() error {
 		n.gpufrac, "node-agent", "--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
 		"--nri-socket", n.path("nri.sock"), "--pod-resources-socket", n.podResourcesSocket(),
 		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
-		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--resync-period", "2s",
+		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", "", "--resync-period", "2s",
 		// The DRA driver: registered with this kubelet, its prepared
 		// claims' CDI specs where containerd reads them.
 		"--dra", "--dra-standing-gpus", strconv.Itoa(standingGPUs),

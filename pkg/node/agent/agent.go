@@ -9,7 +9,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
 	"path/filepath"
 	"sync"
@@ -79,6 +78,10 @@ type Options struct {
 	Injection    injection.Config
 	HealthAddr   string
 	ResyncPeriod time.Duration
+	// MetricsAddr serves /metrics over TLS to the callers MetricsAuth lets
+	// through; "" serves no metrics.
+	MetricsAddr string
+	MetricsAuth health.Authorizer
 	// DRA configures the second front door.
 	DRA DRAOptions
 	// ExclusiveProcess keeps the GPUs the node shares through MPS in
@@ -252,9 +255,18 @@ func (a *Agent) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			metricsHandler := promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{})
-			if err := health.Serve(ctx, a.opts.HealthAddr, a.Ready, map[string]http.Handler{"/metrics": metricsHandler}); err != nil {
+			if err := health.Serve(ctx, a.opts.HealthAddr, a.Ready, nil); err != nil {
 				logger.Error(err, "Health endpoint failed")
+			}
+		}()
+	}
+	if a.opts.MetricsAddr != "" {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			handler := promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{})
+			if err := health.ServeMetrics(ctx, a.opts.MetricsAddr, handler, a.opts.MetricsAuth); err != nil {
+				logger.Error(err, "Metrics endpoint failed")
 			}
 		}()
 	}
