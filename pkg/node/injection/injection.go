@@ -406,7 +406,10 @@ func injectInto(e edits, a api.Assignment, namespace string, env []string, cfg C
 		if !hasOwn {
 			e.removeEnv(nodeapi.EnvMPSThreads)
 		}
-		e.addMount(filepath.Join(nodeapi.PipeDir(cfg.MPSRoot), "control"), filepath.Join(nodeapi.ContainerPipeDir, "control"), []string{"bind", "rw"})
+		// Read-only: a connect() needs no more (a socket is reached through
+		// a read-only bind mount; checked on Linux), and the tenant can
+		// write nothing of the daemon's.
+		e.addMount(filepath.Join(nodeapi.PipeDir(cfg.MPSRoot), "control"), filepath.Join(nodeapi.ContainerPipeDir, "control"), []string{"bind", "ro"})
 	default:
 		if !hasOwn {
 			e.removeEnv(nodeapi.EnvMPSThreads)

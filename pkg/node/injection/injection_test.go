@@ -475,3 +475,19 @@ func TestOwnLowerThreadPercentageIsKept(t *testing.T) {
 		})
 	}
 }
+
+// A time-slicing tenant reaches the MPS daemon's main socket read-only:
+// connect() needs no write access to the mount.
+func TestTimeSlicingControlSocketIsReadOnly(t *testing.T) {
+	ann := map[string]string{"nvidia.com/container.main.gpus.devices": "GPU-a", "nvidia.com/container.main.gpu-memory.request": "1Gi"}
+	d := Decide(Pod{UID: "u", Annotations: ann}, "main", nil, cfg)
+	for _, m := range d.Adjustment.GetMounts() {
+		if m.Destination == "/run/nvidia/mps/control" {
+			if !slices.Contains(m.Options, "ro") || slices.Contains(m.Options, "rw") {
+				t.Errorf("control socket mounted %v, want read-only", m.Options)
+			}
+			return
+		}
+	}
+	t.Errorf("no control socket mount: %v", d.Adjustment.GetMounts())
+}
