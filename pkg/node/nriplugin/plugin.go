@@ -121,6 +121,7 @@ type Plugin struct {
 	injection  atomic.Pointer[injection.Config]
 	registered atomic.Bool
 	tenants    tenants
+	shares     shareUsers
 
 	// Evictions run off the NRI request (whose deadline is 2 s), one per
 	// pod at a time; a failed one is retried by RetryEvictions.
@@ -272,6 +273,11 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			d = injection.Unenforceable(cfg, fmt.Errorf("container %q: %w", ctr.GetName(), err))
 		}
 	}
+	if d.Verdict == injection.Run && usesShare(ctr) {
+		if err := p.shares.claim(pod, ctr); err != nil {
+			d = injection.Decision{Verdict: injection.Refuse, Reason: fmt.Errorf("container %q: %w", ctr.GetName(), err)}
+		}
+	}
 	if d.Verdict == injection.Run && d.Assignment != nil && p.opts.EnsureExclusive != nil {
 		if err := p.opts.EnsureExclusive(d.Assignment.Devices); err != nil {
 			// In another mode, a process of any container could take
@@ -323,6 +329,55 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		p.opts.Reporter.Refused(ref, ctr.GetName(), d.Reason)
 	}
 	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), d.Reason)
+}
+
+// shareUsers records which running container consumes each gpufrac DRA
+// share (by its CDI device name): a share's limits go on each consumer's
+// cgroup, and the allocator counted it once, so a second consumer at the
+// same time would double it. The same container restarting, or another
+// one after the first stopped (an init container, then the main one), is
+// one consumer at a time.
+type shareUsers struct {
+	mu sync.Mutex
+	m  map[string]shareUser // CDI device name →
+}
+
+type shareUser struct{ id, podUID, pod, container string }
+
+// claim records ctr as the consumer of its shares, or says which running
+// container consumes one already.
+func (s *shareUsers) claim(pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.m == nil {
+		s.m = map[string]shareUser{}
+	}
+	me := shareUser{id: ctr.GetId(), podUID: pod.GetUid(), pod: pod.GetNamespace() + "/" + pod.GetName(), container: ctr.GetName()}
+	var names []string
+	for _, d := range ctr.GetCDIDevices() {
+		if !strings.HasPrefix(d.GetName(), api.DRADriver+"/share=") {
+			continue
+		}
+		if u, ok := s.m[d.GetName()]; ok && u.id != me.id && (u.podUID != me.podUID || u.container != me.container) {
+			return fmt.Errorf("its gpufrac share %s is consumed already by container %q of pod %s, and a share is enforced on one container at a time (its limits would apply twice): give each container a claim of its own", d.GetName(), u.container, u.pod)
+		}
+		names = append(names, d.GetName())
+	}
+	for _, n := range names {
+		s.m[n] = me
+	}
+	return nil
+}
+
+// release forgets the shares a stopped container consumed.
+func (s *shareUsers) release(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for n, u := range s.m {
+		if u.id == id {
+			delete(s.m, n)
+		}
+	}
 }
 
 // usesShare says whether the kubelet handed the container a gpufrac DRA
@@ -507,6 +562,7 @@ func (p *Plugin) Reverify(ctx context.Context) {
 func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	defer p.observe("StopContainer", time.Now())
 	p.forgetDeferred(ctr.GetId())
+	p.shares.release(ctr.GetId())
 	tenant, known := p.tenants.get(ctr.GetId())
 	p.tenants.remove(ctr.GetId())
 	// The soft limit first: it must not stay charged up the cgroup tree.
@@ -520,6 +576,7 @@ func (p *Plugin) StopContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 // RemoveContainer deletes the removed container's MPS namespace.
 func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
 	defer p.observe("RemoveContainer", time.Now())
+	p.shares.release(ctr.GetId())
 	if p.opts.MPS == nil {
 		return nil
 	}
@@ -828,6 +885,13 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 		}
 		live[ctr.GetId()] = true
 		d, reason := p.judge(ctx, pod, ctr)
+		if reason == "" && usesShare(ctr) {
+			// A restarted agent learns who consumes each share; a second
+			// consumer found running goes.
+			if err := p.shares.claim(pod, ctr); err != nil {
+				reason = "running as a second consumer of a share: " + err.Error()
+			}
+		}
 		if d.Assignment != nil {
 			state := StateEnforced
 			if reason != "" {

@@ -334,6 +334,56 @@ func TestRootMPSClientsAreRefused(t *testing.T) {
 	}
 }
 
+// A DRA share is enforced on one container at a time: a second container
+// consuming the same share (another container of the pod, or another pod)
+// is refused while the first runs; the same container's restart, or a
+// container after the first stopped (init, then main), is not.
+func TestADRAShareHasOneConsumerAtATime(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec})
+	ctx := context.Background()
+	const share = "gpu.gpufrac.io/share=uid-1-gpu"
+	pods := map[string]*nriapi.PodSandbox{}
+	create := func(podID, id, name string) error {
+		pod, ok := pods[podID]
+		if !ok {
+			pod = sandbox(podID, podID, nil)
+			pods[podID] = pod
+			if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctr := container(id, podID, name)
+		ctr.CDIDevices = []*nriapi.CDIDevice{{Name: share}}
+		_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+		return err
+	}
+	stop := func(podID, id, name string) {
+		ctr := container(id, podID, name)
+		if _, err := rt.StopContainer(ctx, &nriapi.StopContainerRequest{Pod: pods[podID], Container: ctr}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := create("p1", "init-1", "setup"); err != nil {
+		t.Fatalf("first consumer: %v", err)
+	}
+	stop("p1", "init-1", "setup")
+	if err := create("p1", "main-1", "main"); err != nil {
+		t.Fatalf("the main container after the init one stopped: %v", err)
+	}
+	if err := create("p1", "main-2", "main"); err != nil {
+		t.Fatalf("the same container restarted: %v", err)
+	}
+	const why = `is consumed already by container "main" of pod ml/p1`
+	if err := create("p1", "side-1", "sidecar"); err == nil || !strings.Contains(err.Error(), why) {
+		t.Errorf("a second container of the pod on the same share: %v, want refused", err)
+	}
+	if err := create("p2", "other-1", "main"); err == nil || !strings.Contains(err.Error(), why) {
+		t.Errorf("another pod on the same share: %v, want refused", err)
+	}
+}
+
 // A fractional container's GPUs are put in EXCLUSIVE_PROCESS before it
 // starts; where they cannot be, it is refused (no process outside MPS may
 // share the GPU with it), and ordinary containers are never asked about.
