@@ -618,6 +618,43 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 	if err := agent("gpu-a").PolicyV1().Evictions(namespace).Evict(ctx, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: "tenant-gpu-b", Namespace: namespace}}); !apierrors.IsForbidden(err) {
 		t.Errorf("agent evicting a pod: %v, want forbidden (it has no eviction right left)", err)
 	}
+
+	// Tenants cannot mount gpufrac's host directories (or a directory
+	// above them, or a spelling the prefix test cannot judge); an admin
+	// namespace can, and so can any other path.
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "team-a"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	hostPathPod := func(ns, path string) error {
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{GenerateName: "mounter-", Namespace: ns},
+			Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "main", Image: "busybox"}},
+				Volumes: []corev1.Volume{{Name: "host", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: path}}}}},
+		}
+		_, err := admin.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{})
+		return err
+	}
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return hostPathPod("team-a", "/var/lib/gpufrac") != nil, nil
+	})
+	if err != nil {
+		t.Fatal("a tenant could still mount /var/lib/gpufrac after 30s")
+	}
+	for _, path := range []string{"/var/lib/gpufrac", "/var/lib/gpufrac/leases.json", "/run/gpufrac/mps/pipe", "/var/run/gpufrac/mps",
+		"/run/nri", "/var/run/cdi/", "/", "/var", "/opt/gpufrac", "/var//lib/gpufrac", "/var/lib/./gpufrac", "/var/lib/kubelet/pod-resources"} {
+		err := hostPathPod("team-a", path)
+		if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "reaches gpufrac's host directories") {
+			t.Errorf("a tenant mounting %s: %v, want forbidden", path, err)
+		}
+	}
+	for _, path := range []string{"/data", "/var/lib/gpufrac-not", "/opt/models", "/var/lib/kubelet-data"} {
+		if err := hostPathPod("team-a", path); err != nil {
+			t.Errorf("a tenant mounting %s: %v, want allowed", path, err)
+		}
+	}
+	if err := hostPathPod(namespace, "/var/lib/gpufrac"); err != nil {
+		t.Errorf("the release namespace mounting /var/lib/gpufrac: %v", err)
+	}
 }
 
 // The dashboard is off by default; on, it gets exactly deploy/dashboard's
