@@ -28,6 +28,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -44,6 +45,7 @@ import (
 	schedvalidation "k8s.io/kubernetes/pkg/scheduler/apis/config/validation"
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -563,6 +565,22 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 	if err := label(agent("gpu-a"), "gpu-a"); err != nil {
 		t.Errorf("agent on gpu-a labelling gpu-a: %v", err)
 	}
+	// On its own node, only gpufrac's labels and the inventory ones.
+	patchOwn := func(patch string) error {
+		_, err := agent("gpu-a").CoreV1().Nodes().Patch(ctx, "gpu-a", types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+		return err
+	}
+	if err := patchOwn(`{"metadata":{"labels":{"gpufrac.io/agent-heartbeat-seconds":"30"}}}`); err != nil {
+		t.Errorf("agent on gpu-a writing a gpufrac.io label on its node: %v", err)
+	}
+	if err := patchOwn(`{"metadata":{"labels":{"topology.kubernetes.io/zone":"z"}}}`); !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "labels changed: topology.kubernetes.io/zone") {
+		t.Errorf("agent on gpu-a writing another label on its node: %v, want forbidden", err)
+
+	}
+	if err := patchOwn(`{"spec":{"unschedulable":true}}`); !apierrors.IsForbidden(err) {
+		t.Errorf("agent on gpu-a cordoning its node: %v, want forbidden", err)
+
+	}
 	if err := label(agent(""), "gpu-a"); !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "token names no node") {
 		t.Errorf("agent with no node claim labelling gpu-a: %v", err)
 	}
@@ -654,6 +672,43 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 	}
 	if err := hostPathPod(namespace, "/var/lib/gpufrac"); err != nil {
 		t.Errorf("the release namespace mounting /var/lib/gpufrac: %v", err)
+	}
+
+	// Only the scheduler creates pods in the reservation namespace, even
+	// for a user RBAC lets create pods there.
+	const resNS = "gpufrac-reservations"
+	if _, err := admin.RbacV1().Roles(resNS).Create(ctx, &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Name: "careless", Namespace: resNS},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"create"}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.RbacV1().RoleBindings(resNS).Create(ctx, &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "careless", Namespace: resNS},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "careless"},
+		Subjects:   []rbacv1.Subject{{Kind: "User", APIGroup: "rbac.authorization.k8s.io", Name: "team-admin"}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	as := func(user string) kubernetes.Interface {
+		c := rest.CopyConfig(cfg)
+		c.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: []string{"system:authenticated"}}
+		return kubernetes.NewForConfigOrDie(c)
+	}
+	squatter := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: "squat-", Namespace: resNS, Labels: map[string]string{api.GPUGroupLabel: "g1"}},
+		Spec:       corev1.PodSpec{NodeName: "gpu-a", Containers: []corev1.Container{{Name: "main", Image: "pause"}}},
+	}
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := as("team-admin").CoreV1().Pods(resNS).Create(ctx, squatter, metav1.CreateOptions{})
+		return apierrors.IsForbidden(err) && strings.Contains(err.Error(), "only gpufrac's scheduler creates pods in gpufrac-reservations"), nil
+	})
+	if err != nil {
+		_, err := as("team-admin").CoreV1().Pods(resNS).Create(ctx, squatter, metav1.CreateOptions{})
+		t.Errorf("a user with pod rights in the reservation namespace could still create a pod there after 30s: %v", err)
+	}
+	if _, err := as("system:serviceaccount:gpufrac-system:gpufrac-scheduler").CoreV1().Pods(resNS).Create(ctx, squatter, metav1.CreateOptions{}); err != nil {
+		t.Errorf("the scheduler creating a reservation pod: %v", err)
 	}
 }
 
