@@ -72,7 +72,7 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 		}
 		err = manifest.ValidateClaim(c.Spec.Spec, "spec.spec")
 	default:
-		warnings, err = ReviewWorkload(req.Kind.Kind, req.Object.Raw)
+		warnings, err = v.Identity.ReviewWorkload(req.Kind.Kind, req.Object.Raw)
 	}
 	if err != nil {
 		logger.V(2).Info("Denied", "reason", err.Error())

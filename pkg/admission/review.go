@@ -6,6 +6,7 @@
 package admission
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"path"
@@ -38,6 +39,10 @@ type Identity struct {
 	// another, or with spec.nodeName, is refused: nothing would pick its
 	// GPU, and the node would refuse it anyway. Empty: not checked.
 	Schedulers []string
+	// DefaultScheduler is the schedulerName the mutating webhook gives a
+	// fractional pod that chose none (--scheduler-name); "" for none. A
+	// workload's template is judged as its pods will be once mutated.
+	DefaultScheduler string
 }
 
 // IsScheduler reports whether user is one of the scheduler's identities.
@@ -223,10 +228,31 @@ func fractionKeysChanged(old, cur map[string]string) bool {
 
 // ReviewWorkload validates the pod template of a workload (Deployment,
 // StatefulSet, DaemonSet, ReplicaSet, Job, CronJob) from its JSON, exactly
-// as `gpufrac validate` does, with admission's warnings.
-func ReviewWorkload(kind string, raw []byte) (warnings []string, err error) {
-	_, warnings, err = manifest.Validate(manifest.FromJSON(kind, raw))
-	return warnings, err
+// as `gpufrac validate` does, with admission's warnings; and refuses a
+// fractional template that no trusted scheduler would place (its pods
+// would each be refused, and the controller would retry for ever), judged
+// as its pods will be once the mutating webhook has given them a
+// scheduler.
+func (i Identity) ReviewWorkload(kind string, raw []byte) (warnings []string, err error) {
+	obj := manifest.FromJSON(kind, raw)
+	reqs, warnings, err := manifest.Validate(obj)
+	if err != nil || len(reqs) == 0 || obj.Template == nil || kind == "Pod" {
+		return warnings, err
+	}
+	pod := &corev1.Pod{ObjectMeta: obj.Template.ObjectMeta, Spec: obj.Template.Spec}
+	if i.DefaultScheduler != "" && (pod.Spec.SchedulerName == "" || pod.Spec.SchedulerName == corev1.DefaultSchedulerName) {
+		pod.Spec.SchedulerName = i.DefaultScheduler
+	}
+	if err := i.placedByTrusted(pod); err != nil {
+		var list api.ErrorList
+		if errors.As(err, &list) {
+			for _, e := range list {
+				e.Key = "pod template " + e.Key
+			}
+		}
+		return warnings, err
+	}
+	return warnings, nil
 }
 
 // Normalise returns the annotations and labels a valid fractional pod

@@ -223,3 +223,36 @@ func TestReviewBinding(t *testing.T) {
 		t.Errorf("denial %q names a key that is not the scheduler's", err)
 	}
 }
+
+// A workload whose fractional pods no trusted scheduler would place is
+// refused at its template, judged as its pods will be once mutated.
+func TestReviewWorkloadNeedsATrustedScheduler(t *testing.T) {
+	deployment := func(scheduler, node string, annotations string) []byte {
+		return []byte(`{"apiVersion":"apps/v1","kind":"Deployment","metadata":{"name":"d"},"spec":{"template":{"metadata":{"annotations":` +
+			annotations + `},"spec":{"schedulerName":"` + scheduler + `","nodeName":"` + node + `","containers":[{"name":"main","image":"cuda"}]}}}}`)
+	}
+	const fraction = `{"gpu-memory":"1024"}`
+	trusted := Identity{Schedulers: []string{"gpufrac"}}
+	mutated := Identity{Schedulers: []string{"gpufrac"}, DefaultScheduler: "gpufrac"}
+	for _, tc := range []struct {
+		name string
+		id   Identity
+		raw  []byte
+		want string // "" admitted
+	}{
+		{"another scheduler", trusted, deployment("my-scheduler", "", fraction), `pod template spec.schedulerName "my-scheduler" is not trusted`},
+		{"bound to a node", trusted, deployment("gpufrac", "n1", fraction), `pod template spec.nodeName "n1" cannot be set`},
+		{"the trusted one", trusted, deployment("gpufrac", "", fraction), ""},
+		{"the default, with no mutation", trusted, deployment("default-scheduler", "", fraction), `pod template spec.schedulerName "default-scheduler" is not trusted`},
+		{"the default, mutated to gpufrac", mutated, deployment("default-scheduler", "", fraction), ""},
+		{"no fraction, any scheduler", trusted, deployment("my-scheduler", "n1", `{}`), ""},
+	} {
+		_, err := tc.id.ReviewWorkload("Deployment", tc.raw)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("%s: refused: %v", tc.name, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%s: %v, want refused with %q", tc.name, err, tc.want)
+		}
+	}
+}

@@ -37,7 +37,9 @@ type Server struct {
 // NewServer builds the server; Start runs it.
 func NewServer(opts ServerOptions) *Server {
 	ws := webhook.NewServer(webhook.Options{Host: opts.Host, Port: opts.Port, CertDir: opts.CertDir})
-	ws.Register(ValidatePath, &webhook.Admission{Handler: &Validator{Identity: opts.Identity}})
+	identity := opts.Identity
+	identity.DefaultScheduler = opts.SchedulerName
+	ws.Register(ValidatePath, &webhook.Admission{Handler: &Validator{Identity: identity}})
 	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName}})
 	return &Server{opts: opts, webhook: ws}
 }

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -17,12 +19,14 @@ import (
 )
 
 // tenantUser is an ordinary namespace user: a Role on pods (and their
-// status) in ns, nothing else, as a platform team gives its tenants.
+// status) and Deployments in ns, nothing else, as a platform team gives
+// its tenants.
 func tenantUser(t *testing.T, ns, name string) *kubernetes.Clientset {
 	t.Helper()
 	ctx := context.Background()
 	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "tenant", Namespace: ns}, Rules: []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"pods", "pods/status"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"deployments"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch", "delete"}},
 	}}
 	if _, err := shared.admin.RbacV1().Roles(ns).Create(ctx, role, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -69,6 +73,21 @@ func TestTenantCannotSquatANode(t *testing.T) {
 
 	_, err = tenant.CoreV1().Pods(ns).Create(ctx, workload(ns, "elsewhere", "my-scheduler", "squat", map[string]string{api.KeyMemory: "1024"}), metav1.CreateOptions{})
 	refused("a fraction for another scheduler", err, `spec.schedulerName "my-scheduler" is not trusted to place GPU fractions`)
+
+	// The same through a workload: refused at the template, not pod by pod
+	// behind a controller that would retry for ever.
+	template := workload(ns, "fleet", "my-scheduler", "squat", map[string]string{api.KeyMemory: "1024"})
+	one := int32(1)
+	deployment := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: "fleet", Namespace: ns},
+		Spec: appsv1.DeploymentSpec{Replicas: &one, Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "fleet"}},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "fleet"}, Annotations: template.Annotations}, Spec: template.Spec}}}
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}} // admission runs; nothing is stored
+	_, err = tenant.AppsV1().Deployments(ns).Create(ctx, deployment, dryRun)
+	refused("a fractional Deployment for another scheduler", err, `pod template spec.schedulerName "my-scheduler" is not trusted to place GPU fractions`)
+	deployment.Spec.Template.Spec.SchedulerName = testScheduler
+	if _, err := tenant.AppsV1().Deployments(ns).Create(ctx, deployment, dryRun); err != nil {
+		t.Errorf("a fractional Deployment for the trusted scheduler: %v", err)
+	}
 
 	// A pod asking nothing, waiting for a scheduler that will never come
 	// (or bind it where it likes), gains a fraction.
