@@ -129,8 +129,11 @@ type Agent struct {
 	// Options.ExclusiveProcess is off.
 	exclusive *exclusive.Keeper
 
-	driver    *dra.Driver
-	draHelper *kubeletplugin.Helper
+	driver *dra.Driver
+	// unheldSeen counts, by pod UID/container, the resyncs in a row that
+	// found a tenant on a GPU no pod holds (stopTenantsOnUnheldGPUs).
+	unheldSeen map[string]int
+	draHelper  *kubeletplugin.Helper
 
 	mu        sync.Mutex
 	published bool // the last publish reached the API server

@@ -109,3 +109,38 @@ func TestSharedGPUs(t *testing.T) {
 		t.Errorf("containers not yet audited: %v, want unknown", got)
 	}
 }
+
+// A tenant whose GPU the device plugin allocated to no pod (its reservation
+// pod deleted under it) is stopped once seen so at two resyncs in a row;
+// nothing is judged on an allocation that is empty or not by UUID.
+func TestTenantsOnUnheldGPUsAreStopped(t *testing.T) {
+	tenants := []nriplugin.Tenant{
+		{Pod: nriplugin.PodRef{UID: "u1", Name: "held"}, Container: "main", Devices: []string{"GPU-a"}},
+		{Pod: nriplugin.PodRef{UID: "u2", Name: "lost"}, Container: "main", Devices: []string{"GPU-b"}},
+	}
+	allocated := map[string]bool{"GPU-a": true, "GPU-c": true}
+	unheld := unheldTenants(allocated, tenants)
+	if len(unheld) != 1 || unheld["u2/main"].gpu != "GPU-b" {
+		t.Fatalf("unheld = %v, want only lost's GPU-b", unheld)
+	}
+	if got := unheldTenants(map[string]bool{}, tenants); got != nil {
+		t.Errorf("an empty allocation judged: %v", got)
+	}
+	if got := unheldTenants(map[string]bool{"0": true}, tenants); got != nil {
+		t.Errorf("an allocation by index judged: %v", got)
+	}
+	seen, stop := countUnheld(nil, unheld)
+	if len(stop) != 0 {
+		t.Errorf("stopped at the first sighting: %v", stop)
+	}
+	seen, stop = countUnheld(seen, unheld)
+	if len(stop) != 1 || stop[0].tenant.Pod.Name != "lost" {
+		t.Errorf("second sighting stops %v, want lost", stop)
+	}
+	// Held again (a reservation pod re-made on the same GPU): the count
+	// starts over.
+	seen, _ = countUnheld(seen, nil)
+	if _, stop = countUnheld(seen, unheld); len(stop) != 0 {
+		t.Errorf("a tenant held again in between stopped at once: %v", stop)
+	}
+}

@@ -40,6 +40,10 @@ type environment struct {
 	// containerDevices are the NVIDIA devices the device plugin allocated
 	// to a container; nil where no container runs.
 	containerDevices func(ctx context.Context, namespace, pod, container string) ([]string, error)
+	// allocatedGPUs are the NVIDIA devices the device plugin allocated to
+	// any pod of the node (reservation pods of any scheduler included);
+	// nil where no container runs.
+	allocatedGPUs func(ctx context.Context) (map[string]bool, error)
 	// nriSocket is the NRI endpoint the plugin registers with.
 	nriSocket string
 	// draPluginDir, draRegistrarDir, cdiDir are the DRA driver's
@@ -75,7 +79,7 @@ func realNode(opts Options) (*environment, error) {
 		return nil, err
 	}
 	return &environment{
-		nvml: nvml.New(), devices: source, containerDevices: source.ContainerDevices, nriSocket: opts.NRISocket,
+		nvml: nvml.New(), devices: source, containerDevices: source.ContainerDevices, allocatedGPUs: source.Allocated, nriSocket: opts.NRISocket,
 		draPluginDir: DefaultDRAPluginDir, draRegistrarDir: DefaultDRARegistrarDir, cdiDir: DefaultCDIDir,
 		containers:  true,
 		checkCgroup: func() error { return enforce.CheckCgroup(opts.CgroupRoot) },

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"slices"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -274,6 +276,80 @@ func (a *Agent) reconcileContainers(ctx context.Context, mpsUp bool) {
 	}
 	a.plugin.Reverify(ctx)
 	a.plugin.RetryEvictions(ctx, started)
+	a.stopTenantsOnUnheldGPUs(ctx)
+}
+
+// stopTenantsOnUnheldGPUs stops the fractional containers whose GPU no pod
+// of the node holds through the device plugin any more (their reservation
+// pod was deleted under them: drained, deleted by hand), seen so at two
+// resyncs in a row: the device plugin may give that GPU to a whole-GPU pod
+// under them, and a reservation pod made again may hold another GPU, so
+// their share would be silently moved. The audit reports the same
+// (DeviceWithoutReservation).
+func (a *Agent) stopTenantsOnUnheldGPUs(ctx context.Context) {
+	if a.env.allocatedGPUs == nil || !a.plugin.Audited() {
+		return
+	}
+	logger := klog.FromContext(ctx)
+	allocated, err := a.env.allocatedGPUs(ctx)
+	if err != nil {
+		logger.Error(err, "Cannot read which GPUs the device plugin allocated; no tenant is judged on it this round")
+		return
+	}
+	var stop []unheldTenant
+	a.unheldSeen, stop = countUnheld(a.unheldSeen, unheldTenants(allocated, a.plugin.Tenants()))
+	for _, u := range stop {
+		reason := fmt.Sprintf("its GPU %s is held by no pod of the node (its reservation pod is gone): the device plugin may give it to another pod, and the share will not be moved silently", u.gpu)
+		logger.Info("Stopping a fractional container whose GPU is held no more", "pod", u.tenant.Pod.Namespace+"/"+u.tenant.Pod.Name, "container", u.tenant.Container, "gpu", u.gpu)
+		a.plugin.Stop(ctx, u.tenant.Pod, u.tenant.Container, reason)
+	}
+}
+
+// countUnheld counts the resyncs in a row each tenant was found unheld
+// (seen: the counts so far) and says which to stop now: those found so at
+// least twice (a stop that failed is asked again; one under way is not
+// repeated, see Plugin.Stop).
+func countUnheld(seen map[string]int, unheld map[string]unheldTenant) (map[string]int, []unheldTenant) {
+	next := map[string]int{}
+	var stop []unheldTenant
+	for _, key := range slices.Sorted(maps.Keys(unheld)) {
+		next[key] = seen[key] + 1
+		if next[key] >= 2 {
+			stop = append(stop, unheld[key])
+		}
+	}
+	return next, stop
+}
+
+type unheldTenant struct {
+	tenant nriplugin.Tenant
+	gpu    string
+}
+
+// unheldTenants are the tenants using a GPU the device plugin allocated to
+// no pod (allocated: by device ID), by pod UID and container. Nothing is
+// judged where the allocation cannot be read as GPU UUIDs: an empty list
+// (a kubelet that has not caught up), or a plugin that names devices by
+// index.
+func unheldTenants(allocated map[string]bool, tenants []nriplugin.Tenant) map[string]unheldTenant {
+	if len(allocated) == 0 {
+		return nil
+	}
+	for id := range allocated {
+		if !strings.HasPrefix(id, "GPU-") && !strings.HasPrefix(id, "MIG-") {
+			return nil
+		}
+	}
+	out := map[string]unheldTenant{}
+	for _, t := range tenants {
+		for _, uuid := range t.Devices {
+			if !allocated[uuid] {
+				out[t.Pod.UID+"/"+t.Container] = unheldTenant{tenant: t, gpu: uuid}
+				break
+			}
+		}
+	}
+	return out
 }
 
 // record updates the metrics.

@@ -804,6 +804,17 @@ func (p *Plugin) evict(ctx context.Context, pod PodRef, container, reason string
 	}()
 }
 
+// Stop removes a pod that must not keep running, off the caller's
+// request (the agent's resync), with the reason for its Event.
+func (p *Plugin) Stop(ctx context.Context, pod PodRef, container, reason string) {
+	for _, t := range p.tenants.ids() {
+		if t.Pod.UID == pod.UID && t.evicted {
+			return // on its way out already
+		}
+	}
+	p.evict(ctx, pod, container, reason)
+}
+
 // WaitForEvictions waits until the evictions and client drains asked for
 // so far were tried.
 func (p *Plugin) WaitForEvictions() {

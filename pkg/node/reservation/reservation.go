@@ -79,6 +79,24 @@ func (k *Kubelet) Devices(ctx context.Context, _ []corev1.Pod) (map[string][]str
 	return out, nil
 }
 
+// Allocated are the nvidia.com/gpu devices the kubelet's device manager
+// allocated to any pod of the node, by device ID (a shared replica
+// "GPU-x::2" as its GPU).
+func (k *Kubelet) Allocated(ctx context.Context) (map[string]bool, error) {
+	byPod, err := k.Devices(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]bool{}
+	for _, ids := range byPod {
+		for _, id := range ids {
+			id, _, _ = strings.Cut(id, "::")
+			out[id] = true
+		}
+	}
+	return out, nil
+}
+
 // ContainerDevices are the NVIDIA device IDs the kubelet's device
 // manager allocated to one container of a pod.
 func (k *Kubelet) ContainerDevices(ctx context.Context, namespace, pod, container string) ([]string, error) {
