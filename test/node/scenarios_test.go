@@ -44,6 +44,25 @@ func probe(name string, env map[string]string) corev1.Container {
 	return c
 }
 
+// waitRefused waits until the pod's container is held back with why in
+// its waiting message, and fails the test if it ever starts.
+func waitRefused(t *testing.T, name, why string) {
+	t.Helper()
+	if err := waitFor("pod "+name+" to be refused", 60*time.Second, func() (bool, error) {
+		for _, c := range getPod(t, name).Status.ContainerStatuses {
+			if c.State.Running != nil || c.State.Terminated != nil {
+				return false, fmt.Errorf("its container started: %+v", c.State)
+			}
+			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, why) {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Error(err)
+	}
+}
+
 // tenantUser runs a pod's containers as an ordinary user, as a tenant's
 // should: the agent refuses fractional containers that run as root (an MPS
 // client as root may quit the node's daemon).
@@ -371,33 +390,8 @@ func TestHostileEnvironmentIsReplacedAndSidecarsSeeNoGPU(t *testing.T) {
 	root := probe("main", nil)
 	root.SecurityContext = &corev1.SecurityContext{RunAsUser: new(int64(0)), RunAsNonRoot: new(false)}
 	createPod(t, "as-root", map[string]string{"gpu-fraction": "0.1"}, root)
-	if err := waitFor("the fraction that runs as root to be refused", 60*time.Second, func() (bool, error) {
-		for _, c := range getPod(t, "as-root").Status.ContainerStatuses {
-			if c.State.Running != nil || c.State.Terminated != nil {
-				return false, fmt.Errorf("its container started: %+v", c.State)
-			}
-			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, "runs as root (uid 0, no user namespace)") {
-				return true, nil
-			}
-		}
-		return false, nil
-	}); err != nil {
-		t.Error(err)
-	}
-	const twice = "NVIDIA_VISIBLE_DEVICES is set more than once"
-	if err := waitFor("the pod that sets NVIDIA_VISIBLE_DEVICES over its image's to be refused", 60*time.Second, func() (bool, error) {
-		for _, c := range getPod(t, "hostile-twice").Status.ContainerStatuses {
-			if c.State.Running != nil || c.State.Terminated != nil {
-				return false, fmt.Errorf("its container started: %+v", c.State)
-			}
-			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, twice) {
-				return true, nil
-			}
-		}
-		return false, nil
-	}); err != nil {
-		t.Error(err)
-	}
+	waitRefused(t, "as-root", "runs as root (uid 0, no user namespace)")
+	waitRefused(t, "hostile-twice", "NVIDIA_VISIBLE_DEVICES is set more than once")
 	pod := running(t, "hostile")
 	a := assignment(t, pod, "main")
 	main := theNode.probeReport(t, pod, "main")
@@ -455,21 +449,7 @@ func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
 		t.Errorf("the whole-GPU pod sees %s=%q, want exactly the one GPU the device plugin gave it (allocations %v)",
 			nodeapi.EnvVisibleDevices, got, theNode.plugin.allocated())
 	}
-	const refused = "NVIDIA_VISIBLE_DEVICES is set more than once"
-	if err := waitFor("the whole-GPU pod that asks for all to be refused", 60*time.Second, func() (bool, error) {
-		p := getPod(t, "whole-gpu-all")
-		for _, c := range p.Status.ContainerStatuses {
-			if c.State.Running != nil || c.State.Terminated != nil {
-				return false, fmt.Errorf("its container started: %+v", c.State)
-			}
-			if w := c.State.Waiting; w != nil && strings.Contains(w.Message, refused) {
-				return true, nil
-			}
-		}
-		return false, nil
-	}); err != nil {
-		t.Error(err)
-	}
+	waitRefused(t, "whole-gpu-all", "NVIDIA_VISIBLE_DEVICES is set more than once")
 	if err := waitFor("the GPUAccessRestricted Event", 30*time.Second, func() (bool, error) {
 		events, err := theNode.admin.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "reason=GPUAccessRestricted"})
 		if err != nil {
