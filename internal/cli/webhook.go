@@ -1,17 +1,21 @@
 package cli
 
 import (
+	"fmt"
 	"slices"
 
 	"github.com/spf13/cobra"
+	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/gpufrac/gpufrac/pkg/admission"
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 func newWebhookCommand() *cobra.Command {
 	opts := admission.ServerOptions{Identity: admission.Identity{}}
+	var kubeconfig string
 	cmd := &cobra.Command{
 		Use:   "webhook",
 		Short: "Serve the admission webhooks: validate fractions, normalise shorthands, guard scheduler-owned keys",
@@ -24,8 +28,15 @@ func newWebhookCommand() *cobra.Command {
              a fractional pod created with spec.nodeName or for a scheduler not
              in --trusted-scheduler, or gaining a fraction by an update;
   ` + admission.MutatePath + `    writes the canonical per-container keys from the pod-level shorthands,
-             labels fractional pods ` + admission.SelectionLabel + `=true, and with
-             --scheduler-name sends them to that scheduler.
+             labels fractional pods ` + admission.SelectionLabel + `=true, with
+             --scheduler-name sends them to that scheduler, and charges every
+             pod that asks for a GPU share (annotations or claims of gpufrac's
+             driver) its GPU memory as the extended resource ` + string(api.ResourceGPUMemory) + `,
+             so that a ResourceQuota on requests.` + string(api.ResourceGPUMemory) + ` bounds
+             a namespace (docs/security.md, "GPU memory quota").
+
+It reads nodes' GPU memory labels (to size a share of a GPU) and the claims,
+claim templates and device classes pods name (to size their shares).
 
 The certificate and key (tls.crt, tls.key in --cert-dir) are reloaded when
 they change.`,
@@ -39,10 +50,22 @@ they change.`,
 			ctx := cmd.Context()
 			logger := klog.FromContext(ctx)
 			ctrllog.SetLogger(logger)
+			client, err := clusterClient(kubeconfig)
+			if err != nil {
+				return err
+			}
+			charger, synced := admission.NewCharger(ctx, client)
+			opts.Charger = charger
+			// Until the nodes are read, a share of a GPU would be refused
+			// as if no GPU node had joined: wait for them first.
+			if !toolscache.WaitForCacheSync(ctx.Done(), synced) {
+				return fmt.Errorf("webhook: could not read the nodes' GPU memory labels: %w", ctx.Err())
+			}
 			return admission.NewServer(opts).Start(klog.NewContext(ctx, logger))
 		},
 	}
 	f := cmd.Flags()
+	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&opts.Host, "host", "", "address to serve the webhooks on (default: all)")
 	f.IntVar(&opts.Port, "port", 9443, "TLS port of the webhooks")
 	f.StringVar(&opts.CertDir, "cert-dir", "/etc/gpufrac/webhook-certs", "directory holding tls.crt and tls.key (reloaded on change)")

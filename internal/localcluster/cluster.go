@@ -31,6 +31,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/textlogger"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
@@ -114,6 +115,7 @@ const (
 	schedulerUser = admission.DefaultSchedulerUser
 	agentUser     = "system:serviceaccount:gpufrac-system:gpufrac-node-agent"
 	dashboardUser = "system:serviceaccount:gpufrac-system:gpufrac-dashboard"
+	webhookUser   = "system:serviceaccount:gpufrac-system:gpufrac-webhook"
 )
 
 // Up starts everything, in order, and returns once every node reports
@@ -311,11 +313,29 @@ func (c *Cluster) startControlPlane() error {
 
 func (c *Cluster) startWebhook(ctx context.Context) error {
 	o := c.env.WebhookInstallOptions
+	// The webhook reads as its own service account, with deploy/webhook's
+	// RBAC: the nodes' GPU memory and the claims it charges to quota.
+	if err := ApplyRBAC(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", "webhook", "server.yaml")); err != nil {
+		return err
+	}
+	_, cfg, err := testenv.User(c.env, webhookUser, serviceAccountGroups...)
+	if err != nil {
+		return err
+	}
+	reader, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	charger, synced := admission.NewCharger(ctx, reader)
+	if !toolscache.WaitForCacheSync(ctx.Done(), synced) {
+		return fmt.Errorf("admission webhook: the nodes were not read: %w", ctx.Err())
+	}
 	srv := admission.NewServer(admission.ServerOptions{
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
 		// KAI's scheduler is trusted too: the local cluster plays KAI's
 		// side in the interop scenarios (a pod KAI admits and binds).
 		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{"gpufrac", "kai-scheduler"}}, SchedulerName: "gpufrac",
+		Charger: charger,
 	})
 	// The webhook runs in this process; its log goes to a file like the
 	// other components', not over the progress lines.
@@ -483,7 +503,10 @@ func (c *Cluster) startScheduler() error {
 // pods), the namespace controller (a deleted namespace's contents), and
 // what those workloads usually come with: PodDisruptionBudgets' status
 // (without it an eviction, the node agent's included, is refused under
-// any budget), finished Jobs' TTL, and a Service's EndpointSlices.
+// any budget), finished Jobs' TTL, a Service's EndpointSlices, and
+// ResourceQuota's usage (its admission refuses every pod in a namespace
+// whose quota no controller has counted yet; a namespace's GPU memory
+// budget is one, docs/security.md).
 // Left out: the node lifecycle controller (KWOK and the node agents keep
 // the nodes' status), the service-account and token controllers (the
 // ServiceAccount admission plugin is off: no kubelet would mount a token),
@@ -493,6 +516,7 @@ var Controllers = []string{
 	"deployment-controller", "replicaset-controller", "statefulset-controller", "daemonset-controller",
 	"job-controller", "cronjob-controller", "garbage-collector-controller", "namespace-controller",
 	"resourceclaim-controller", "disruption-controller", "ttl-after-finished-controller", "endpointslice-controller",
+	"resourcequota-controller",
 }
 
 // controllerManagerUser is kube-controller-manager's own identity, with

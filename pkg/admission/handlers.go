@@ -82,18 +82,21 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 }
 
 // Mutator is the mutating webhook for pod creation: it writes the
-// canonical keys and the selection label, and optionally sends fractional
-// pods to gpufrac's scheduler.
+// canonical keys and the selection label, optionally sends fractional
+// pods to gpufrac's scheduler, and charges every pod that asks for a
+// share (annotations or claims) its GPU memory (api.ResourceGPUMemory).
 type Mutator struct {
 	// SchedulerName, when set, becomes the schedulerName of fractional pods
 	// that did not choose a scheduler.
 	SchedulerName string
+	// Charger sizes the pod's GPU memory charge.
+	Charger Charger
 }
 
 var _ admission.Handler = (*Mutator)(nil)
 
 // Handle mutates one pod creation.
-func (m *Mutator) Handle(_ context.Context, req admission.Request) admission.Response {
+func (m *Mutator) Handle(ctx context.Context, req admission.Request) admission.Response {
 	if req.Operation != admissionv1.Create || req.Kind.Group != "" || req.Kind.Kind != "Pod" {
 		return admission.Allowed("")
 	}
@@ -101,20 +104,35 @@ func (m *Mutator) Handle(_ context.Context, req admission.Request) admission.Res
 	if err != nil {
 		return admission.Errored(http.StatusBadRequest, err)
 	}
-	annotations, labels, ok := Normalise(pod)
-	if !ok {
-		return admission.Allowed("") // not fractional, or invalid: the validator says why
+	if pod.Namespace == "" {
+		pod.Namespace = req.Namespace // not set on the object when the request's URL names it
 	}
 	// Patch only what changes: re-encoding the whole pod could rewrite
 	// fields this webhook knows nothing about.
-	patches := []jsonpatch.JsonPatchOperation{
-		{Operation: "add", Path: "/metadata/annotations", Value: annotations},
-		{Operation: "add", Path: "/metadata/labels", Value: labels},
+	var patches []jsonpatch.JsonPatchOperation
+	annotations, labels, fractional := Normalise(pod)
+	if fractional {
+		patches = append(patches,
+			jsonpatch.JsonPatchOperation{Operation: "add", Path: "/metadata/annotations", Value: annotations},
+			jsonpatch.JsonPatchOperation{Operation: "add", Path: "/metadata/labels", Value: labels})
 	}
-	if m.SchedulerName != "" && (pod.Spec.SchedulerName == "" || pod.Spec.SchedulerName == corev1.DefaultSchedulerName) {
+	mib, charged, err := m.Charger.Charge(ctx, pod)
+	if err != nil {
+		return admission.Denied(err.Error())
+	}
+	if charged {
+		patches = append(patches, chargePatches(pod, mib)...)
+	}
+	// A pod with a share, by annotations or by claims of gpufrac's driver
+	// (a charge above 0 without a fraction), goes to gpufrac's scheduler,
+	// whose one ledger books both.
+	if m.SchedulerName != "" && (fractional || mib > 0) && (pod.Spec.SchedulerName == "" || pod.Spec.SchedulerName == corev1.DefaultSchedulerName) {
 		patches = append(patches, jsonpatch.JsonPatchOperation{Operation: "add", Path: "/spec/schedulerName", Value: m.SchedulerName})
 	}
-	return admission.Patched("normalised GPU-fraction annotations", patches...)
+	if len(patches) == 0 {
+		return admission.Allowed("")
+	}
+	return admission.Patched("normalised GPU-fraction annotations; charged GPU memory to quota", patches...)
 }
 
 func decodePod(raw []byte) (*corev1.Pod, error) {

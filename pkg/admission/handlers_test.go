@@ -84,7 +84,8 @@ func TestMutatorHandle(t *testing.T) {
 	p := pod(ann{"gpu-memory": "1024"}, "")
 	p.Spec.SchedulerName = corev1.DefaultSchedulerName
 	resp := m.Handle(context.Background(), request(t, admissionv1.Create, podKind, "alice", nil, p))
-	if !resp.Allowed || len(resp.Patches) != 3 {
+	// Annotations, labels, schedulerName, and the charge as request and limit.
+	if !resp.Allowed || len(resp.Patches) != 5 {
 		t.Fatalf("allowed=%v patches=%v", resp.Allowed, resp.Patches)
 	}
 	byPath := map[string]any{}

@@ -26,6 +26,9 @@ type ServerOptions struct {
 	Identity Identity
 	// SchedulerName, when set, is given to fractional pods that chose no scheduler.
 	SchedulerName string
+	// Charger sizes the GPU memory each pod is charged to its namespace's
+	// quota (NewCharger builds one on the API server).
+	Charger Charger
 }
 
 // Server serves the validating and mutating webhooks and the health probes.
@@ -40,7 +43,7 @@ func NewServer(opts ServerOptions) *Server {
 	identity := opts.Identity
 	identity.DefaultScheduler = opts.SchedulerName
 	ws.Register(ValidatePath, &webhook.Admission{Handler: &Validator{Identity: identity}})
-	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName}})
+	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName, Charger: opts.Charger}})
 	return &Server{opts: opts, webhook: ws}
 }
 

@@ -210,6 +210,13 @@ func (r NodeReport) Labels() map[string]*string {
 // Feature Discovery's, or an agent's).
 func InventoryLabelled(labels map[string]string) bool { return labels[LabelGPUProduct] != "" }
 
+// GPUMemoryMiB is the memory of each of a node's GPUs as its labels say
+// (LabelGPUMemory); ok is false when there is no readable figure.
+func GPUMemoryMiB(labels map[string]string) (mib int64, ok bool) {
+	v, err := strconv.ParseInt(labels[LabelGPUMemory], 10, 64)
+	return v, err == nil && v > 0
+}
+
 // GPUProduct is the GPU model a node's labels name (nvidia.com/gpu.product,
 // GPU Feature Discovery's form); "" when none is published.
 func GPUProduct(labels map[string]string) string { return labels[LabelGPUProduct] }

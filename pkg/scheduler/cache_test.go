@@ -692,3 +692,31 @@ func TestSilentAgentTakesNoFractions(t *testing.T) {
 		t.Errorf("after a fresh heartbeat: %+v", v)
 	}
 }
+
+// A share charged to quota against a smaller GPU than a node has is never
+// placed there: it would hold more than its namespace was charged. An
+// exact charge, and a pod that carries none (created before charging),
+// are placed as before.
+func TestShareNeverHoldsMoreThanItsCharge(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("big", 1, 81920, true))
+	half := func(charged bool, chargeMiB int64) Ask {
+		f, _ := api.ParseFraction("0.5")
+		return Ask{UID: "x", Charged: charged, ChargeMiB: chargeMiB, Fraction: &api.Request{
+			Container: "main", Memory: api.Amount{Fraction: f}, Limit: api.Amount{Fraction: f}, Mode: api.TimeSlicing, Devices: 1}}
+	}
+	if v := c.Filter("big", half(true, 20480)); v.Fits || v.Resolvable || !strings.Contains(v.Reason, "more GPU memory on this node's GPUs than the 20Gi charged") {
+		t.Errorf("half of an 80Gi GPU charged 20Gi: %+v", v)
+	}
+	if v := c.Filter("big", half(true, 40960)); !v.Fits {
+		t.Errorf("half of an 80Gi GPU charged 40Gi: %+v", v)
+	}
+	if v := c.Filter("big", half(false, 0)); !v.Fits {
+		t.Errorf("uncharged pod: %+v", v)
+	}
+	two := ask("y", 10000, api.TimeSlicing, 1)
+	two.Charged, two.ChargeMiB = true, 9999
+	if v := c.Filter("big", two); v.Fits {
+		t.Errorf("10000Mi share charged 9999Mi: %+v", v)
+	}
+}

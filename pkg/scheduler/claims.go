@@ -206,6 +206,41 @@ func (p *Plugin) syncClaims() error {
 	return nil
 }
 
+// claimsChargeMiB is the GPU memory the pod's claims of gpufrac's driver
+// ask for, as the webhook charged them (api.ClaimChargeMiB). A claim the
+// DRA manager does not hold yet counts nothing: the DynamicResources
+// plugin keeps the pod pending until it exists, and the pod is tried again.
+func (p *Plugin) claimsChargeMiB(pod *corev1.Pod) (int64, error) {
+	dra := p.handle.SharedDRAManager()
+	if dra == nil || len(pod.Spec.ResourceClaims) == 0 {
+		return 0, nil
+	}
+	classLimit := func(class string) (int64, error) {
+		c, err := dra.DeviceClasses().Get(class)
+		if err != nil {
+			return 0, nil // the allocator refuses a claim of a class that does not exist
+		}
+		return api.ClassLimitMiB(c)
+	}
+	var total int64
+	for i := range pod.Spec.ResourceClaims {
+		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
+		if err != nil || name == nil {
+			continue
+		}
+		claim, err := dra.ResourceClaims().Get(pod.Namespace, *name)
+		if err != nil {
+			continue
+		}
+		mib, err := api.ClaimChargeMiB(claim.Spec, classLimit)
+		if err != nil {
+			return 0, fmt.Errorf("claim %s/%s: %w", pod.Namespace, *name, err)
+		}
+		total += mib
+	}
+	return total, nil
+}
+
 // reserveClaims checks, after the DRA plugin's Reserve, that the pod's
 // claims of gpufrac's driver fit the ledger beside the annotation shares.
 func (p *Plugin) reserveClaims(pod *corev1.Pod) *fwk.Status {

@@ -25,6 +25,12 @@ type Ask struct {
 	// CPU (milli-CPU) and MemoryMiB are the pod's requests as
 	// kube-scheduler counts them.
 	CPU, MemoryMiB int64
+	// Charged says the pod carries a GPU memory charge (api.ChargedMiB);
+	// ChargeMiB is what of it is left for the annotation share once its
+	// claims are counted. A share is never placed where it would hold more
+	// than that: the namespace's quota counted the charge, not the share.
+	Charged   bool
+	ChargeMiB int64
 }
 
 // GPU says whether the pod asks for a GPU, whole or shared.
@@ -123,9 +129,13 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	if len(ns.Conflicts) > 0 {
 		return Verdict{Resolvable: true, Reason: fmt.Sprintf("node has %d pod(s) holding GPUs that gpufrac cannot account for; it takes no fractions until they are gone (see gpufrac audit)", len(ns.Conflicts))}
 	}
-	r, _, err := c.request(ns, ask)
+	r, resolved, err := c.request(ns, ask)
 	if err != nil {
 		return Verdict{Reason: err.Error()}
+	}
+	if ask.Charged && resolved.LimitMiB*int64(max(r.Devices, 1)) > ask.ChargeMiB {
+		return Verdict{Reason: fmt.Sprintf("the share would hold more GPU memory on this node's GPUs than the %s charged to its namespace's quota (%s) when the pod was created, against the largest GPU known then; ask with gpu-memory to be charged exactly",
+			api.FormatMiB(ask.ChargeMiB), api.ResourceGPUMemory)}
 	}
 	if _, unfit := ns.Ledger.Fit(r); unfit != nil {
 		return Verdict{Resolvable: true, Reason: explain(unfit.Reason, r)}

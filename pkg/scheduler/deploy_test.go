@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"testing"
@@ -12,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 // The example configuration and the one the Deployment mounts are the
@@ -68,10 +71,16 @@ func TestDeployedConfigIsTheExample(t *testing.T) {
 	if err := yaml.Unmarshal(example, &cfg); err != nil {
 		t.Fatal(err)
 	}
-	if len(cfg.Profiles) != 1 || cfg.Profiles[0].SchedulerName != "gpufrac" || len(cfg.Profiles[0].PluginConfig) != 1 || cfg.Profiles[0].PluginConfig[0].Name != Name {
+	if len(cfg.Profiles) != 1 || cfg.Profiles[0].SchedulerName != "gpufrac" || len(cfg.Profiles[0].PluginConfig) != 2 ||
+		cfg.Profiles[0].PluginConfig[0].Name != "NodeResourcesFit" || cfg.Profiles[0].PluginConfig[1].Name != Name {
 		t.Fatalf("example profile: %+v", cfg.Profiles)
 	}
-	raw, err := yaml.Marshal(cfg.Profiles[0].PluginConfig[0].Args)
+	// The quota charge is no node's resource: NodeResourcesFit must not
+	// count it, or no share would fit anywhere.
+	if ignored := fmt.Sprint(cfg.Profiles[0].PluginConfig[0].Args["ignoredResources"]); ignored != "["+string(api.ResourceGPUMemory)+"]" {
+		t.Errorf("NodeResourcesFit ignores %s, want [%s]", ignored, api.ResourceGPUMemory)
+	}
+	raw, err := yaml.Marshal(cfg.Profiles[0].PluginConfig[1].Args)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,6 +23,7 @@ import (
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
+	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/admission"
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -30,6 +31,7 @@ import (
 )
 
 const (
+	webhookUser   = "system:serviceaccount:gpufrac-system:gpufrac-webhook"
 	schedulerUser = admission.DefaultSchedulerUser
 	schedulerName = "gpufrac"
 )
@@ -102,9 +104,27 @@ func runWithEnv(m *testing.M) (int, error) {
 		return 0, err
 	}
 	o := env.WebhookInstallOptions
+	// The charge to quota reads the nodes and claims as the webhook's own
+	// service account would, with deploy/webhook's RBAC.
+	if err := localcluster.ApplyRBAC(context.Background(), w.admin, filepath.Join(root, "deploy", "webhook", "server.yaml")); err != nil {
+		return 0, err
+	}
+	reader, _, err := testenv.User(env, webhookUser, "system:serviceaccounts", "system:serviceaccounts:gpufrac-system", "system:authenticated")
+	if err != nil {
+		return 0, err
+	}
+	chargerCtx, stopCharger := context.WithCancel(context.Background())
+	defer stopCharger()
+	charger, _ := admission.NewCharger(chargerCtx, reader)
+	// The suite's GPUs are 80Gi H100s, and many admission tests create a
+	// share of a GPU before any node exists: a share is charged as on an
+	// 80Gi GPU at least (TestQuota... checks the charge against real nodes).
+	nodes := charger.LargestGPUMiB
+	charger.LargestGPUMiB = func() int64 { return max(nodes(), 81920) }
 	w.serving = admission.ServerOptions{
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
 		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{schedulerName, "gpufrac-*"}}, SchedulerName: schedulerName,
+		Charger: charger,
 	}
 	if err := w.startWebhook(); err != nil {
 		return 0, err
