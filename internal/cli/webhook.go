@@ -16,6 +16,7 @@ import (
 func newWebhookCommand() *cobra.Command {
 	opts := admission.ServerOptions{Identity: admission.Identity{}}
 	var kubeconfig string
+	quota := true
 	cmd := &cobra.Command{
 		Use:   "webhook",
 		Short: "Serve the admission webhooks: validate fractions, normalise shorthands, guard scheduler-owned keys",
@@ -50,21 +51,27 @@ they change.`,
 			ctx := cmd.Context()
 			logger := klog.FromContext(ctx)
 			ctrllog.SetLogger(logger)
-			client, err := clusterClient(kubeconfig)
-			if err != nil {
-				return err
-			}
-			charger, synced := admission.NewCharger(ctx, client)
-			opts.Charger = charger
-			// Until the nodes are read, a share of a GPU would be refused
-			// as if no GPU node had joined: wait for them first.
-			if !toolscache.WaitForCacheSync(ctx.Done(), synced) {
-				return fmt.Errorf("webhook: could not read the nodes' GPU memory labels: %w", ctx.Err())
+			if quota {
+				client, err := clusterClient(kubeconfig)
+				if err != nil {
+					return err
+				}
+				charger, synced := admission.NewCharger(ctx, client)
+				opts.Charger = charger
+				// Until the nodes are read, a share of a GPU would be refused
+				// as if no GPU node had joined: wait for them first.
+				if !toolscache.WaitForCacheSync(ctx.Done(), synced) {
+					return fmt.Errorf("webhook: could not read the nodes' GPU memory labels: %w", ctx.Err())
+				}
+			} else {
+				logger.Info("Not charging GPU shares to quota (--gpu-memory-quota=false): a namespace's ResourceQuota does not bound its GPU memory")
+				opts.Charger = admission.Charger{Off: true}
 			}
 			return admission.NewServer(opts).Start(klog.NewContext(ctx, logger))
 		},
 	}
 	f := cmd.Flags()
+	f.BoolVar(&quota, "gpu-memory-quota", true, "charge every GPU share (annotations, claims) to its namespace as "+string(api.ResourceGPUMemory)+", which a ResourceQuota bounds; false only if KAI's scheduler places fractions (it cannot place a pod with an extended resource no node advertises)")
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&opts.Host, "host", "", "address to serve the webhooks on (default: all)")
 	f.IntVar(&opts.Port, "port", 9443, "TLS port of the webhooks")

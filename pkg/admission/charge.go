@@ -28,6 +28,9 @@ type Charger struct {
 	// Claims reads the claims, templates and classes a pod names; nil:
 	// claims are charged nothing (tests of annotation pods only).
 	Claims ClaimSource
+	// Off charges nothing (--gpu-memory-quota=false): quota then does not
+	// bound GPU memory, as the flag says.
+	Off bool
 }
 
 // ClaimSource reads what a pod's claims ask for.
@@ -47,6 +50,9 @@ type ClaimSource interface {
 // uncharged. Errors are the API's (fail closed) or a share that cannot be
 // sized.
 func (c Charger) Charge(ctx context.Context, pod *corev1.Pod) (mib int64, charged bool, err error) {
+	if c.Off {
+		return 0, false, nil
+	}
 	reqs, perr := api.Parse(pod)
 	if perr == nil && len(reqs) > 0 {
 		charged = true

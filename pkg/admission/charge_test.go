@@ -124,6 +124,7 @@ func TestMutatorChargesGPUMemory(t *testing.T) {
 		{"another driver's claim: nothing", Charger{Claims: src}, withClaims("claim:other-driver"), "", "", ""},
 		{"a claim not made yet: charged 0", Charger{Claims: src}, withClaims("claim:later"), "side", "0", ""},
 		{"the class's limit", Charger{Claims: claims{specs: src.specs, class: 40960}}, withClaims("template:quarter"), "side", "40Gi", ""},
+		{"charging off (--gpu-memory-quota=false)", Charger{Off: true}, pod(ann{"gpu-memory": "4096"}, ""), "", "", ""},
 		{"API failure fails closed", Charger{Claims: claims{err: errors.New("forbidden")}}, withClaims("template:quarter"), "", "", "forbidden"},
 	}
 	for _, c := range cases {

@@ -342,6 +342,9 @@ func TestReadmeTour(t *testing.T) {
 		regexp.MustCompile(`denied the request: .*nvidia.com/container.main.gpus.devices`),
 		regexp.MustCompile(`OK Pod default/fraction-half`),
 		regexp.MustCompile(`audit: clean`),
+		regexp.MustCompile(`pod/small created`),
+		regexp.MustCompile(`pods "dra-quarter" is forbidden: exceeded quota: gpu-memory, requested: requests.gpufrac.io/gpu-memory=20Gi, used: requests.gpufrac.io/gpu-memory=20Gi, limited: requests.gpufrac.io/gpu-memory=30Gi`),
+		regexp.MustCompile(`requests.gpufrac.io/gpu-memory\s+20Gi\s+30Gi`),
 	} {
 		if !want.MatchString(before) {
 			t.Errorf("the tour's output lacks %q:\n%s", want, before)
