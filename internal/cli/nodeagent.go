@@ -88,6 +88,8 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.NRISocket, "nri-socket", "/var/run/nri/nri.sock", "the container runtime's NRI socket")
 	f.StringVar(&opts.PodResourcesSocket, "pod-resources-socket", reservation.DefaultSocket, "the kubelet's PodResources socket")
 	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
+	f.StringSliceVar(&opts.ForeignReservationNamespaces, "foreign-reservation-namespace", []string{"kai-resource-reservation"},
+		"namespaces of another scheduler's reservation pods (KAI's): a share's GPU they hold is held; one held by any other pod is not, and its share is stopped; repeatable")
 	f.StringVar(&opts.StateDir, "state-dir", "/var/lib/gpufrac", "directory for the agent's state (GPU memory leases) and sockets")
 	f.StringVar(&opts.ProcRoot, "proc-root", "/proc", "the host's /proc (run with hostPID, or mount it), to find containers' cgroups")
 	f.BoolVar(&opts.FailOpen, "fail-open", false, "start fractional containers that cannot be enforced WITHOUT a GPU instead of refusing them")

@@ -45,6 +45,12 @@ type Device struct {
 	// from either front door (annotations, DRA claims) can land on it
 	// while no whole-GPU pod can. Shares may use it; whole GPUs may not.
 	SharedOnly bool
+	// Closed marks a GPU no new share may join: tenants run on it whose
+	// reservation pod is gone (deleted under them), so nothing holds it
+	// against the device plugin any more, and a reservation pod made again
+	// for their group would be given whichever GPU is free, not this one.
+	// It opens again once its tenants are gone.
+	Closed bool
 
 	whole   string           // the whole-GPU tenant, if any
 	shares  map[string]Share // fractional tenants
@@ -114,6 +120,7 @@ const (
 	ReasonMode    Reason = "ComputeModeConflict"
 	ReasonCompute Reason = "ComputePortionExceeded"
 	ReasonInvalid Reason = "InvalidRequest"
+	ReasonUnheld  Reason = "GPUNotHeldForShares"
 )
 
 // Unfit explains a rejection: the reason and the numbers behind it.
@@ -152,9 +159,15 @@ func NewNode(name string, cpu, memory int64, devices ...*Device) *Node {
 
 // Fit returns the indices (into Devices) of every GPU that could take the
 // request, or why the node cannot: at least Whole idle GPUs, or Devices
-// distinct GPUs each with the share's request free, a compatible mode
-// and, for sm-sharing, compute left.
-func (n *Node) Fit(r Request) ([]int, *Unfit) {
+// distinct GPUs, none Closed, each with the share's request free, a
+// compatible mode and, for sm-sharing, compute left.
+func (n *Node) Fit(r Request) ([]int, *Unfit) { return n.fit(r, true) }
+
+// fit is Fit; closing says whether Closed GPUs are refused: they are to a
+// new share (Fit), not to a tenant that already runs there (Assign books
+// the cache's tenants again on a rebuild, and new ones only on GPUs Fit
+// chose).
+func (n *Node) fit(r Request, closing bool) ([]int, *Unfit) {
 	if u := validate(r); u != nil {
 		return nil, u
 	}
@@ -165,7 +178,7 @@ func (n *Node) Fit(r Request) ([]int, *Unfit) {
 		return nil, &Unfit{ReasonMemory, fmt.Sprintf("requested %d memory, %d of %d free", r.Memory, n.Memory-n.memUsed, n.Memory)}
 	}
 	var fit []int
-	var modelOK, memoryOK, modeOK int
+	var modelOK, openOK, memoryOK, modeOK int
 	for i, d := range n.Devices {
 		if len(r.Models) > 0 && !slices.Contains(r.Models, d.Model) {
 			continue
@@ -177,6 +190,10 @@ func (n *Node) Fit(r Request) ([]int, *Unfit) {
 			}
 			continue
 		}
+		if closing && d.Closed {
+			continue
+		}
+		openOK++
 		if d.Free() < r.Share.Request {
 			continue
 		}
@@ -199,6 +216,8 @@ func (n *Node) Fit(r Request) ([]int, *Unfit) {
 		return nil, &Unfit{ReasonModel, fmt.Sprintf("%d GPUs of models %s, %d needed", modelOK, strings.Join(r.Models, "|"), need)}
 	case r.Whole > 0:
 		return nil, &Unfit{ReasonWhole, fmt.Sprintf("%d idle GPUs, %d needed", len(fit), need)}
+	case openOK < need:
+		return nil, &Unfit{ReasonUnheld, fmt.Sprintf("%d GPUs open to new shares, %d needed (the others run shares whose reservation pod is gone)", openOK, need)}
 	case memoryOK < need:
 		return nil, &Unfit{ReasonGPUs, fmt.Sprintf("%d GPUs with %d free, %d needed", memoryOK, r.Share.Request, need)}
 	case modeOK < need:
@@ -237,7 +256,7 @@ func (n *Node) Assign(r Request, devices []int) error {
 	if _, taken := n.held[r.Tenant]; taken {
 		return fmt.Errorf("tenant %s already holds resources on node %s", r.Tenant, n.Name)
 	}
-	fit, unfit := n.Fit(r)
+	fit, unfit := n.fit(r, false)
 	if unfit != nil {
 		return fmt.Errorf("node %s: %w", n.Name, unfit)
 	}

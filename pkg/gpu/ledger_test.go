@@ -113,6 +113,23 @@ func TestSharedOnlyGPUsTakeSharesNeverWholePods(t *testing.T) {
 	}
 }
 
+// A Closed GPU takes no new share (Fit), and says so when that is why a
+// share does not fit; a tenant that already runs there is still booked
+// (Assign, as the scheduler's cache books its tenants again).
+func TestClosedGPUsTakeNoNewShare(t *testing.T) {
+	n := node(2, "H100")
+	n.Devices[0].Closed = true
+	if fit, _ := n.Fit(Request{Tenant: "f", Devices: 1, Share: share(1024, api.TimeSlicing, 0)}); !slices.Equal(fit, []int{1}) {
+		t.Errorf("shares fit %v, want only GPU 1 (GPU 0 is closed)", fit)
+	}
+	if _, unfit := n.Fit(Request{Tenant: "f", Devices: 2, Share: share(1024, api.TimeSlicing, 0)}); unfit == nil || unfit.Reason != ReasonUnheld {
+		t.Errorf("two GPUs with one closed: %v, want %s", unfit, ReasonUnheld)
+	}
+	if err := n.Assign(Request{Tenant: "running", Devices: 1, Share: share(1024, api.TimeSlicing, 0)}, []int{0}); err != nil {
+		t.Errorf("a tenant running on a closed GPU could not be booked: %v", err)
+	}
+}
+
 // dump renders the whole ledger, to compare states exactly.
 func dump(n *Node) string {
 	var b strings.Builder

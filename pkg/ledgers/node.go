@@ -175,6 +175,7 @@ func (n *Node) Event(g string, e GroupEvent, seen Seen) Effects {
 	if fx.Settle {
 		n.Settle(g)
 	}
+	n.closeUnheld()
 	return fx
 }
 
@@ -235,6 +236,7 @@ func (n *Node) Settle(g string) {
 func (n *Node) Add(t *Tenant) {
 	n.Tenants[t.Request.Tenant] = t
 	n.Place(*t, n.Reserved)
+	n.closeUnheld()
 }
 
 // Remove forgets a tenant and gives its slots back; its groups settle.
@@ -247,6 +249,40 @@ func (n *Node) Remove(key string) {
 	delete(n.Tenants, key)
 	for _, g := range t.Groups {
 		n.Settle(g)
+	}
+	n.closeUnheld()
+}
+
+// closeUnheld marks the GPUs no new share may join (gpu.Device.Closed):
+// those where a tenant's decision names its GPU (a UUID) in a group that
+// no reservation pod holds. The reservation pod was deleted under live
+// tenants (kubectl drain --force, an admin): the device plugin may hand
+// the GPU to anyone, and a reservation pod made again by the group's name
+// could be given another GPU, so a new share would be booked here and run
+// there. The tenants stay booked where they run until they end (their
+// node agent stops them: no pod holds their GPU), and the audit reports
+// the GPU (DeviceWithoutReservation). A share still being placed names no
+// UUID yet: its group's reservation pod is being made, and others may
+// join it. So do GPUs of another scheduler's tenants held by reservation
+// pods gpufrac does not see (KAI's): a reservation pod of gpufrac's could
+// not hold that GPU either.
+func (n *Node) closeUnheld() {
+	if n.Ledger == nil {
+		return
+	}
+	closed := map[int]bool{}
+	for _, t := range n.Tenants {
+		for i, g := range t.Groups {
+			if i >= len(t.UUIDs) || t.UUIDs[i] == "" || n.Reservations[g] != nil {
+				continue
+			}
+			if slot, ok := n.Groups[g]; ok {
+				closed[slot] = true
+			}
+		}
+	}
+	for i, d := range n.Ledger.Devices {
+		d.Closed = closed[i]
 	}
 }
 
@@ -265,6 +301,7 @@ func (n *Node) Relayout(place bool) {
 			n.Settle(g)
 		}
 	}
+	n.closeUnheld()
 }
 
 // Options say how to read a cluster.

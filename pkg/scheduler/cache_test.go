@@ -322,8 +322,10 @@ func TestFilterReasons(t *testing.T) {
 	delete(noLabels.Labels, api.LabelGPUMemory)
 	c.SetNode(noLabels)
 	c.SetNode(node("ts", 1, 80000, true))
+	c.SetPod(reservationPod("ts", "g1", "GPU-1"))
 	c.SetPod(placedPod("p1", "ts", 40000, api.TimeSlicing, "", []string{"g1"}, []string{"GPU-1"}))
 	c.SetNode(node("sm", 1, 80000, true))
+	c.SetPod(reservationPod("sm", "g2", "GPU-2"))
 	c.SetPod(placedPod("p2", "sm", 10000, api.SMSharing, "0.9", []string{"g2"}, []string{"GPU-2"}))
 	for _, tc := range []struct {
 		node string
@@ -718,5 +720,56 @@ func TestShareNeverHoldsMoreThanItsCharge(t *testing.T) {
 	two.Charged, two.ChargeMiB = true, 9999
 	if v := c.Filter("big", two); v.Fits {
 		t.Errorf("10000Mi share charged 9999Mi: %+v", v)
+	}
+}
+
+// A reservation pod deleted under live shares (kubectl drain --force, an
+// admin) leaves their GPU held by no pod: the device plugin may hand it to
+// anyone, and a reservation pod made again by the group's name could be
+// given another GPU. So no new share joins that GPU (nor opens a group on
+// it) until its shares end, after a restart too; a share still being
+// placed (no GPU named yet) does not close its GPU.
+func TestLostReservationClosesItsGPU(t *testing.T) {
+	reservation := reservationPod("n1", "ga", "GPU-a")
+	tenant := placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"})
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 1, 80000, true))
+	c.SetPod(reservation)
+	c.SetPod(tenant)
+	if v := c.Filter("n1", ask("x", 10000, api.TimeSlicing, 1)); !v.Fits {
+		t.Fatalf("a share beside a held one: %+v", v)
+	}
+	c.DeletePod(reservation)
+	closed := func(c *Cache, when string) {
+		t.Helper()
+		v := c.Filter("n1", ask("x", 10000, api.TimeSlicing, 1))
+		if v.Fits || !strings.Contains(v.Reason, "GPUNotHeldForShares") {
+			t.Errorf("%s: %+v, want the GPU closed to new shares", when, v)
+		}
+		if err := c.Reserve("n1", "default", "x", ask("x", 10000, api.TimeSlicing, 1), placement.Spread{}, Host{}); err == nil {
+			t.Errorf("%s: a share was reserved on a GPU no pod holds", when)
+		}
+	}
+	closed(c, "reservation deleted")
+	restarted := NewCache(testArgs())
+	restarted.SetNode(node("n1", 1, 80000, true))
+	restarted.SetPod(tenant)
+	closed(restarted, "after a restart")
+	if got := summary(c, "n1"); !strings.Contains(got, "ga:20000Mi/0‰/1/") {
+		t.Errorf("the running share is no longer booked where it runs: %s", got)
+	}
+	c.DeletePod(tenant)
+	if v := c.Filter("n1", ask("y", 10000, api.TimeSlicing, 1)); !v.Fits {
+		t.Errorf("once the share ended: %+v, want the GPU open again", v)
+	}
+
+	// Being placed: the first share's reservation pod is not made yet.
+	fresh := NewCache(testArgs())
+	fresh.SetNode(node("n1", 1, 80000, true))
+	if err := fresh.Reserve("n1", "default", "first", ask("first", 10000, api.TimeSlicing, 1), placement.Spread{}, Host{}); err != nil {
+		t.Fatal(err)
+	}
+	if v := fresh.Filter("n1", ask("second", 10000, api.TimeSlicing, 1)); !v.Fits {
+		t.Errorf("beside a share being placed: %+v", v)
 	}
 }

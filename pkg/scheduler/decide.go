@@ -155,6 +155,8 @@ func explain(reason gpu.Reason, r gpu.Request) string {
 		return fmt.Sprintf("%s: fewer than %d GPU(s) with %dMi of memory free", reason, n, r.Share.Request)
 	case gpu.ReasonMode:
 		return fmt.Sprintf("%s: fewer than %d GPU(s) with %dMi free that are idle or already run %s", reason, n, r.Share.Request, r.Share.Mode)
+	case gpu.ReasonUnheld:
+		return fmt.Sprintf("%s: fewer than %d GPU(s) open to new shares (a GPU whose shares lost their reservation pod takes no new one until they end; see gpufrac audit)", reason, n)
 	case gpu.ReasonCompute:
 		return fmt.Sprintf("%s: fewer than %d GPU(s) with %d/1000 of their sm-sharing compute left", reason, n, r.Share.Portion)
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -147,6 +148,17 @@ func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
 	}
 	if got := reservedGPU(t, ns, "node-1-gpu-group-1"); got != "GPU-3333" {
 		t.Errorf("reserved GPU = %q, want GPU-3333", got)
+	}
+
+	// What holds a share's GPU: a reservation pod, gpufrac's or KAI's,
+	// never a whole-GPU workload that the device plugin gave it to.
+	k.pods = append(k.pods, gpuPod("kai-resource-reservation", "gpu-reservation-x", "GPU-4444::1"))
+	held, err := source.Allocated(ctx, ns, "kai-resource-reservation")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := map[string]bool{"GPU-1111": true, "GPU-3333": true, "GPU-4444": true}; !maps.Equal(held, want) {
+		t.Errorf("GPUs held by reservation pods: %v, want %v (not the whole-GPU job's GPU-2222)", held, want)
 	}
 }
 

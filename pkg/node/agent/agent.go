@@ -58,6 +58,10 @@ type Options struct {
 	PodResourcesSocket string
 	// ReservationNamespace holds the reservation pods.
 	ReservationNamespace string
+	// ForeignReservationNamespaces hold another scheduler's reservation
+	// pods (KAI's kai-resource-reservation): a share's GPU held by one of
+	// them is held; held by any other pod (a whole-GPU workload), it is not.
+	ForeignReservationNamespaces []string
 	// StateDir holds the agent's sockets and state (the GPU memory leases).
 	StateDir string
 	// ProcRoot is where the host's /proc is, to find containers' cgroups.

@@ -79,7 +79,9 @@ func realNode(opts Options) (*environment, error) {
 		return nil, err
 	}
 	return &environment{
-		nvml: nvml.New(), devices: source, containerDevices: source.ContainerDevices, allocatedGPUs: source.Allocated, nriSocket: opts.NRISocket,
+		nvml: nvml.New(), devices: source, containerDevices: source.ContainerDevices, allocatedGPUs: func(ctx context.Context) (map[string]bool, error) {
+			return source.Allocated(ctx, append([]string{opts.ReservationNamespace}, opts.ForeignReservationNamespaces...)...)
+		}, nriSocket: opts.NRISocket,
 		draPluginDir: DefaultDRAPluginDir, draRegistrarDir: DefaultDRARegistrarDir, cdiDir: DefaultCDIDir,
 		containers:  true,
 		checkCgroup: func() error { return enforce.CheckCgroup(opts.CgroupRoot) },

@@ -279,12 +279,13 @@ func (a *Agent) reconcileContainers(ctx context.Context, mpsUp bool) {
 	a.stopTenantsOnUnheldGPUs(ctx)
 }
 
-// stopTenantsOnUnheldGPUs stops the fractional containers whose GPU no pod
-// of the node holds through the device plugin any more (their reservation
-// pod was deleted under them: drained, deleted by hand), seen so at two
-// resyncs in a row: the device plugin may give that GPU to a whole-GPU pod
-// under them, and a reservation pod made again may hold another GPU, so
-// their share would be silently moved. The audit reports the same
+// stopTenantsOnUnheldGPUs stops the fractional containers whose GPU no
+// reservation pod of the node (gpufrac's or KAI's) holds through the
+// device plugin any more (their reservation pod was deleted under them:
+// drained, deleted by hand), seen so at two resyncs in a row: the device
+// plugin may give that GPU to a whole-GPU pod under them (which then holds
+// it, but no share), and a reservation pod made again may hold another
+// GPU, so their share would be silently moved. The audit reports the same
 // (DeviceWithoutReservation).
 func (a *Agent) stopTenantsOnUnheldGPUs(ctx context.Context) {
 	if a.env.allocatedGPUs == nil || !a.plugin.Audited() {
@@ -299,7 +300,7 @@ func (a *Agent) stopTenantsOnUnheldGPUs(ctx context.Context) {
 	var stop []unheldTenant
 	a.unheldSeen, stop = countUnheld(a.unheldSeen, unheldTenants(allocated, a.plugin.Tenants()))
 	for _, u := range stop {
-		reason := fmt.Sprintf("its GPU %s is held by no pod of the node (its reservation pod is gone): the device plugin may give it to another pod, and the share will not be moved silently", u.gpu)
+		reason := fmt.Sprintf("its GPU %s is held by no reservation pod of the node (its reservation pod is gone): the device plugin may give it to another pod, and the share will not be moved silently", u.gpu)
 		logger.Info("Stopping a fractional container whose GPU is held no more", "pod", u.tenant.Pod.Namespace+"/"+u.tenant.Pod.Name, "container", u.tenant.Container, "gpu", u.gpu)
 		a.plugin.Stop(ctx, u.tenant.Pod, u.tenant.Container, reason)
 	}

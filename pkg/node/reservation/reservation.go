@@ -80,15 +80,19 @@ func (k *Kubelet) Devices(ctx context.Context, _ []corev1.Pod) (map[string][]str
 }
 
 // Allocated are the nvidia.com/gpu devices the kubelet's device manager
-// allocated to any pod of the node, by device ID (a shared replica
-// "GPU-x::2" as its GPU).
-func (k *Kubelet) Allocated(ctx context.Context) (map[string]bool, error) {
+// allocated to the node's pods in namespaces (reservation pods: gpufrac's,
+// KAI's), by device ID (a shared replica "GPU-x::2" as its GPU). A GPU
+// allocated to any other pod (a whole-GPU workload) holds no share.
+func (k *Kubelet) Allocated(ctx context.Context, namespaces ...string) (map[string]bool, error) {
 	byPod, err := k.Devices(ctx, nil)
 	if err != nil {
 		return nil, err
 	}
 	out := map[string]bool{}
-	for _, ids := range byPod {
+	for pod, ids := range byPod {
+		if ns, _, _ := strings.Cut(pod, "/"); !slices.Contains(namespaces, ns) {
+			continue
+		}
 		for _, id := range ids {
 			id, _, _ = strings.Cut(id, "::")
 			out[id] = true
