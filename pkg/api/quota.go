@@ -12,13 +12,27 @@ import (
 // memory to its namespace's ResourceQuota (requests.gpufrac.io/gpu-memory):
 // the admission webhook writes it on every pod that asks for a share,
 // through annotations or through claims of gpufrac's driver, and replaces
-// any value the pod's author wrote. No node advertises it: the scheduler
-// plugin's per-GPU ledger is what places shares (gpufrac's scheduler
-// profile tells NodeResourcesFit to ignore it), and the kubelet drops
-// extended resources its node does not advertise when it admits a pod.
-// It is charged at the hard limit, not the request: the most GPU memory
-// the pod can ever hold is what a namespace's budget must bound.
+// any value the pod's author wrote. It is charged at the hard limit, not
+// the request: the most GPU memory the pod can ever hold is what a
+// namespace's budget must bound.
+//
+// It is a charge, not a node's capacity: what fits is decided per GPU by
+// the scheduler plugin's ledger, and hard limits may add up to more than a
+// GPU's memory. Yet every counter of extended resources must accept it:
+// kube-scheduler's NodeResourcesFit (gpufrac's profile ignores it in
+// Filter, but its queueing hint counts it, and a pod it finds unfit there
+// is not retried when the node changes), KAI's scheduler (no ignore list)
+// and the kubelet's admission. So each GPU node advertises ChargeCapacity
+// of it (the node agent, with its heartbeat), which no node's charges
+// approach.
 const ResourceGPUMemory corev1.ResourceName = "gpufrac.io/gpu-memory"
+
+// ChargeCapacity is what a GPU node advertises of ResourceGPUMemory
+// (capacity and allocatable): 4Pi, unbounded in practice (no node's GPUs
+// add up to a hundredth of it), and the most the API server accepts with
+// room to spare: it validates an extended resource in thousandths, which
+// must fit an int64 (8Ei/1000), and so do KAI's sums.
+var ChargeCapacity = resource.MustParse("4Pi")
 
 // ChargeMiB is what an annotation share is charged to quota: its hard
 // limit on each GPU, times its GPUs. A share of a GPU is charged as on

@@ -233,6 +233,13 @@ func TestNodeConditionAndLabels(t *testing.T) {
 	if c := condition(n); c.Status != corev1.ConditionFalse || c.Reason != publish.ReasonNRI {
 		t.Errorf("condition = %+v", c)
 	}
+	// The quota charge is advertised, so that every counter of extended
+	// resources (kube-scheduler's queueing hints, KAI, the kubelet) takes it.
+	for _, list := range []corev1.ResourceList{n.Status.Capacity, n.Status.Allocatable} {
+		if q := list[api.ResourceGPUMemory]; q.Cmp(api.ChargeCapacity) != 0 {
+			t.Errorf("node advertises %s of %s, want %s (capacity and allocatable)", q.String(), api.ResourceGPUMemory, api.ChargeCapacity.String())
+		}
+	}
 	want := map[string]string{"team": "ml", api.LabelGPUCount: "8", api.LabelGPUMemory: "81920",
 		api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", api.LabelMemoryEnforcement: "mps-pinned",
 		publish.LabelDriverVersion: inv.DriverVersion, publish.LabelCUDAVersion: inv.CUDAVersion(), publish.LabelInventoryOwner: "agent"}

@@ -274,7 +274,15 @@ func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any
 	cfg["leaderElection"] = map[string]any{"leaderElect": false}
 	profile := cfg["profiles"].([]any)[0].(map[string]any)
 	profile["schedulerName"] = name
-	pluginArgs := profile["pluginConfig"].([]any)[0].(map[string]any)["args"].(map[string]any)
+	var pluginArgs map[string]any
+	for _, pc := range profile["pluginConfig"].([]any) {
+		if pc := pc.(map[string]any); pc["name"] == "GPUFractions" {
+			pluginArgs = pc["args"].(map[string]any)
+		}
+	}
+	if pluginArgs == nil {
+		t.Fatal("deploy/scheduler/config.yaml has no GPUFractions pluginConfig")
+	}
 	for k, v := range args {
 		pluginArgs[k] = v
 	}

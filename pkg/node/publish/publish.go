@@ -239,8 +239,13 @@ func Apply(ctx context.Context, client kubernetes.Interface, node *corev1.Node, 
 		}
 	}
 	// A strategic merge patch on conditions merges by type, so other
-	// components' conditions stay as they are.
-	patch, err := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{cond}}})
+	// components' conditions stay as they are; on capacity and allocatable
+	// by resource, so the kubelet's stay too (and it keeps ours: it only
+	// sets what it manages). The quota charge is advertised with the
+	// heartbeat, so a node re-created without it has it again at once.
+	charge := corev1.ResourceList{api.ResourceGPUMemory: api.ChargeCapacity}
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{
+		"conditions": []corev1.NodeCondition{cond}, "capacity": charge, "allocatable": charge}})
 	if err != nil {
 		return err
 	}
