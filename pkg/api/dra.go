@@ -302,15 +302,23 @@ func ClaimShareOf(r resourceapi.DeviceRequestAllocationResult, configs []resourc
 // the driver give request: the claim's own over its class's, the last of
 // each (the allocator lists class entries first).
 func configuredLimit(configs []resourceapi.DeviceAllocationConfiguration, request string) (int64, error) {
+	return lastLimit(len(configs), func(i int) ([]string, *resourceapi.OpaqueDeviceConfiguration) {
+		return configs[i].Requests, configs[i].Opaque
+	}, request)
+}
+
+// lastLimit is the memory limit the last of n opaque configs of the
+// driver that applies to request gives (0: none); at(i) is the i-th
+// config's requests (none: all) and opaque part. The one reading of a
+// ShareConfig's limit, for allocations, claims and classes alike.
+func lastLimit(n int, at func(i int) ([]string, *resourceapi.OpaqueDeviceConfiguration), request string) (int64, error) {
 	var limit int64
-	for _, c := range configs {
-		if c.Opaque == nil || c.Opaque.Driver != DRADriver {
+	for i := range n {
+		requests, opaque := at(i)
+		if opaque == nil || opaque.Driver != DRADriver || (len(requests) > 0 && !AppliesTo(requests, request)) {
 			continue
 		}
-		if len(c.Requests) > 0 && !AppliesTo(c.Requests, request) {
-			continue
-		}
-		l, err := ParseShareConfig(c.Opaque.Parameters.Raw)
+		l, err := ParseShareConfig(opaque.Parameters.Raw)
 		if err != nil {
 			return 0, err
 		}

@@ -66,20 +66,9 @@ func (a Amount) IsZero() bool { return a.MiB == 0 && a.Fraction.IsZero() }
 // configs from the allocation).
 func ClaimChargeMiB(spec resourceapi.ResourceClaimSpec, classLimitMiB func(class string) (int64, error)) (int64, error) {
 	claimLimit := func(request string) (int64, error) {
-		var limit int64
-		for _, c := range spec.Devices.Config {
-			if c.Opaque == nil || c.Opaque.Driver != DRADriver || (len(c.Requests) > 0 && !AppliesTo(c.Requests, request)) {
-				continue
-			}
-			l, err := ParseShareConfig(c.Opaque.Parameters.Raw)
-			if err != nil {
-				return 0, err
-			}
-			if l > 0 {
-				limit = l
-			}
-		}
-		return limit, nil
+		return lastLimit(len(spec.Devices.Config), func(i int) ([]string, *resourceapi.OpaqueDeviceConfiguration) {
+			return spec.Devices.Config[i].Requests, spec.Devices.Config[i].Opaque
+		}, request)
 	}
 	charge := func(name, class string, capacity *resourceapi.CapacityRequirements) (int64, error) {
 		if class != DRAClassTimeSlicing && class != DRAClassSMSharing {
@@ -125,18 +114,11 @@ func ClaimChargeMiB(spec resourceapi.ResourceClaimSpec, classLimitMiB func(class
 // ClassLimitMiB is the memory limit a DeviceClass's own ShareConfig
 // gives its shares (0: none): the last of its configs of gpufrac's driver.
 func ClassLimitMiB(class *resourceapi.DeviceClass) (int64, error) {
-	var limit int64
-	for _, c := range class.Spec.Config {
-		if c.Opaque == nil || c.Opaque.Driver != DRADriver {
-			continue
-		}
-		l, err := ParseShareConfig(c.Opaque.Parameters.Raw)
-		if err != nil {
-			return 0, fmt.Errorf("DeviceClass %s: %w", class.Name, err)
-		}
-		if l > 0 {
-			limit = l
-		}
+	limit, err := lastLimit(len(class.Spec.Config), func(i int) ([]string, *resourceapi.OpaqueDeviceConfiguration) {
+		return nil, class.Spec.Config[i].Opaque
+	}, "")
+	if err != nil {
+		return 0, fmt.Errorf("DeviceClass %s: %w", class.Name, err)
 	}
 	return limit, nil
 }

@@ -150,6 +150,20 @@ func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
 		t.Errorf("reserved GPU = %q, want GPU-3333", got)
 	}
 
+	// Which group's pod holds which GPU, for the shares gpufrac placed.
+	labelled := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "node-1-gpu-group-9", Namespace: ns, Labels: api.ReservationLabels("g9", false)},
+		Spec: corev1.PodSpec{NodeName: "node-1", Containers: []corev1.Container{{Name: "reserve", Image: "pause"}}}}
+	if _, err := shared.admin.CoreV1().Pods(ns).Create(ctx, labelled, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	k.pods = append(k.pods, gpuPod(ns, "node-1-gpu-group-9", "GPU-9999"))
+	if _, err := a.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := a.HeldByGroup(); !maps.Equal(got, map[string]string{"g9": "GPU-9999"}) {
+		t.Errorf("GPUs by group: %v, want g9's GPU-9999 (the other pods name no group)", got)
+	}
+
 	// What holds a share's GPU: a reservation pod, gpufrac's or KAI's,
 	// never a whole-GPU workload that the device plugin gave it to.
 	k.pods = append(k.pods, gpuPod("kai-resource-reservation", "gpu-reservation-x", "GPU-4444::1"))
@@ -157,7 +171,7 @@ func TestReservationPodsLearnTheirGPUFromTheKubelet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := map[string]bool{"GPU-1111": true, "GPU-3333": true, "GPU-4444": true}; !maps.Equal(held, want) {
+	if want := map[string]bool{"GPU-1111": true, "GPU-3333": true, "GPU-4444": true, "GPU-9999": true}; !maps.Equal(held, want) {
 		t.Errorf("GPUs held by reservation pods: %v, want %v (not the whole-GPU job's GPU-2222)", held, want)
 	}
 }

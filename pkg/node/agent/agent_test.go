@@ -110,6 +110,31 @@ func TestSharedGPUs(t *testing.T) {
 	}
 }
 
+// A share gpufrac's scheduler placed is held only by its own group's
+// reservation pod: its GPU given to another group's new reservation pod
+// (the device plugin hands out a GPU whose pod was deleted under its
+// shares) does not hold it, and the share is stopped rather than run
+// beside the new ones, booked elsewhere. Another scheduler's share (no
+// groups) is held by any reservation pod; with the groups unread, nothing
+// is judged by group.
+func TestSharesAreHeldOnlyByTheirOwnGroupsPod(t *testing.T) {
+	tenants := []nriplugin.Tenant{
+		{Pod: nriplugin.PodRef{UID: "u1", Name: "own"}, Container: "main", Devices: []string{"GPU-a"}, Groups: []string{"ga"}},
+		{Pod: nriplugin.PodRef{UID: "u2", Name: "lost"}, Container: "main", Devices: []string{"GPU-b"}, Groups: []string{"gb"}},
+		{Pod: nriplugin.PodRef{UID: "u3", Name: "kai"}, Container: "main", Devices: []string{"GPU-c"}},
+	}
+	allocated := map[string]bool{"GPU-a": true, "GPU-b": true, "GPU-c": true}
+	// gb's pod is gone; a new group's pod was given GPU-b.
+	byGroup := map[string]string{"ga": "gpu-a", "gnew": "GPU-b"}
+	unheld := unheldTenants(allocated, byGroup, tenants)
+	if len(unheld) != 1 || unheld["u2/main"].gpu != "GPU-b" {
+		t.Errorf("unheld = %v, want only lost's GPU-b (held by another group's pod)", unheld)
+	}
+	if got := unheldTenants(allocated, nil, tenants); len(got) != 0 {
+		t.Errorf("groups unread: %v judged by group, want none unheld", got)
+	}
+}
+
 // A tenant whose GPU the device plugin allocated to no pod (its reservation
 // pod deleted under it) is stopped once seen so at two resyncs in a row;
 // nothing is judged on an allocation that is empty or not by UUID.
@@ -119,14 +144,14 @@ func TestTenantsOnUnheldGPUsAreStopped(t *testing.T) {
 		{Pod: nriplugin.PodRef{UID: "u2", Name: "lost"}, Container: "main", Devices: []string{"GPU-b"}},
 	}
 	allocated := map[string]bool{"GPU-a": true, "GPU-c": true}
-	unheld := unheldTenants(allocated, tenants)
+	unheld := unheldTenants(allocated, nil, tenants)
 	if len(unheld) != 1 || unheld["u2/main"].gpu != "GPU-b" {
 		t.Fatalf("unheld = %v, want only lost's GPU-b", unheld)
 	}
-	if got := unheldTenants(map[string]bool{}, tenants); got != nil {
+	if got := unheldTenants(map[string]bool{}, nil, tenants); got != nil {
 		t.Errorf("an empty allocation judged: %v", got)
 	}
-	if got := unheldTenants(map[string]bool{"0": true}, tenants); got != nil {
+	if got := unheldTenants(map[string]bool{"0": true}, nil, tenants); got != nil {
 		t.Errorf("an allocation by index judged: %v", got)
 	}
 	seen, stop := countUnheld(nil, unheld)

@@ -298,9 +298,9 @@ func (a *Agent) stopTenantsOnUnheldGPUs(ctx context.Context) {
 		return
 	}
 	var stop []unheldTenant
-	a.unheldSeen, stop = countUnheld(a.unheldSeen, unheldTenants(allocated, a.plugin.Tenants()))
+	a.unheldSeen, stop = countUnheld(a.unheldSeen, unheldTenants(allocated, a.annotator.HeldByGroup(), a.plugin.Tenants()))
 	for _, u := range stop {
-		reason := fmt.Sprintf("its GPU %s is held by no reservation pod of the node (its reservation pod is gone): the device plugin may give it to another pod, and the share will not be moved silently", u.gpu)
+		reason := fmt.Sprintf("its GPU %s is held by no reservation pod of the node for its share (its reservation pod is gone): the device plugin may give it to another pod, and the share will not be moved silently", u.gpu)
 		logger.Info("Stopping a fractional container whose GPU is held no more", "pod", u.tenant.Pod.Namespace+"/"+u.tenant.Pod.Name, "container", u.tenant.Container, "gpu", u.gpu)
 		a.plugin.Stop(ctx, u.tenant.Pod, u.tenant.Container, reason)
 	}
@@ -327,12 +327,15 @@ type unheldTenant struct {
 	gpu    string
 }
 
-// unheldTenants are the tenants using a GPU the device plugin allocated to
-// no pod (allocated: by device ID), by pod UID and container. Nothing is
-// judged where the allocation cannot be read as GPU UUIDs: an empty list
-// (a kubelet that has not caught up), or a plugin that names devices by
-// index.
-func unheldTenants(allocated map[string]bool, tenants []nriplugin.Tenant) map[string]unheldTenant {
+// unheldTenants are the tenants using a GPU no reservation pod holds for
+// them, by pod UID and container: for a share gpufrac's scheduler placed
+// (its decision names its groups), its own group's reservation pod
+// (byGroup: group to the GPU its pod holds); for another scheduler's, any
+// reservation pod (allocated: by device ID). Nothing is judged where the
+// allocation cannot be read as GPU UUIDs: an empty list (a kubelet that
+// has not caught up), or a plugin that names devices by index; nor by
+// group while the reservation pods could not be read (byGroup nil).
+func unheldTenants(allocated map[string]bool, byGroup map[string]string, tenants []nriplugin.Tenant) map[string]unheldTenant {
 	if len(allocated) == 0 {
 		return nil
 	}
@@ -343,8 +346,12 @@ func unheldTenants(allocated map[string]bool, tenants []nriplugin.Tenant) map[st
 	}
 	out := map[string]unheldTenant{}
 	for _, t := range tenants {
-		for _, uuid := range t.Devices {
-			if !allocated[uuid] {
+		for i, uuid := range t.Devices {
+			held := allocated[uuid]
+			if byGroup != nil && len(t.Groups) == len(t.Devices) {
+				held = strings.EqualFold(byGroup[t.Groups[i]], uuid)
+			}
+			if !held {
 				out[t.Pod.UID+"/"+t.Container] = unheldTenant{tenant: t, gpu: uuid}
 				break
 			}

@@ -305,7 +305,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			if cfg.Backend == nodeapi.BackendDriver {
 				state = StateInjected // verified after start
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), state, time.Now()))
+			p.tenants.set(ctr.GetId(), tenantOf(pod, d, string(cfg.Backend), state, time.Now()))
 			if state == StateEnforced && p.opts.Reporter != nil {
 				p.opts.Reporter.Enforced(ref, ctr.GetName(), withNotes(fmt.Sprintf("memory limits injected for the %s backend", cfg.Backend), d.Notes))
 			}
@@ -317,7 +317,7 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 			p.opts.Reporter.FailedOpen(ref, ctr.GetName(), fmt.Errorf("%w; %s", d.Reason, strings.Join(d.Notes, "; ")))
 		}
 		if d.Assignment != nil {
-			p.tenants.set(ctr.GetId(), tenantOf(ref, d, string(cfg.Backend), StateFailOpen, time.Now()))
+			p.tenants.set(ctr.GetId(), tenantOf(pod, d, string(cfg.Backend), StateFailOpen, time.Now()))
 		}
 		return d.Adjustment, nil, nil
 	}
@@ -912,7 +912,7 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 			if ns := ctr.GetCreatedAt(); ns > 0 {
 				created = time.Unix(0, ns)
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(refOf(pod), d, backend, state, created))
+			p.tenants.set(ctr.GetId(), tenantOf(pod, d, backend, state, created))
 		}
 		if reason == "" {
 			continue

@@ -21,6 +21,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce/enforcetest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
@@ -1216,5 +1217,24 @@ func TestKAIShapedPodRunsOverNRI(t *testing.T) {
 	}
 	if env := injection.ApplyEnv(app.Env, resp.GetAdjust()); env["NVIDIA_VISIBLE_DEVICES"] != "void" {
 		t.Errorf("the app container sees GPUs: %v", env)
+	}
+}
+
+// A tenant keeps the GPU groups gpufrac's scheduler wrote, one per device,
+// which the agent matches with its own group's reservation pod; another
+// scheduler's decision (no groups, or not one per device) has none.
+func TestTenantKeepsItsDecisionsGroups(t *testing.T) {
+	d := injection.Decision{Assignment: &api.Assignment{Container: "main", Devices: []string{"GPU-a", "GPU-b"}}}
+	for _, c := range []struct {
+		groups string
+		want   []string
+	}{{"ga,gb", []string{"ga", "gb"}}, {"", nil}, {"ga", nil}} {
+		ann := map[string]string{}
+		if c.groups != "" {
+			ann[api.GPUGroupsAnnotation] = c.groups
+		}
+		if got := tenantOf(sandbox("p", "pod", ann), d, "driver", StateEnforced, time.Time{}).Groups; !slices.Equal(got, c.want) {
+			t.Errorf("groups %q: tenant's %v, want %v", c.groups, got, c.want)
+		}
 	}
 }

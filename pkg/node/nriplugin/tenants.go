@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 
+	nriapi "github.com/containerd/nri/pkg/api"
+
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 )
@@ -40,6 +42,10 @@ type Tenant struct {
 	State      string
 	// Namespace is its MPS namespace (sm-sharing), "" for none.
 	Namespace string
+	// Groups are the GPU groups gpufrac's scheduler wrote with its decision
+	// (api.DecisionGroups), one per device; nil for another scheduler's.
+	// Its GPU is held only while its own group's reservation pod holds it.
+	Groups []string
 
 	// As decided at creation, so later hooks do not parse the pod's
 	// annotations again.
@@ -131,8 +137,12 @@ func (t *tenants) list() []Tenant {
 	return out
 }
 
-func tenantOf(pod PodRef, d injection.Decision, backend, state string, started time.Time) Tenant {
+func tenantOf(sandbox *nriapi.PodSandbox, d injection.Decision, backend, state string, started time.Time) Tenant {
 	a := *d.Assignment
-	return Tenant{Pod: pod, Container: a.Container, Devices: a.Devices, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB,
-		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, assignment: a, notes: d.Notes, started: started}
+	var groups []string
+	if g := api.DecisionGroups(sandbox.GetAnnotations()); len(g) == len(a.Devices) {
+		groups = g
+	}
+	return Tenant{Pod: refOf(sandbox), Container: a.Container, Devices: a.Devices, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB,
+		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, Groups: groups, assignment: a, notes: d.Notes, started: started}
 }

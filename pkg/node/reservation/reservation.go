@@ -146,6 +146,7 @@ type Annotator struct {
 	mu       sync.Mutex
 	standing map[string]api.SharesHeld
 	held     map[string]bool
+	byGroup  map[string]string
 }
 
 // Held is what the last Sync found: the GPUs this node's reservation pods
@@ -156,6 +157,20 @@ func (a *Annotator) Held() map[string]bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return maps.Clone(a.held)
+}
+
+// HeldByGroup is what the last Sync found: by GPU group, the GPU the
+// group's reservation pod holds as the kubelet allocated it (a pod being
+// deleted still holds its GPU until it is gone). Nil when the last Sync
+// could not read the pods or their devices. A share placed by gpufrac's
+// scheduler is held only by its own group's pod: the device plugin may
+// give a GPU whose reservation pod was deleted under its shares to
+// another group's new reservation pod, and the old shares would then run
+// beside the new ones, booked elsewhere.
+func (a *Annotator) HeldByGroup() map[string]string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return maps.Clone(a.byGroup)
 }
 
 // Standing is what the last Sync found: by GPU UUID, the GPUs standing
@@ -197,7 +212,7 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 	logger := klog.FromContext(ctx)
 	// What a failed read leaves is no offer at all, not the last one.
 	a.mu.Lock()
-	a.standing, a.held = nil, nil
+	a.standing, a.held, a.byGroup = nil, nil, nil
 	a.mu.Unlock()
 	pods, err := a.Client.CoreV1().Pods(a.Namespace).List(ctx, metav1.ListOptions{
 		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.Node).String(),
@@ -214,19 +229,26 @@ func (a *Annotator) Sync(ctx context.Context) (int, error) {
 		return 0, err
 	}
 	held := map[string]bool{}
+	byGroup := map[string]string{}
 	for i := range pods.Items {
 		// A pod being deleted still holds its GPU until it is gone: its
 		// tenants may run on.
 		pod := &pods.Items[i]
-		if r, _ := api.ReservationOf(pod); r.GPU != "" {
+		r, _ := api.ReservationOf(pod)
+		if r.GPU != "" {
 			held[r.GPU] = true
 		}
-		for _, id := range devices[pod.Namespace+"/"+pod.Name] {
+		ids := devices[pod.Namespace+"/"+pod.Name]
+		for _, id := range ids {
 			held[id] = true
+		}
+		if len(ids) == 1 && r.Group != "" {
+			id, _, _ := strings.Cut(ids[0], "::")
+			byGroup[r.Group] = id
 		}
 	}
 	a.mu.Lock()
-	a.held = held
+	a.held, a.byGroup = held, byGroup
 	a.mu.Unlock()
 	annotated := 0
 	for i := range pods.Items {
