@@ -393,7 +393,12 @@ func TestDRAKubeletPluginPreparesShares(t *testing.T) {
 	})
 
 	root := mpstest.ShortRoot(t)
-	control, _ := mpstest.StartDaemon(t, root, 615)
+	// The fake MPS control is this test binary, exec'd for every probe:
+	// large and race-instrumented beside a kube-apiserver and a scheduler,
+	// it can take longer than the unit tests' 500ms to answer, and two such
+	// probes had the supervisor replace a daemon that was merely slow
+	// (make test, once: the claim's prepare then met the restart).
+	control, _ := mpstest.StartDaemon(t, root, 615, func(d *mps.Daemon) { d.CommandTimeout = 5 * time.Second })
 	openMPS := func() *mps.Manager {
 		m, err := mps.OpenManager(control, filepath.Join(root, "namespaces.json"))
 		if err != nil {
