@@ -262,7 +262,8 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 		return
 	}
 	if known && node == pod.Spec.NodeName {
-		delete(c.assumed, pod.UID) // bound where it was reserved: nothing else changes
+		delete(c.assumed, pod.UID)     // bound where it was reserved: nothing else changes,
+		c.learnGPUs(c.node(node), pod) // but the GPUs its decision names
 		return
 	}
 	if known {
@@ -281,6 +282,21 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	}
 	if t != nil {
 		c.add(ns, t)
+	}
+}
+
+// learnGPUs records on a tenant the scheduler assumed the GPUs its
+// decision names, once the pod shows it: with them, a GPU whose reservation
+// pod is deleted under the tenant is closed to new shares
+// (ledgers.Node.closeUnheld), instead of its group taking the next share
+// and its pod being made again by name, maybe on another GPU.
+func (c *Cache) learnGPUs(ns *nodeState, pod *corev1.Pod) {
+	t := ns.Tenants[string(pod.UID)]
+	if t == nil || len(t.UUIDs) > 0 || t.Request.Whole > 0 {
+		return
+	}
+	if read, held, err := ns.ReadTenant(pod); err == nil && held && len(read.UUIDs) == len(t.Groups) {
+		t.UUIDs = read.UUIDs
 	}
 }
 

@@ -763,6 +763,24 @@ func TestLostReservationClosesItsGPU(t *testing.T) {
 		t.Errorf("once the share ended: %+v, want the GPU open again", v)
 	}
 
+	// Placed by this scheduler: the share it assumed learns its GPU when
+	// the pod shows its decision, and the GPU closes as well when the
+	// reservation pod goes.
+	live := NewCache(testArgs())
+	live.SetNode(node("n1", 1, 80000, true))
+	if err := live.Reserve("n1", "default", "p1", ask("p1", 20000, api.TimeSlicing, 1), placement.Spread{}, Host{}); err != nil {
+		t.Fatal(err)
+	}
+	d, _ := live.Decision("p1")
+	live.SetPod(reservationPod("n1", d.Groups[0], "GPU-a"))
+	bound := placedPod("p1", "n1", 20000, api.TimeSlicing, "", d.Groups, []string{"GPU-a"})
+	bound.UID = "p1"
+	live.SetPod(bound)
+	live.DeletePod(reservationPod("n1", d.Groups[0], "GPU-a"))
+	if v := live.Filter("n1", ask("x", 10000, api.TimeSlicing, 1)); v.Fits || !strings.Contains(v.Reason, "GPUNotHeldForShares") {
+		t.Errorf("a share this scheduler placed lost its reservation pod: %+v, want the GPU closed", v)
+	}
+
 	// Being placed: the first share's reservation pod is not made yet.
 	fresh := NewCache(testArgs())
 	fresh.SetNode(node("n1", 1, 80000, true))
