@@ -260,8 +260,8 @@ func (n *Node) Remove(key string) {
 // the GPU to anyone, and a reservation pod made again by the group's name
 // could be given another GPU, so a new share would be booked here and run
 // there. The tenants stay booked where they run until they end (their
-// node agent stops them: no pod holds their GPU), and the audit reports
-// the GPU (DeviceWithoutReservation). A share still being placed names no
+// node agent stops them: no reservation pod of their group holds their
+// GPU), and the audit names them. A share still being placed names no
 // UUID yet: its group's reservation pod is being made, and others may
 // join it. So do GPUs of another scheduler's tenants held by reservation
 // pods gpufrac does not see (KAI's): a reservation pod of gpufrac's could
