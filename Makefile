@@ -50,6 +50,32 @@ build: preflight ## build bin/gpufrac
 shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for fractional containers
 	$(GO) run ./shim/cmd/build-shim $(BIN)/shim
 
+.PHONY: image
+# The image without a container engine: an OCI layout and its archive,
+# from this commit (hack/node/gpufracimage; the chart README says how to
+# push or import it). Reproducible: `make image-check` builds it twice.
+APP_VERSION := $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*$$/\1/p' $(CHART)/Chart.yaml)
+IMAGE_REF   ?= ghcr.io/gpufrac/gpufrac:$(APP_VERSION)
+IMAGE_DIR   ?= $(BIN)/image
+image: preflight ## build gpufrac's image (amd64) as an OCI layout and archive in bin/image, without a container engine
+	$(call announce,"$(IMAGE_REF): gpufrac$(,) its view library and the C library$(,) as an OCI archive (first time: about 1 min)")
+	rm -rf $(IMAGE_DIR)/build && mkdir -p $(IMAGE_DIR)/build
+	$(GO) build -trimpath -ldflags='-s -w -buildid=' -o $(IMAGE_DIR)/build/gpufrac ./cmd/gpufrac
+	$(GO) run ./shim/cmd/build-shim $(IMAGE_DIR)/build/shim >/dev/null
+	cd hack/node && $(GO) build -o $(NODE_BIN)/gpufracimage ./gpufracimage
+	$(NODE_BIN)/gpufracimage -binary $(IMAGE_DIR)/build/gpufrac -library $(IMAGE_DIR)/build/shim/libnvidia-ml.so.1 \
+	  -ref $(IMAGE_REF) -revision "$$(git rev-parse HEAD)$$(git diff --quiet HEAD -- . || echo -dirty)" \
+	  -created "$$(git log -1 --format=%ct)" -out $(IMAGE_DIR) >$(IMAGE_DIR)/digest
+	@printf '%s %s (%s)\n' "$(IMAGE_REF)" "$$(cat $(IMAGE_DIR)/digest)" "$$(du -h $(IMAGE_DIR)/gpufrac.oci.tar | cut -f1)"
+
+.PHONY: image-check
+image-check: ## build the image twice from scratch: the digests must be equal
+	$(MAKE) --no-print-directory image IMAGE_DIR=$(BIN)/image-check
+	$(MAKE) --no-print-directory image
+	@a=$$(cat $(BIN)/image-check/digest); b=$$(cat $(IMAGE_DIR)/digest); rm -rf $(BIN)/image-check; \
+	if [ "$$a" != "$$b" ]; then echo "image-check: two builds of one commit gave $$a and $$b: the image is not reproducible"; exit 1; fi; \
+	echo "image-check: two builds, one digest $$a"
+
 .PHONY: gpu-proof-pack
 # What hack/gpu-proof.sh needs on a GPU machine without Go, small enough to
 # travel (the device tool carries 64 MiB): gpufrac stripped and gzipped,
@@ -70,7 +96,7 @@ demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster 
 	$(BIN)/gpufrac up --demo $(DEMO_FLAGS)
 
 .PHONY: test
-test: preflight verify unit node-e2e ## the whole suite: formatting, vet, lint, every test, then the real node
+test: preflight verify unit node-e2e image-check ## the whole suite: formatting, vet, lint, every test, the real node, the image built twice
 
 .PHONY: unit
 # The trace replays (fidelity to the published study, our policy's margin)

@@ -38,6 +38,36 @@ container's creation: a container never runs without its limits.`,
 	}
 	apply.Flags().StringVar(&procRoot, "proc-root", procRoot, "where /proc is (for tests)")
 	_ = apply.Flags().MarkHidden("proc-root")
-	cmd.AddCommand(apply)
+	cmd.AddCommand(apply, newHookInstallCommand())
+	return cmd
+}
+
+// newHookInstallCommand is the node agent's init container: the image has
+// no shell, and a plain copy over a hook that runc is running fails.
+func newHookInstallCommand() *cobra.Command {
+	var binDir, libDir, library string
+	cmd := &cobra.Command{
+		Use:   "install",
+		Short: "copy this binary (the hook) and the nvidia-smi view library to the host (the node agent's init container)",
+		Long: `install copies the running gpufrac binary to --bin-dir/gpufrac, where the node
+agent's hook spec points runc, and the nvidia-smi view library to
+--lib-dir/libnvidia-ml.so.1, which fractional containers mount. Each file is
+written beside the old one and renamed over it: a hook runc is executing and
+a library containers have mapped are never changed under them.`,
+		Args: cobra.NoArgs,
+		RunE: func(*cobra.Command, []string) error {
+			self, err := os.Executable()
+			if err != nil {
+				return fmt.Errorf("gpufrac hook install: %w", err)
+			}
+			if err := enforce.Install(self, binDir, "gpufrac", 0o755); err != nil {
+				return err
+			}
+			return enforce.Install(library, libDir, "libnvidia-ml.so.1", 0o644)
+		},
+	}
+	cmd.Flags().StringVar(&binDir, "bin-dir", "/host/bin", "host directory for the hook binary (the chart's nodeAgent.hostBinDir, mounted)")
+	cmd.Flags().StringVar(&libDir, "lib-dir", "/host/lib", "host directory for the nvidia-smi view library (the chart's nodeAgent.hostLibDir, mounted)")
+	cmd.Flags().StringVar(&library, "library", "/usr/local/lib/gpufrac/libnvidia-ml.so.1", "the view library in the image")
 	return cmd
 }
