@@ -96,7 +96,7 @@ demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster 
 	$(BIN)/gpufrac up --demo $(DEMO_FLAGS)
 
 .PHONY: test
-test: preflight verify unit node-e2e image-check ## the whole suite: formatting, vet, lint, every test, the real node, the image built twice
+test: preflight verify unit node-e2e image-check chart-e2e ## the whole suite: formatting, vet, lint, every test, the real node, the image built twice, the chart on the real node
 
 .PHONY: unit
 # The trace replays (fidelity to the published study, our policy's margin)
@@ -124,12 +124,31 @@ NODE_STAMP    := $(NODE_BIN)/.built
 KUBELET       := $(KUBE_BIN)/kubelet
 FAKE_NVML     := $(NODE_BIN)/lib/libnvidia-ml.so.1
 NODE_IMAGES   := $(NODE_BIN)/images.tar
-NODE_PACKAGES := runc busybox-static containernetworking-plugins iproute2
+NODE_PACKAGES := runc busybox-static containernetworking-plugins iproute2 iptables
 
 .PHONY: node-e2e
 node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) ## a real node (kubelet, containerd, runc; GPU, driver and MPS stand-ins) joined to gpufrac up: pods started through it (also in make test; root)
 	$(call announce,"the real node: kubelet + containerd + runc with the node agent as NRI plugin and the hook under runc (about 2 min)")
 	$(GO) test -tags nodee2e -count=1 -v -timeout 20m ./test/node/
+
+.PHONY: chart-e2e
+# The same real node with gpufrac as users install it: make image's image
+# imported into containerd, helm install of the chart with its defaults,
+# every part a real pod; kube-proxy and kube-controller-manager as any
+# cluster has them (test/node/chart_test.go, -tags charte2e).
+KUBE_PROXY    := $(KUBE_BIN)/kube-proxy
+NVIDIA_RUNTIME := $(NODE_BIN)/nvidia-container-runtime
+chart-e2e: build image $(KUBE_STAMP) $(KUBELET) $(KUBE_PROXY) $(HELM) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) $(NVIDIA_RUNTIME) ## helm install on the real node: the image, every part a real pod, kube-proxy; scenarios, privileges, upgrade, uninstall (also in make test; root)
+	$(call announce,"the chart on the real node: helm install of the image$(,) scenarios through it$(,) helm uninstall (about 3 min)")
+	$(GO) test -tags charte2e -count=1 -v -timeout 20m ./test/node/
+
+$(KUBE_PROXY): go.mod go.sum | preflight
+	$(call announce,"bin/kube/kube-proxy $(KUBE_VERSION) from source (first time: about 1 min after bin/kube; kept until go.mod changes)")
+	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kube-proxy
+	@touch $@
+
+$(NVIDIA_RUNTIME): test/node/nvidiaruntime/main.go
+	CGO_ENABLED=0 $(GO) build -o $@ ./test/node/nvidiaruntime
 
 .PHONY: node-packages
 # Debian's packages the real node needs, installed once (root and apt).

@@ -1,4 +1,4 @@
-//go:build nodee2e
+//go:build nodee2e || charte2e
 
 // Package node runs gpufrac's node side on a real node of this machine: a
 // kubelet, containerd and runc, with the node agent as containerd's NRI
@@ -26,6 +26,7 @@ package node
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -54,9 +55,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
-	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
-	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 )
 
 const (
@@ -75,14 +74,9 @@ const (
 // theNode is the node every test uses; TestMain starts and stops it.
 var theNode *node
 
-func TestMain(m *testing.M) {
-	if os.Getenv(mpstest.Env) == "1" {
-		os.Exit(mpstest.Fake(os.Args[1:])) // a child playing nvidia-cuda-mps-control
-	}
-	os.Exit(run(m))
-}
-
-func run(m *testing.M) int {
+// run starts the node, runs the tests, and stops it: a node that leaves
+// anything behind fails the run.
+func run(m *testing.M, startNode func() (*node, error)) int {
 	if os.Geteuid() != 0 {
 		fmt.Fprintln(os.Stderr, "node e2e: must run as root (containerd, runc and the kubelet need it); run it with `make node-e2e` as root")
 		return 1
@@ -113,9 +107,24 @@ type node struct {
 	repo, dir string
 	gpufrac   string // bin/gpufrac
 	nodeBin   string // bin/node: containerd, its shim, ctr, the fake NVML, the images
-	cluster   *localcluster.Cluster
-	admin     kubernetes.Interface
-	gpus      []inventory.GPU
+	// kubeconfig is the admin's, for the kubelet and the tools;
+	// downControlPlane stops the control plane.
+	kubeconfig       string
+	downControlPlane func()
+	// nvml is the fake driver's state directory (fakenvml/), when not
+	// <dir>/nvml; cleanups run last in stop, after every process.
+	nvml     string
+	cleanups []func() error
+	// beforeStop runs first in stop, with everything still up.
+	beforeStop []func() error
+	// kubeletKubeconfig is the kubelet's, when not the admin's; images
+	// are archives imported into containerd besides the test images;
+	// runtimes is containerd configuration for runtime handlers.
+	kubeletKubeconfig string
+	images            []string
+	runtimes          string
+	admin             kubernetes.Interface
+	gpus              []inventory.GPU
 
 	mu    sync.Mutex
 	procs map[string]*process
@@ -133,8 +142,14 @@ type process struct {
 func (n *node) path(parts ...string) string {
 	return filepath.Join(append([]string{n.dir}, parts...)...)
 }
-func (n *node) nvmlDir() string          { return n.path("nvml") }
+func (n *node) nvmlDir() string {
+	if n.nvml != "" {
+		return n.nvml
+	}
+	return n.path("nvml")
+}
 func (n *node) containerdSocket() string { return n.path("containerd.sock") }
+func (n *node) nriSocket() string        { return n.path("nri", "nri.sock") }
 func (n *node) kubeletRoot() string      { return n.path("kubelet") }
 func (n *node) mpsRoot() string          { return n.path("m") }
 func (n *node) cdiDir() string           { return n.path("cdi-specs") }
@@ -142,11 +157,9 @@ func (n *node) podResourcesSocket() string {
 	return filepath.Join(n.kubeletRoot(), "pod-resources", "kubelet.sock")
 }
 
-// startNode brings the node up in order: the control plane, containerd
-// (with the images), the MPS daemon, the kubelet, the device plugin, the
-// node agent; it returns once the node reports
-// gpu-fractioning.nvidia.com/Ready.
-func startNode() (*node, error) {
+// newNode checks what every node needs, and need (paths in the
+// repository), and makes its work directory.
+func newNode(need ...string) (*node, error) {
 	repo, err := testenv.RepoRoot()
 	if err != nil {
 		return nil, err
@@ -158,9 +171,17 @@ func startNode() (*node, error) {
 		return nil, err
 	}
 	n := &node{repo: repo, dir: dir, gpufrac: filepath.Join(repo, "bin", "gpufrac"), nodeBin: filepath.Join(repo, "bin", "node"), procs: map[string]*process{}}
-	for _, need := range []string{n.gpufrac, filepath.Join(n.nodeBin, "containerd"), filepath.Join(n.nodeBin, "containerd-shim-runc-v2"),
+	for _, p := range []string{n.gpufrac, filepath.Join(n.nodeBin, "containerd"), filepath.Join(n.nodeBin, "containerd-shim-runc-v2"),
 		filepath.Join(n.nodeBin, "ctr"), filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"), filepath.Join(n.nodeBin, "images.tar"),
 		filepath.Join(repo, "bin", "kube", "kubelet"), "/usr/sbin/runc", "/usr/lib/cni/bridge"} {
+		need = append(need, p)
+	}
+	for i, p := range need {
+		if !filepath.IsAbs(p) {
+			need[i] = filepath.Join(repo, p)
+		}
+	}
+	for _, need := range need {
 		if _, err := os.Stat(need); err != nil {
 			return n, fmt.Errorf("%s is missing: `make node-e2e` builds or installs it", need)
 		}
@@ -175,44 +196,29 @@ func startNode() (*node, error) {
 	if pids := kubepodsPIDs(); len(pids) > 0 {
 		return n, fmt.Errorf("processes %v are in pod cgroups (%v): another kubelet's pods, or an earlier run's left behind; stop them first", pids, kubepodsRoots)
 	}
-	for _, d := range []string{"logs", "nvml", "cni", "m", "agent", "pod-logs", "dmem-standin", "cdi-specs"} {
+	for _, d := range []string{"logs", "nvml", "cni", "m", "agent", "pod-logs", "dmem-standin", "cdi-specs", "nri"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
 			return n, err
 		}
 	}
-	steps := []struct {
-		what string
-		do   func() error
-	}{
-		{"control plane (gpufrac up, no simulated nodes)", n.startControlPlane},
-		{"fake NVML machine", n.writeMachine},
-		{"containerd with NRI, images imported", n.startContainerd},
-		{"MPS daemon (stand-in control program)", n.startMPS},
-		{"kubelet", n.startKubelet},
-		{"device plugin stand-in", n.startDevicePlugin},
-		{"node agent", func() error { return n.startAgent() }},
-		{"node ready for fractions", func() error { return n.waitFractionReady(2 * time.Minute) }},
-	}
-	for _, s := range steps {
-		start := time.Now()
-		if err := s.do(); err != nil {
-			return n, fmt.Errorf("%s: %w", s.what, err)
-		}
-		fmt.Fprintf(os.Stderr, "node e2e: %-48s %5.1fs\n", s.what, time.Since(start).Seconds())
-	}
 	return n, nil
 }
 
-func (n *node) startControlPlane() error {
-	c, err := localcluster.Up(context.Background(), localcluster.Options{
-		Dir: n.path("cluster"), Nodes: 0, Machine: "dgxh100", Binary: n.gpufrac, Root: n.repo, Progress: n.logFile("cluster-up"),
-		// The DRA driver's RBAC and DeviceClasses; the node agent serves it.
-		DRAStandingGPUs: standingGPUs,
-	})
-	if err != nil {
-		return err
+// step is one part of bringing a node up.
+type step struct {
+	what string
+	do   func() error
+}
+
+// runSteps runs the steps in order, each reported with its time.
+func (n *node) runSteps(steps []step) error {
+	for _, s := range steps {
+		start := time.Now()
+		if err := s.do(); err != nil {
+			return fmt.Errorf("%s: %w", s.what, err)
+		}
+		fmt.Fprintf(os.Stderr, "node e2e: %-48s %5.1fs\n", s.what, time.Since(start).Seconds())
 	}
-	n.cluster, n.admin = c, c.Admin
 	return nil
 }
 
@@ -242,11 +248,6 @@ func (n *node) writeMachine() error {
 		fmt.Fprintf(&b, "%s %d %s %s\n", g.UUID, g.MemoryMiB, g.PCIBusID, g.Product)
 	}
 	return os.WriteFile(filepath.Join(n.nvmlDir(), "machine"), []byte(b.String()), 0o644)
-}
-
-// nvmlEnv is what a process needs to load the fake driver library.
-func (n *node) nvmlEnv() []string {
-	return []string{"LD_LIBRARY_PATH=" + filepath.Join(n.nodeBin, "lib"), "GPUFRAC_FAKE_NVML_DIR=" + n.nvmlDir()}
 }
 
 func (n *node) start(name string, env []string, bin string, args ...string) error {
@@ -330,7 +331,7 @@ func (n *node) startContainerd() error {
 	_ = exec.Command("ip", "link", "delete", bridge).Run()
 	conf := fmt.Sprintf(`{"cniVersion": "1.0.0", "name": "gpufrac-node-e2e", "plugins": [
   {"type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.213.0.0/24"}]], "dataDir": %q}}]}`, bridge, n.path("cni-ipam"))
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.213.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}}]}`, bridge, n.path("cni-ipam"))
 	if err := os.WriteFile(n.path("cni", "10-gpufrac.conflist"), []byte(conf), 0o644); err != nil {
 		return err
 	}
@@ -363,8 +364,8 @@ state = %[2]q
 [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
   BinaryName = "/usr/sbin/runc"
   Root = %[7]q
-`, n.path("containerd", "root"), n.path("containerd", "state"), n.containerdSocket(), n.path("nri.sock"), n.path("nri-plugins"),
-		n.path("cni"), n.path("runc"), n.path("opt"), n.cdiDir())
+%[10]s`, n.path("containerd", "root"), n.path("containerd", "state"), n.containerdSocket(), n.nriSocket(), n.path("nri-plugins"),
+		n.path("cni"), n.path("runc"), n.path("opt"), n.cdiDir(), n.runtimes)
 	if err := os.WriteFile(n.path("containerd.toml"), []byte(config), 0o644); err != nil {
 		return err
 	}
@@ -384,26 +385,14 @@ state = %[2]q
 	}); err != nil {
 		return err
 	}
-	out, err := exec.Command(filepath.Join(n.nodeBin, "ctr"), "--address", n.containerdSocket(), "-n", "k8s.io",
-		"images", "import", filepath.Join(n.nodeBin, "images.tar")).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("ctr images import: %w\n%s", err, out)
+	for _, archive := range append([]string{filepath.Join(n.nodeBin, "images.tar")}, n.images...) {
+		out, err := exec.Command(filepath.Join(n.nodeBin, "ctr"), "--address", n.containerdSocket(), "-n", "k8s.io",
+			"images", "import", archive).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("ctr images import %s: %w\n%s", archive, err, out)
+		}
 	}
 	return nil
-}
-
-// mpsEnv makes a process's nvidia-cuda-mps-control the stand-in: this
-// test binary, with mpstest.Env set.
-func (n *node) mpsEnv() []string { return []string{mpstest.Env + "=1", "GORACE=atexit_sleep_ms=0"} }
-
-func (n *node) startMPS() error {
-	self, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	// No --driver-version: the daemon asks the fake NVML, as on a GPU node.
-	return n.start("mps-daemon", append(n.mpsEnv(), n.nvmlEnv()...), n.gpufrac, "mps-daemon",
-		"--mps-pipe-dir", n.mpsRoot(), "--mps-control", self, "--probe-interval", "1s")
 }
 
 func (n *node) startKubelet() error {
@@ -456,7 +445,7 @@ podPidsLimit: -1
 		return err
 	}
 	if err := n.start("kubelet", nil, filepath.Join(n.repo, "bin", "kube", "kubelet"), "--config", n.path("kubelet.yaml"),
-		"--kubeconfig", n.cluster.Kubeconfig, "--root-dir", n.kubeletRoot(), "--hostname-override", nodeName,
+		"--kubeconfig", cmp.Or(n.kubeletKubeconfig, n.kubeconfig), "--root-dir", n.kubeletRoot(), "--hostname-override", nodeName,
 		"--v", "2"); err != nil {
 		return err
 	}
@@ -477,56 +466,11 @@ podPidsLimit: -1
 	})
 }
 
-func (n *node) startAgent() error {
-	self, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	// The dmem controller's stand-in (see the package comment).
-	if err := os.WriteFile(n.path("dmem-standin", "cgroup.controllers"), []byte("cpuset cpu io memory hugetlb pids dmem\n"), 0o644); err != nil {
-		return err
-	}
-	// runc gives a hook only the environment of its hook spec, so the
-	// hook is a wrapper that finds the fake library.
-	hook := fmt.Sprintf("#!/bin/sh\nexport %s\nexec %s \"$@\"\n", strings.Join(n.nvmlEnv(), " "), n.gpufrac)
-	if err := os.WriteFile(n.path("hook"), []byte(hook), 0o755); err != nil {
-		return err
-	}
-	// As in its DaemonSet, the agent gets a cgroup namespace of its own
-	// (containerd gives every unprivileged container one on cgroup v2), so
-	// it reads other containers' cgroups as "/../kubepods/...": it runs in
-	// a cgroup of its own, under unshare --cgroup.
-	cg, err := n.agentCgroup()
-	if err != nil {
-		return err
-	}
-	return n.start("node-agent", append(n.mpsEnv(), n.nvmlEnv()...), "/bin/sh", "-c", `echo $$ > "$0/cgroup.procs" && exec unshare --cgroup "$@"`, cg,
-		n.gpufrac, "node-agent", "--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
-		"--nri-socket", n.path("nri.sock"), "--pod-resources-socket", n.podResourcesSocket(),
-		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
-		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", "", "--resync-period", "2s",
-		// The DRA driver: registered with this kubelet, its prepared
-		// claims' CDI specs where containerd reads them.
-		"--dra", "--dra-standing-gpus", strconv.Itoa(standingGPUs),
-		"--dra-plugin-dir", filepath.Join(n.kubeletRoot(), "plugins", api.DRADriver),
-		"--dra-registrar-dir", filepath.Join(n.kubeletRoot(), "plugins_registry"), "--dra-cdi-dir", n.cdiDir())
-}
-
-// agentCgroup is the agent's own cgroup v2 directory, made once.
-func (n *node) agentCgroup() (string, error) {
-	mount, err := enforce.CgroupMount("/proc")
-	if err != nil {
-		return "", err
-	}
-	cg := filepath.Join(mount, "gpufrac-node-e2e-agent")
-	return cg, os.MkdirAll(cg, 0o755)
-}
-
 func (n *node) waitFractionReady(timeout time.Duration) error {
 	var why string
 	err := waitFor("the node's "+api.ConditionFractioningReady, timeout, func() (bool, error) {
-		if err := n.exited("node-agent"); err != nil {
-			return false, err
+		if err := n.exited("node-agent"); err != nil && !strings.HasSuffix(err.Error(), "is not running") {
+			return false, err // the agent as a host process (hostnode_test.go) exited
 		}
 		node, err := n.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
 		if err != nil {
@@ -657,7 +601,7 @@ func (n *node) limitCalls() ([]limitCall, error) {
 	var calls []limitCall
 	for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
 		f := strings.Fields(line)
-		if len(f) != 5 || f[0] != "set" {
+		if len(f) != 6 || f[0] != "set" {
 			return nil, fmt.Errorf("fake NVML limits: bad line %q", line)
 		}
 		soft, err1 := strconv.ParseUint(f[2], 10, 64)
@@ -684,6 +628,11 @@ func (n *node) stop() error {
 		}
 		cancel()
 	}
+	for _, f := range n.beforeStop {
+		if err := f(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if n.plugin != nil {
 		close(n.plugin.stop)
 	}
@@ -703,8 +652,8 @@ func (n *node) stop() error {
 	for _, name := range rest {
 		n.stopProcess(name)
 	}
-	if n.cluster != nil {
-		n.cluster.Down()
+	if n.downControlPlane != nil {
+		n.downControlPlane()
 	}
 	// What an orderly stop left is a failure; it is killed all the same,
 	// so that the next run starts clean.
@@ -713,8 +662,10 @@ func (n *node) stop() error {
 	}
 	n.killMatching(n.containerdSocket()) // the shims name containerd's socket
 	n.killKubepods()
-	if cg, err := n.agentCgroup(); err == nil {
-		_ = os.Remove(cg)
+	for _, c := range n.cleanups {
+		if err := c(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if err := clearDevicePlugins(); err != nil {
 		errs = append(errs, err)
@@ -898,6 +849,14 @@ func (n *node) dumpLogs() {
 		}
 		lines := strings.Split(string(raw), "\n")
 		fmt.Fprintf(os.Stderr, "--- cluster %s (last lines)\n%s\n", name, strings.Join(lines[max(len(lines)-30, 0):], "\n"))
+	}
+	// gpufrac's own pods (chart_test.go): every container's last run.
+	logs, _ := filepath.Glob(n.path("pod-logs", "gpufrac-system_*", "*", "*.log"))
+	for _, l := range logs {
+		raw, _ := os.ReadFile(l)
+		lines := strings.Split(string(raw), "\n")
+		rel, _ := filepath.Rel(n.path("pod-logs"), l)
+		fmt.Fprintf(os.Stderr, "--- pod %s (last lines)\n%s\n", rel, strings.Join(lines[max(len(lines)-30, 0):], "\n"))
 	}
 }
 

@@ -87,6 +87,7 @@ type file struct {
 	data     []byte
 	linkname string // a symlink when set
 	dir      bool
+	owner    int // uid and gid
 }
 
 func build(o options) (string, error) {
@@ -157,7 +158,9 @@ func build(o options) (string, error) {
 		file{name: "etc/passwd", mode: 0o644, data: []byte("root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n")},
 		file{name: "etc/group", mode: 0o644, data: []byte("root:x:0:\nnonroot:x:65532:\n")},
 		file{name: "tmp", mode: 0o1777, dir: true},
-		file{name: "home/nonroot", mode: 0o700, dir: true},
+		// The default user's home, its own: a client looking for
+		// ~/.kube/config must find nothing there, not be refused.
+		file{name: "home/nonroot", mode: 0o700, dir: true, owner: 65532},
 	)
 	created := time.Unix(o.created, 0).UTC()
 	layer, err := layerOf(files, created)
@@ -293,7 +296,7 @@ func layerOf(files []file, mtime time.Time) (v1.Layer, error) {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	for _, f := range files {
-		h := &tar.Header{Name: f.name, Mode: f.mode, ModTime: mtime, Format: tar.FormatPAX}
+		h := &tar.Header{Name: f.name, Mode: f.mode, ModTime: mtime, Format: tar.FormatPAX, Uid: f.owner, Gid: f.owner}
 		switch {
 		case f.dir:
 			h.Typeflag, h.Name = tar.TypeDir, f.name+"/"

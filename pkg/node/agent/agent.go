@@ -97,6 +97,9 @@ type Options struct {
 	// allocation, its DRA shares): an image's NVIDIA_VISIBLE_DEVICES=all
 	// on a pod that asked for no GPU becomes void. Real nodes only.
 	RestrictGPUVisibility bool
+	// GPUVisibilityExempt are namespaces RestrictGPUVisibility leaves
+	// alone (nriplugin.Options.VisibilityExempt).
+	GPUVisibilityExempt []string
 }
 
 // DRAOptions configure the node's DRA driver (pkg/node/dra).
@@ -242,7 +245,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, BootID: boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
-		EnsureExclusive: ensureExclusive, Grants: grants})
+		EnsureExclusive: ensureExclusive, Grants: grants, VisibilityExempt: a.opts.GPUVisibilityExempt})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
 	a.plugin = plugin
 	a.mu.Unlock()

@@ -113,6 +113,13 @@ type Options struct {
 	// is made to see exactly those (injection.Police). Its error refuses
 	// a container that names GPUs: what it may see is unknown.
 	Grants func(ctx context.Context, pod PodRef, container string, cdiDevices []string) ([]string, error)
+	// VisibilityExempt are namespaces whose containers outside any share
+	// keep the GPUs they name: the node's GPU software, which must see
+	// every GPU (NVIDIA's device plugin, DCGM, GPU Feature Discovery, and
+	// gpufrac's own agent and MPS daemon, whose pod the agent would
+	// otherwise evict, and itself with it, as long as it runs). Only
+	// admins create pods there.
+	VisibilityExempt []string
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -414,7 +421,7 @@ func hasUserNamespace(ctr *nriapi.Container) bool {
 // nil when it names no GPU beyond its grant. The grant is read only for a
 // container that names GPUs at all (most name none).
 func (p *Plugin) police(ctx context.Context, pod PodRef, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, string, error) {
-	if p.opts.Grants == nil {
+	if p.opts.Grants == nil || slices.Contains(p.opts.VisibilityExempt, pod.Namespace) {
 		return nil, "", nil
 	}
 	if adj, _, err := injection.Police(ctr.GetEnv(), ctr.GetMounts(), nil); adj == nil && err == nil {

@@ -252,7 +252,7 @@ func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
 	var asked []string
 	var grantErr error
 	grants := map[string][]string{"ml/trainer/main": {"GPU-b"}, "ml/share/main": {"GPU-c"}}
-	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec,
+	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, VisibilityExempt: []string{"gpufrac-system", "gpu-operator"},
 		Grants: func(_ context.Context, pod PodRef, c string, cdi []string) ([]string, error) {
 			asked = append(asked, pod.Namespace+"/"+pod.Name+"/"+c)
 			if pod.Name == "share" && (len(cdi) != 1 || cdi[0] != "gpu.gpufrac.io/share=uid-1-gpu") {
@@ -290,6 +290,21 @@ func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
 	}
 	if got := rec.get(&rec.policed); len(got) != 2 || !strings.Contains(got[0], `NVIDIA_VISIBLE_DEVICES="all" names GPUs not granted`) {
 		t.Errorf("policed containers reported: %v", got)
+	}
+
+	// The node's GPU software keeps what it names: the agent's own pod
+	// (its MPS daemon's NVIDIA_VISIBLE_DEVICES=all), NVIDIA's device plugin.
+	infra := sandbox("p6", "gpufrac-node-agent-x", nil)
+	infra.Namespace = "gpufrac-system"
+	if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: infra}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: infra, Container: container("c6", "p6", "mps", "NVIDIA_VISIBLE_DEVICES=all")})
+	if env := injection.ApplyEnv([]string{"NVIDIA_VISIBLE_DEVICES=all"}, resp.GetAdjust()); err != nil || env["NVIDIA_VISIBLE_DEVICES"] != "all" {
+		t.Errorf("a container of an exempt namespace: NVIDIA_VISIBLE_DEVICES=%q, err %v; want all, untouched", env["NVIDIA_VISIBLE_DEVICES"], err)
+	}
+	if slices.Contains(asked, "gpufrac-system/gpufrac-node-agent-x/mps") {
+		t.Errorf("grants asked for a container of an exempt namespace: %v", asked)
 	}
 
 	grantErr = errors.New("kubelet PodResources List: connection refused")

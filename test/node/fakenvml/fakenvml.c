@@ -5,15 +5,23 @@
  * what gpufrac's node agent, MPS daemon and hook call.
  *
  * $GPUFRAC_FAKE_NVML_DIR holds its state, shared by every process that loads
- * it (the agent, the hook runc runs, the MPS daemon):
+ * it (the agent, the hook runc runs, the MPS daemon); without it, FAKE_NVML_DIR
+ * does, where the chart test's node keeps it (runc gives a hook no environment
+ * of the runtime's, so the hook the chart installs finds only that). Where the
+ * directory has no machine file, Init answers DRIVER_NOT_LOADED: a copy of
+ * this library left on a machine is no driver.
  *
  *   machine    what the library reports, written by the test from a go-nvml
  *              mock machine: "DRIVER CUDA" on the first line, then one
  *              "UUID MEMORY_MIB BUS_ID NAME..." line per GPU;
  *   limits     every accepted nvmlDeviceSetMemoryLimits_v1, one
- *              "set UUID SOFT HARD NAMESPACE" line each (bytes), appended;
+ *              "set UUID SOFT HARD NAMESPACE DEV:INO" line each (bytes; the
+ *              cgroup directory's device and inode), appended;
  *              nvmlDeviceGetMemoryLimits_v1 answers from the last line for
- *              the GPU and namespace, as the driver answers from its table;
+ *              the GPU and cgroup, as the driver answers from its table: the
+ *              driver opens the path it is given, so a cgroup named through
+ *              another mount of the hierarchy (the hook's host path, the
+ *              agent's /host/sys/fs/cgroup in its pod) is the same one;
  *   fail-set   if present, every SetMemoryLimits_v1 returns the NVML code it
  *              holds (default NVML_ERROR_UNKNOWN), as a driver refusing would;
  *   compute-mode-UUID
@@ -39,6 +47,7 @@
 #include "nvml.h"
 
 #define MAX_GPUS 16
+#define FAKE_NVML_DIR "/run/gpufrac-fake-nvml"
 
 struct nvmlDevice_st {
     char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
@@ -55,7 +64,7 @@ static int initialized; /* Init calls not yet matched by Shutdown */
 
 static const char *state_path(const char *file, char *buf, size_t n) {
     const char *dir = getenv("GPUFRAC_FAKE_NVML_DIR");
-    if (dir == NULL || *dir == '\0') return NULL;
+    if (dir == NULL || *dir == '\0') dir = FAKE_NVML_DIR;
     snprintf(buf, n, "%s/%s", dir, file);
     return buf;
 }
@@ -244,6 +253,7 @@ static int cgroup_ok(const char *ns) {
 
 nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t d, nvmlSetMemoryLimits_v1_t *l) {
     char path[4096], line[4096];
+    struct stat st;
     FILE *f;
     int fd, n;
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
@@ -257,9 +267,10 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t d, nvmlSetMemoryLimits_v1
         fclose(f);
         return (nvmlReturn_t)code;
     }
-    if (!cgroup_ok(l->nameSpace)) return NVML_ERROR_OPERATING_SYSTEM;
+    if (!cgroup_ok(l->nameSpace) || stat(l->nameSpace, &st) != 0) return NVML_ERROR_OPERATING_SYSTEM;
     if (state_path("limits", path, sizeof path) == NULL) return NVML_ERROR_UNKNOWN;
-    n = snprintf(line, sizeof line, "set %s %llu %llu %s\n", g->uuid, l->softLimit, l->hardLimit, l->nameSpace);
+    n = snprintf(line, sizeof line, "set %s %llu %llu %s %llu:%llu\n", g->uuid, l->softLimit, l->hardLimit, l->nameSpace,
+                 (unsigned long long)st.st_dev, (unsigned long long)st.st_ino);
     if (n <= 0 || (size_t)n >= sizeof line) return NVML_ERROR_INVALID_ARGUMENT;
     /* One write with O_APPEND: lines from concurrent hooks never interleave. */
     if ((fd = open(path, O_WRONLY | O_APPEND | O_CREAT, 0644)) < 0) return NVML_ERROR_UNKNOWN;
@@ -270,16 +281,17 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t d, nvmlSetMemoryLimits_v1
 
 nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t d, nvmlGetMemoryLimits_v1_t *l) {
     char path[4096], uuid[128], ns[4096];
-    unsigned long long soft, hard;
+    unsigned long long soft, hard, sdev, sino;
+    struct stat st;
     int found = 0;
     FILE *f;
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
     struct nvmlDevice_st *g = dev(d);
     if (g == NULL || l == NULL) return NVML_ERROR_INVALID_ARGUMENT;
-    if (!cgroup_ok(l->nameSpace)) return NVML_ERROR_OPERATING_SYSTEM;
+    if (!cgroup_ok(l->nameSpace) || stat(l->nameSpace, &st) != 0) return NVML_ERROR_OPERATING_SYSTEM;
     if (state_path("limits", path, sizeof path) == NULL || (f = fopen(path, "r")) == NULL) return NVML_ERROR_NOT_FOUND;
-    while (fscanf(f, "set %127s %llu %llu %4095s\n", uuid, &soft, &hard, ns) == 4) {
-        if (strcmp(uuid, g->uuid) == 0 && strcmp(ns, l->nameSpace) == 0) {
+    while (fscanf(f, "set %127s %llu %llu %4095s %llu:%llu\n", uuid, &soft, &hard, ns, &sdev, &sino) == 6) {
+        if (strcmp(uuid, g->uuid) == 0 && sdev == (unsigned long long)st.st_dev && sino == (unsigned long long)st.st_ino) {
             l->softLimit = soft; l->hardLimit = hard; l->currentUsed = 0;
             found = 1;
         }

@@ -1,0 +1,646 @@
+//go:build charte2e && !nodee2e
+
+// With -tags charte2e (`make chart-e2e`), the same real node runs gpufrac
+// as users install it: the image of `make image`, imported into containerd
+// under the chart's default name, and `helm install` of deploy/helm/gpufrac
+// with its defaults. Every gpufrac part is a real pod: the scheduler and
+// the webhook (Deployments, reached through their Service by way of
+// kube-proxy), the node agent and its MPS daemon (a DaemonSet, with the
+// init container that puts the hook and the view library on the host).
+// The cluster around it is what the chart needs anywhere: kube-apiserver
+// serving the kubernetes Service's address with service-account tokens and
+// the Node authorizer, kube-controller-manager (workload controllers,
+// service accounts, the root CA), a default scheduler, kube-proxy.
+//
+// What a test node needs besides (the chart's values for its paths, and):
+//
+//   - the RuntimeClass nvidia, as the GPU Operator creates it, whose
+//     handler is a stand-in for nvidia-container-runtime (nvidiaruntime/):
+//     it injects the fake NVML and the MPS stand-in into a container that
+//     asks for GPUs, as the toolkit injects the driver's, and shows a
+//     container that mounts /sys/fs/cgroup the dmem stand-in;
+//   - the fake NVML at the driver's place on the host
+//     (/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1), where the hook the
+//     init container installs finds it, and its state in FAKE_NVML_DIR;
+//   - the device-plugin stand-in, and the GPU Feature Discovery label
+//     nvidia.com/gpu.present, set by the test.
+
+package node
+
+import (
+	"context"
+	"encoding/json"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	nodev1 "k8s.io/api/node/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	certutil "k8s.io/client-go/util/cert"
+	"k8s.io/client-go/util/keyutil"
+
+	"github.com/gpufrac/gpufrac/internal/localcluster"
+	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
+	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
+)
+
+const (
+	// fakeNVMLDir is fakenvml.c's FAKE_NVML_DIR: the hook runc runs has no
+	// environment to name another.
+	fakeNVMLDir = "/run/gpufrac-fake-nvml"
+	// hostDriverLib is where Debian's NVIDIA driver puts NVML.
+	hostDriverLib = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
+	release       = "gpufrac"
+	releaseNS     = "gpufrac-system"
+	serviceCIDR   = "10.96.0.0/24"
+	// apiServiceIP is the kubernetes Service's address, the first of
+	// serviceCIDR: pods reach the API server there through kube-proxy.
+	apiServiceIP = "10.96.0.1"
+	podCIDR      = "10.213.0.0/24"
+)
+
+// chartHostDirs are the chart's host directories (values.yaml defaults):
+// an uninstall leaves them, as the chart README says, and the test removes
+// them afterwards.
+var chartHostDirs = []string{"/opt/gpufrac", "/var/lib/gpufrac", "/run/gpufrac"}
+
+func TestMain(m *testing.M) {
+	if os.Getenv(mpstest.Env) == "1" {
+		os.Exit(mpstest.Fake(os.Args[1:])) // nvidia-cuda-mps-control, in the agent's pod
+	}
+	os.Exit(run(m, startChartNode))
+}
+
+func startChartNode() (*node, error) {
+	n, err := newNode("bin/kube/kube-apiserver", "bin/kube/etcd", "bin/kube/kube-controller-manager", "bin/kube/kube-proxy",
+		"bin/helm", "bin/image/gpufrac.oci.tar", "bin/node/nvidia-container-runtime")
+	if err != nil {
+		return n, err
+	}
+	n.nvml = fakeNVMLDir
+	n.images = append(n.images, filepath.Join(n.repo, "bin", "image", "gpufrac.oci.tar"))
+	return n, n.runSteps([]step{
+		{"this machine clean of an earlier run", n.clearHost},
+		{"etcd, kube-apiserver (tokens, Node+RBAC)", n.startAPIServer},
+		{"kube-controller-manager, default scheduler", n.startControllers},
+		{"fake NVML at the driver's place", n.installDriver},
+		{"containerd (NRI, runtime nvidia), images imported", func() error { return n.withNvidiaRuntime(n.startContainerd) }},
+		{"kubelet", n.startKubelet},
+		{"kube-proxy (iptables)", n.startKubeProxy},
+		{"device plugin stand-in", n.startDevicePlugin},
+		{"helm install (the image, chart defaults)", n.helmInstall},
+		{"node ready for fractions", func() error { return n.waitFractionReady(3 * time.Minute) }},
+	})
+}
+
+// clearHost removes what an earlier run that was killed may have left of
+// this test's own files, and refuses a machine where the chart's host
+// directories or a driver library are someone else's.
+func (n *node) clearHost() error {
+	fake, err := os.ReadFile(filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"))
+	if err != nil {
+		return err
+	}
+	if lib, err := os.ReadFile(hostDriverLib); err == nil && string(lib) != string(fake) {
+		return fmt.Errorf("%s is a real NVIDIA driver's: the chart test would replace it; run it on a machine without one", hostDriverLib)
+	}
+	_ = os.Remove(hostDriverLib)
+	_ = os.RemoveAll(fakeNVMLDir)
+	for _, d := range chartHostDirs {
+		if _, err := os.Stat(d); err == nil {
+			fmt.Fprintf(os.Stderr, "node e2e: removing %s, left by an earlier run\n", d)
+			if err := os.RemoveAll(d); err != nil {
+				return err
+			}
+		}
+	}
+	rules, err := iptablesRules()
+	if err != nil {
+		return err
+	}
+	n.cleanups = append(n.cleanups, func() error {
+		now, err := iptablesRules()
+		if err != nil {
+			return err
+		}
+		if now != rules {
+			return fmt.Errorf("iptables rules left behind:\n%s\nwant:\n%s", now, rules)
+		}
+		return nil
+	})
+	return nil
+}
+
+// iptablesRules is iptables-save without counters and comments: what must
+// be the same before and after.
+func iptablesRules() (string, error) {
+	out, err := exec.Command("iptables-save").Output()
+	if err != nil {
+		return "", fmt.Errorf("iptables-save: %w", err)
+	}
+	var keep []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, "#") || l == "" {
+			continue
+		}
+		if strings.HasPrefix(l, ":") { // ":CHAIN POLICY [packets:bytes]"
+			if f := strings.Fields(l); len(f) >= 2 {
+				l = f[0] + " " + f[1]
+			}
+		}
+		keep = append(keep, l)
+	}
+	return strings.Join(keep, "\n"), nil
+}
+
+// hostIP is the machine's first non-loopback IPv4 address: the API
+// server advertises it as the kubernetes Service's endpoint, which pods
+// reach (not loopback, which is each pod's own).
+func hostIP() (net.IP, error) {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil, err
+	}
+	for _, a := range addrs {
+		if ip, ok := a.(*net.IPNet); ok && ip.IP.To4() != nil && !ip.IP.IsLoopback() && !strings.HasPrefix(ip.IP.String(), "10.213.") {
+			return ip.IP, nil
+		}
+	}
+	return nil, errors.New("no non-loopback IPv4 address: pods could not reach the API server")
+}
+
+func (n *node) startAPIServer() error {
+	dir := n.path("pki")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	ip, err := hostIP()
+	if err != nil {
+		return err
+	}
+	// One serving certificate for every name a client uses: loopback (the
+	// test, the kubelet, the control plane), the host's address, and the
+	// kubernetes Service (pods).
+	crt, key, err := certutil.GenerateSelfSignedCertKey("kube-apiserver", []net.IP{net.ParseIP("127.0.0.1"), ip, net.ParseIP(apiServiceIP)},
+		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
+	if err != nil {
+		return err
+	}
+	// The certificate file holds the serving certificate, then its CA.
+	_, rest := pem.Decode(crt)
+	ca := rest
+	saKey, err := keyutil.MakeEllipticPrivateKeyPEM()
+	if err != nil {
+		return err
+	}
+	admin, nodeToken := strconv.FormatInt(time.Now().UnixNano(), 36)+"admin", strconv.FormatInt(time.Now().UnixNano(), 36)+"node"
+	tokens := fmt.Sprintf("%s,gpufrac-test-admin,admin,\"system:masters\"\n%s,system:node:%s,%s,\"system:nodes\"\n", admin, nodeToken, nodeName, nodeName)
+	for name, data := range map[string][]byte{"apiserver.crt": crt, "apiserver.key": key, "ca.crt": ca, "sa.key": saKey, "tokens.csv": []byte(tokens)} {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			return err
+		}
+	}
+	etcdPort, err := localcluster.FreePort()
+	if err != nil {
+		return err
+	}
+	peerPort, err := localcluster.FreePort()
+	if err != nil {
+		return err
+	}
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
+	if err := n.start("etcd", nil, filepath.Join(n.repo, "bin", "kube", "etcd"), "--data-dir", n.path("etcd"), "--name", "default",
+		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL, "--listen-peer-urls", peerURL,
+		"--initial-advertise-peer-urls", peerURL, "--initial-cluster", "default="+peerURL, "--unsafe-no-fsync"); err != nil {
+		return err
+	}
+	port, err := localcluster.FreePort()
+	if err != nil {
+		return err
+	}
+	if err := n.start("kube-apiserver", nil, filepath.Join(n.repo, "bin", "kube", "kube-apiserver"),
+		"--etcd-servers", etcdURL, "--bind-address", "0.0.0.0", "--advertise-address", ip.String(), "--secure-port", strconv.Itoa(port),
+		"--cert-dir", dir, "--tls-cert-file", filepath.Join(dir, "apiserver.crt"), "--tls-private-key-file", filepath.Join(dir, "apiserver.key"),
+		"--token-auth-file", filepath.Join(dir, "tokens.csv"), "--client-ca-file", filepath.Join(dir, "ca.crt"), "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
+		"--service-account-issuer", "https://kubernetes.default.svc", "--service-account-key-file", filepath.Join(dir, "sa.key"),
+		"--service-account-signing-key-file", filepath.Join(dir, "sa.key"), "--service-cluster-ip-range", serviceCIDR,
+		"--allow-privileged", "--profiling=false"); err != nil {
+		return err
+	}
+	server := fmt.Sprintf("https://127.0.0.1:%d", port)
+	for _, kc := range []struct{ file, user, token string }{{"admin.kubeconfig", "admin", admin}, {"kubelet.kubeconfig", "node", nodeToken}} {
+		cfg := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: %q, certificate-authority: %q}}]\n"+
+			"users: [{name: %s, user: {token: %q}}]\ncontexts: [{name: c, context: {cluster: c, user: %s}}]\ncurrent-context: c\n",
+			server, filepath.Join(dir, "ca.crt"), kc.user, kc.token, kc.user)
+		if err := os.WriteFile(n.path(kc.file), []byte(cfg), 0o600); err != nil {
+			return err
+		}
+	}
+	n.kubeconfig, n.kubeletKubeconfig = n.path("admin.kubeconfig"), n.path("kubelet.kubeconfig")
+	cfg, err := clientcmd.BuildConfigFromFlags("", n.kubeconfig)
+	if err != nil {
+		return err
+	}
+	if n.admin, err = kubernetes.NewForConfig(cfg); err != nil {
+		return err
+	}
+	return waitFor("kube-apiserver /readyz", 90*time.Second, func() (bool, error) {
+		for _, p := range []string{"etcd", "kube-apiserver"} {
+			if err := n.exited(p); err != nil {
+				return false, err
+			}
+		}
+		body, err := n.admin.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(context.Background())
+		return err == nil && string(body) == "ok", nil
+	})
+}
+
+// chartControllers are the kube-controller-manager controllers the chart
+// needs: its workloads, their pods' service accounts and the CA their
+// tokens' volumes carry, the webhook Service's endpoints, and cleaning up
+// after an uninstall.
+var chartControllers = []string{
+	"daemonset-controller", "deployment-controller", "replicaset-controller", "serviceaccount-controller",
+	"root-ca-certificate-publisher-controller", "endpointslice-controller", "garbage-collector-controller", "namespace-controller",
+	// Takes off the not-ready taint the API server puts on a new node.
+	"node-lifecycle-controller",
+}
+
+func (n *node) startControllers() error {
+	if err := n.start("kube-controller-manager", nil, filepath.Join(n.repo, "bin", "kube", "kube-controller-manager"),
+		"--kubeconfig", n.kubeconfig, "--controllers", strings.Join(chartControllers, ","), "--root-ca-file", n.path("pki", "ca.crt"),
+		"--leader-elect=false", "--secure-port", "0"); err != nil {
+		return err
+	}
+	// The stock scheduler places what the chart's own pods are; gpufrac's
+	// (a pod of the chart) places fractions.
+	if err := n.start("default-scheduler", nil, n.gpufrac, "scheduler", "--kubeconfig", n.kubeconfig, "--leader-elect=false", "--secure-port", "0"); err != nil {
+		return err
+	}
+	return waitFor("the default ServiceAccount and kube-root-ca.crt", 60*time.Second, func() (bool, error) {
+		for _, p := range []string{"kube-controller-manager", "default-scheduler"} {
+			if err := n.exited(p); err != nil {
+				return false, err
+			}
+		}
+		ctx := context.Background()
+		_, err1 := n.admin.CoreV1().ServiceAccounts(ns).Get(ctx, "default", metav1.GetOptions{})
+		_, err2 := n.admin.CoreV1().ConfigMaps(ns).Get(ctx, "kube-root-ca.crt", metav1.GetOptions{})
+		return err1 == nil && err2 == nil, nil
+	})
+}
+
+// installDriver puts the fake NVML where the driver's library is, with
+// the machine it reports; both are removed at the end.
+func (n *node) installDriver() error {
+	if err := os.MkdirAll(fakeNVMLDir, 0o755); err != nil {
+		return err
+	}
+	n.cleanups = append(n.cleanups, func() error { return errors.Join(os.Remove(hostDriverLib), os.RemoveAll(fakeNVMLDir)) })
+	if err := n.writeMachine(); err != nil {
+		return err
+	}
+	lib, err := os.ReadFile(filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"))
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(hostDriverLib, lib, 0o644)
+}
+
+// withNvidiaRuntime sets up the runtime class nvidia's handler (the
+// stand-in) for containerd's configuration, then runs start.
+func (n *node) withNvidiaRuntime(start func() error) error {
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cgroup, err := enforce.CgroupMount("/proc")
+	if err != nil {
+		return err
+	}
+	bin := n.path("nvidia-container-runtime")
+	data, err := os.ReadFile(filepath.Join(n.nodeBin, "nvidia-container-runtime"))
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(bin, data, 0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(n.path("dmem-standin", "cgroup.controllers"), []byte("cpuset cpu io memory hugetlb pids dmem\n"), 0o644); err != nil {
+		return err
+	}
+	cfg, err := json.Marshal(map[string]any{
+		"runc": "/usr/sbin/runc",
+		"mounts": []map[string]any{
+			{"source": filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"), "destination": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "readOnly": true},
+			{"source": self, "destination": "/usr/bin/nvidia-cuda-mps-control", "readOnly": true},
+			{"source": fakeNVMLDir, "destination": fakeNVMLDir},
+		},
+		"env":         []string{mpstest.Env + "=1", "GORACE=atexit_sleep_ms=0"},
+		"cgroup":      cgroup,
+		"controllers": n.path("dmem-standin", "cgroup.controllers"),
+	})
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(bin+".json", cfg, 0o644); err != nil {
+		return err
+	}
+	n.runtimes = fmt.Sprintf(`[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia]
+  runtime_type = "io.containerd.runc.v2"
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia.options]
+  BinaryName = %q
+  Root = %q
+`, bin, n.path("runc"))
+	return start()
+}
+
+func (n *node) startKubeProxy() error {
+	metrics, err := localcluster.FreePort()
+	if err != nil {
+		return err
+	}
+	healthz, err := localcluster.FreePort()
+	if err != nil {
+		return err
+	}
+	proxy := filepath.Join(n.repo, "bin", "kube", "kube-proxy")
+	// Its rules go with it: --cleanup removes every chain it made.
+	n.cleanups = append([]func() error{func() error {
+		if out, err := exec.Command(proxy, "--cleanup").CombinedOutput(); err != nil {
+			return fmt.Errorf("kube-proxy --cleanup: %w\n%s", err, out)
+		}
+		return nil
+	}}, n.cleanups...)
+	// conntrack-max-per-core 0: leave this machine's conntrack table as it is.
+	if err := n.start("kube-proxy", nil, proxy, "--kubeconfig", n.kubeconfig, "--hostname-override", nodeName, "--proxy-mode", "iptables",
+		"--cluster-cidr", podCIDR, "--conntrack-max-per-core", "0", "--iptables-localhost-nodeports=false",
+		"--metrics-bind-address", fmt.Sprintf("127.0.0.1:%d", metrics), "--healthz-bind-address", fmt.Sprintf("127.0.0.1:%d", healthz), "--v", "2"); err != nil {
+		return err
+	}
+	return waitFor("kube-proxy's rule for the kubernetes Service", 60*time.Second, func() (bool, error) {
+		if err := n.exited("kube-proxy"); err != nil {
+			return false, err
+		}
+		out, _ := exec.Command("iptables-save", "-t", "nat").Output()
+		return strings.Contains(string(out), apiServiceIP+"/32"), nil
+	})
+}
+
+// helmValues are the chart's defaults but for what a test node needs: its
+// paths, and the GPU labels GPU Feature Discovery would set.
+func (n *node) helmValues() []string {
+	return []string{
+		"--set", "nodeAgent.nriSocketDir=" + filepath.Dir(n.nriSocket()),
+		"--set", "nodeAgent.podResourcesDir=" + filepath.Dir(n.podResourcesSocket()),
+		"--set", "nodeAgent.publishGPULabels=true",
+	}
+}
+
+func (n *node) helm(args ...string) ([]byte, error) {
+	cmd := exec.Command(filepath.Join(n.repo, "bin", "helm"), append(args, "--kubeconfig", n.kubeconfig)...)
+	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+n.path("helm", "cache"), "HELM_CONFIG_HOME="+n.path("helm", "config"), "HELM_DATA_HOME="+n.path("helm", "data"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return out, fmt.Errorf("helm %s: %w\n%s", strings.Join(args, " "), err, out)
+	}
+	return out, nil
+}
+
+func (n *node) helmInstall() error {
+	ctx := context.Background()
+	// What the GPU Operator and GPU Feature Discovery give a GPU node.
+	if _, err := n.admin.NodeV1().RuntimeClasses().Create(ctx, &nodev1.RuntimeClass{ObjectMeta: metav1.ObjectMeta{Name: "nvidia"}, Handler: "nvidia"}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	patch := []byte(`{"metadata":{"labels":{"nvidia.com/gpu.present":"true"}}}`)
+	if _, err := n.admin.CoreV1().Nodes().Patch(ctx, nodeName, "application/strategic-merge-patch+json", patch, metav1.PatchOptions{}); err != nil {
+		return err
+	}
+	n.beforeStop = append(n.beforeStop, n.uninstall)
+	args := append([]string{"install", release, filepath.Join(n.repo, "deploy", "helm", "gpufrac"), "-n", releaseNS, "--create-namespace", "--wait", "--timeout", "3m"}, n.helmValues()...)
+	out, err := n.helm(args...)
+	if err != nil {
+		return fmt.Errorf("%w\n%s", err, n.describeRelease())
+	}
+	fmt.Fprintf(os.Stderr, "%s", out)
+	return nil
+}
+
+// describeRelease says where the release's pods are, for a failure.
+func (n *node) describeRelease() string {
+	pods, err := n.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	for _, p := range pods.Items {
+		fmt.Fprintf(&b, "pod %s: %s on %q", p.Name, p.Status.Phase, p.Spec.NodeName)
+		for _, c := range append(p.Status.InitContainerStatuses, p.Status.ContainerStatuses...) {
+			fmt.Fprintf(&b, "; %s ready=%v restarts=%d %+v", c.Name, c.Ready, c.RestartCount, c.State)
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Status != corev1.ConditionTrue {
+				fmt.Fprintf(&b, "; %s=%s %s", c.Type, c.Reason, c.Message)
+			}
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// uninstall is `helm uninstall`, and what the README says it leaves: no
+// gpufrac object, no process, and on the host only chartHostDirs.
+func (n *node) uninstall() error {
+	if _, err := n.helm("uninstall", release, "-n", releaseNS, "--wait", "--timeout", "2m"); err != nil {
+		return err
+	}
+	ctx := context.Background()
+	var left []string
+	if err := waitFor("the release's pods and the reservation namespace gone", 2*time.Minute, func() (bool, error) {
+		left = nil
+		for _, namespace := range []string{releaseNS, api.DefaultReservationNamespace} {
+			pods, err := n.admin.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			for _, p := range pods.Items {
+				left = append(left, "pod "+namespace+"/"+p.Name)
+			}
+		}
+		if _, err := n.admin.CoreV1().Namespaces().Get(ctx, api.DefaultReservationNamespace, metav1.GetOptions{}); err == nil {
+			left = append(left, "namespace "+api.DefaultReservationNamespace)
+		}
+		return len(left) == 0, nil
+	}); err != nil {
+		return fmt.Errorf("%w: %v", err, left)
+	}
+	// The tenants' pods were deleted just before: their processes go too.
+	var procs []string
+	_ = waitFor("no process in a pod's cgroup", time.Minute, func() (bool, error) {
+		procs = n.podProcesses()
+		return len(procs) == 0, nil
+	})
+	left = append(append(left, n.gpufracObjects(ctx)...), procs...)
+	if len(left) > 0 {
+		return fmt.Errorf("helm uninstall left %s", strings.Join(left, "; "))
+	}
+	n.cleanups = append(n.cleanups, func() error {
+		var errs []error
+		for _, d := range chartHostDirs {
+			errs = append(errs, os.RemoveAll(d))
+		}
+		return errors.Join(errs...)
+	})
+	return n.checkHostFiles()
+}
+
+// gpufracObjects lists the cluster's objects labelled as gpufrac's.
+func (n *node) gpufracObjects(ctx context.Context) []string {
+	sel := metav1.ListOptions{LabelSelector: "app.kubernetes.io/part-of=gpufrac"}
+	var left []string
+	add := func(kind string, names []string, err error) {
+		if err != nil {
+			left = append(left, kind+": "+err.Error())
+		}
+		for _, name := range names {
+			left = append(left, kind+" "+name)
+		}
+	}
+	cr, err := n.admin.RbacV1().ClusterRoles().List(ctx, sel)
+	add("ClusterRole", namesOf(cr, err), err)
+	crb, err := n.admin.RbacV1().ClusterRoleBindings().List(ctx, sel)
+	add("ClusterRoleBinding", namesOf(crb, err), err)
+	mw, err := n.admin.AdmissionregistrationV1().MutatingWebhookConfigurations().List(ctx, sel)
+	add("MutatingWebhookConfiguration", namesOf(mw, err), err)
+	vw, err := n.admin.AdmissionregistrationV1().ValidatingWebhookConfigurations().List(ctx, sel)
+	add("ValidatingWebhookConfiguration", namesOf(vw, err), err)
+	vap, err := n.admin.AdmissionregistrationV1().ValidatingAdmissionPolicies().List(ctx, sel)
+	add("ValidatingAdmissionPolicy", namesOf(vap, err), err)
+	rb, err := n.admin.RbacV1().RoleBindings("").List(ctx, sel)
+	add("RoleBinding", namesOf(rb, err), err)
+	return left
+}
+
+// namesOf is the names of a list's items.
+func namesOf(list any, err error) []string {
+	if err != nil {
+		return nil
+	}
+	raw, _ := json.Marshal(list)
+	var l struct {
+		Items []struct {
+			Metadata metav1.ObjectMeta `json:"metadata"`
+		} `json:"items"`
+	}
+	_ = json.Unmarshal(raw, &l)
+	var names []string
+	for _, i := range l.Items {
+		names = append(names, i.Metadata.Namespace+"/"+i.Metadata.Name)
+	}
+	return names
+}
+
+// podProcesses are processes still in a pod's cgroup.
+func (n *node) podProcesses() []string {
+	var left []string
+	cmd := cmdlines()
+	for _, pid := range kubepodsPIDs() {
+		left = append(left, fmt.Sprintf("process %d (%s)", pid, cmd[pid]))
+	}
+	return left
+}
+
+// checkHostFiles: after an uninstall, gpufrac's files on the host are
+// only in chartHostDirs.
+func (n *node) checkHostFiles() error {
+	var outside []string
+	for _, root := range []string{"/opt", "/var/lib", "/run", "/etc"} {
+		entries, err := os.ReadDir(root)
+		if err != nil {
+			continue
+		}
+		for _, e := range entries {
+			p := filepath.Join(root, e.Name())
+			if strings.Contains(e.Name(), "gpufrac") && !slices.Contains(chartHostDirs, p) && p != fakeNVMLDir {
+				outside = append(outside, p)
+			}
+		}
+	}
+	if len(outside) > 0 {
+		return fmt.Errorf("gpufrac files outside the chart README's host directories: %v", outside)
+	}
+	return nil
+}
+
+// agentPod is the node agent's pod on the node, once Running.
+func agentPod(t *testing.T) *corev1.Pod {
+	t.Helper()
+	var pod *corev1.Pod
+	if err := waitFor("the node agent's pod Running", 2*time.Minute, func() (bool, error) {
+		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + release + "-node-agent"})
+		if err != nil {
+			return false, err
+		}
+		for i, p := range pods.Items {
+			if p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning {
+				pod = &pods.Items[i]
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, theNode.describeRelease())
+	}
+	return pod
+}
+
+// The chart's pods serve their health endpoints as the kubelet probes
+// them: checked through the pod network, as a user's kubectl would.
+func TestChartPodsAreReady(t *testing.T) {
+	pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	components := map[string]int{}
+	for _, p := range pods.Items {
+		ready := false
+		for _, c := range p.Status.Conditions {
+			ready = ready || (c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue)
+		}
+		if !ready {
+			t.Errorf("pod %s is not Ready: %s", p.Name, theNode.describeRelease())
+		}
+		components[strings.TrimPrefix(p.Labels["app.kubernetes.io/name"], release+"-")]++
+	}
+	for c, want := range map[string]int{"scheduler": 2, "webhook": 2, "node-agent": 1} {
+		if components[c] != want {
+			t.Errorf("%d %s pods, want %d (the chart's defaults): %v", components[c], c, want, components)
+		}
+	}
+	agent := agentPod(t)
+	resp, err := http.Get(fmt.Sprintf("http://%s:8082/readyz", agent.Status.PodIP))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("the agent's /readyz at %s: %s", agent.Status.PodIP, resp.Status)
+	}
+}
