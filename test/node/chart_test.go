@@ -45,6 +45,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	authnv1 "k8s.io/api/authentication/v1"
+	authzv1 "k8s.io/api/authorization/v1"
 	nodev1 "k8s.io/api/node/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -57,6 +59,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 const (
@@ -643,4 +646,375 @@ func TestChartPodsAreReady(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Errorf("the agent's /readyz at %s: %s", agent.Status.PodIP, resp.Status)
 	}
+}
+
+// containerProcess is the first process of a running container: the
+// lowest PID whose cgroup names the container's ID (this test runs in the
+// host's PID namespace).
+func containerProcess(t *testing.T, id string) int {
+	t.Helper()
+	dirs, _ := os.ReadDir("/proc")
+	first := 0
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		raw, err := os.ReadFile(filepath.Join("/proc", d.Name(), "cgroup"))
+		if err == nil && strings.Contains(string(raw), id) && (first == 0 || pid < first) {
+			first = pid
+		}
+	}
+	if first == 0 {
+		t.Fatalf("no process of container %s", id)
+	}
+	return first
+}
+
+// privileges is what the chart README's table says a container of the
+// chart runs with.
+type privileges struct {
+	uid  string
+	caps uint64 // CapEff, CapPrm and CapBnd
+	// mounts are the container's own mounts besides the runtime's (/proc,
+	// /dev, /sys and what they hold, /etc/hosts and friends, the service
+	// account token): mount point, "ro" when read-only.
+	mounts map[string]string
+}
+
+const capSysAdmin = 1 << 21
+
+func TestChartPodsRunWithLeastPrivilege(t *testing.T) {
+	// The stand-in runtime class nvidia's injections: what NVIDIA's
+	// toolkit injects on a GPU node (the driver's NVML and MPS control).
+	injected := map[string]string{"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1": "ro", "/usr/bin/nvidia-cuda-mps-control": "ro", fakeNVMLDir: "rw"}
+	want := map[string]privileges{
+		"scheduler": {uid: "65532", mounts: map[string]string{"/etc/gpufrac": "ro", "/tmp": "rw"}},
+		"webhook":   {uid: "65532", mounts: map[string]string{"/etc/gpufrac/webhook-certs": "ro", "/tmp": "rw"}},
+		"agent": {uid: "0", caps: capSysAdmin, mounts: map[string]string{
+			filepath.Dir(theNode.nriSocket()): "rw", filepath.Dir(theNode.podResourcesSocket()): "ro", "/var/lib/gpufrac": "rw",
+			"/host/proc": "ro", "/host/sys/fs/cgroup": "ro", "/run/gpufrac/mps": "rw", "/tmp": "rw",
+			// The dmem stand-in's cgroup.controllers (nvidiaruntime).
+			"/host/sys/fs/cgroup/cgroup.controllers": "ro"}},
+		"mps": {uid: "0", mounts: map[string]string{"/host/proc": "ro", "/run/gpufrac/mps": "rw", "/tmp": "rw"}},
+	}
+	for _, c := range []string{"agent", "mps"} {
+		for m, mode := range injected {
+			want[c].mounts[m] = mode
+		}
+	}
+	pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, p := range pods.Items {
+		if p.Spec.HostNetwork || p.Spec.HostIPC || (p.Spec.HostPID != strings.HasSuffix(p.Labels["app.kubernetes.io/name"], "node-agent")) {
+			t.Errorf("pod %s: hostNetwork %v, hostIPC %v, hostPID %v; only the node agent's pod shares one of the host's namespaces (PID)", p.Name, p.Spec.HostNetwork, p.Spec.HostIPC, p.Spec.HostPID)
+		}
+		for _, s := range p.Status.ContainerStatuses {
+			w, ok := want[s.Name]
+			if !ok {
+				t.Errorf("pod %s has container %s, which the chart README's table does not list", p.Name, s.Name)
+				continue
+			}
+			seen[s.Name] = true
+			_, id, _ := strings.Cut(s.ContainerID, "://")
+			pid := containerProcess(t, id)
+			checkPrivileges(t, p.Name+"/"+s.Name, pid, w)
+		}
+	}
+	for c := range want {
+		if !seen[c] {
+			t.Errorf("no running container %s was checked", c)
+		}
+	}
+}
+
+func checkPrivileges(t *testing.T, what string, pid int, w privileges) {
+	t.Helper()
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	status := map[string]string{}
+	for _, l := range strings.Split(string(raw), "\n") {
+		if k, v, ok := strings.Cut(l, ":"); ok {
+			status[k] = strings.TrimSpace(v)
+		}
+	}
+	if uids := strings.Fields(status["Uid"]); len(uids) != 4 || slices.ContainsFunc(uids, func(u string) bool { return u != w.uid }) {
+		t.Errorf("%s runs as uid %q, want %s", what, status["Uid"], w.uid)
+	}
+	for _, set := range []string{"CapEff", "CapPrm", "CapBnd"} {
+		caps, err := strconv.ParseUint(status[set], 16, 64)
+		if err != nil || caps != w.caps {
+			t.Errorf("%s: %s %s, want %016x", what, set, status[set], w.caps)
+		}
+	}
+	if status["NoNewPrivs"] != "1" {
+		t.Errorf("%s: NoNewPrivs %q, want 1 (allowPrivilegeEscalation: false)", what, status["NoNewPrivs"])
+	}
+	raw, err = os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, l := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 6 {
+			continue
+		}
+		point, mode := f[4], "rw"
+		if slices.Contains(strings.Split(f[5], ","), "ro") {
+			mode = "ro"
+		}
+		if point == "/" {
+			if mode != "ro" {
+				t.Errorf("%s: its root file system is writable", what)
+			}
+			continue
+		}
+		if runtimeMount(point) || underOneOf(point, w.mounts) {
+			continue
+		}
+		got[point] = mode
+	}
+	for point, mode := range w.mounts {
+		if g, ok := got[point]; !ok {
+			t.Errorf("%s: no mount at %s, which the chart README's table lists", what, point)
+		} else if g != mode {
+			t.Errorf("%s: %s is mounted %s, want %s", what, point, g, mode)
+		}
+		delete(got, point)
+	}
+	if len(got) > 0 {
+		t.Errorf("%s: mounts the chart README's table does not list: %v", what, got)
+	}
+}
+
+// runtimeMount is a mount every container gets from the runtime.
+func runtimeMount(point string) bool {
+	for _, p := range []string{"/proc", "/dev", "/sys"} {
+		if point == p || strings.HasPrefix(point, p+"/") {
+			return true
+		}
+	}
+	return slices.Contains([]string{"/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/var/run/secrets/kubernetes.io/serviceaccount"}, point)
+}
+
+// underOneOf: below (not at) a listed mount, as what an rbind of the
+// host's /proc brings along.
+func underOneOf(point string, mounts map[string]string) bool {
+	for m := range mounts {
+		if strings.HasPrefix(point, m+"/") {
+			if _, listed := mounts[point]; !listed {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Each component's service account may do what the chart README's table
+// says and not more: asked of the API server as that account.
+func TestChartServiceAccountsHoldLeastPrivilege(t *testing.T) {
+	type ask struct {
+		verb, resource, sub, namespace string
+		allowed                        bool
+	}
+	cases := map[string][]ask{
+		release + "-webhook": {
+			{"list", "nodes", "", "", true}, {"get", "resourceclaims", "", ns, true},
+			{"update", "pods", "", ns, false}, {"create", "pods", "", ns, false}, {"get", "secrets", "", releaseNS, false},
+		},
+		release + "-scheduler": {
+			{"create", "pods", "", api.DefaultReservationNamespace, true}, {"patch", "pods", "", ns, true}, {"create", "pods", "binding", ns, true},
+			{"create", "pods", "", ns, false}, {"get", "secrets", "", ns, false}, {"delete", "nodes", "", "", false},
+		},
+		release + "-node-agent": {
+			{"patch", "nodes", "", "", true}, {"patch", "nodes", "status", "", true}, {"delete", "pods", "", ns, true},
+			{"patch", "pods", "", api.DefaultReservationNamespace, true},
+			{"create", "pods", "", ns, false}, {"patch", "pods", "", ns, false}, {"get", "secrets", "", releaseNS, false},
+			{"list", "pods", "", ns, false}, {"update", "daemonsets", "", releaseNS, false},
+		},
+	}
+	ctx := context.Background()
+	for sa, asks := range cases {
+		tr, err := theNode.admin.CoreV1().ServiceAccounts(releaseNS).CreateToken(ctx, sa, &authnv1.TokenRequest{}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatalf("a token of %s: %v", sa, err)
+		}
+		cfg, err := clientcmd.BuildConfigFromFlags("", theNode.kubeconfig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.BearerToken, cfg.BearerTokenFile = tr.Status.Token, ""
+		as, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, a := range asks {
+			group := ""
+			if a.resource == "resourceclaims" {
+				group = "resource.k8s.io"
+			}
+			if a.resource == "daemonsets" {
+				group = "apps"
+			}
+			r, err := as.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, &authzv1.SelfSubjectAccessReview{Spec: authzv1.SelfSubjectAccessReviewSpec{
+				ResourceAttributes: &authzv1.ResourceAttributes{Verb: a.verb, Group: group, Resource: a.resource, Subresource: a.sub, Namespace: a.namespace}}}, metav1.CreateOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.Status.Allowed != a.allowed {
+				t.Errorf("%s may %s %s/%s in %q: %v, want %v", sa, a.verb, a.resource, a.sub, a.namespace, r.Status.Allowed, a.allowed)
+			}
+		}
+	}
+}
+
+// replacedAgent waits for the DaemonSet's agent pod that is not old, and
+// for the node to take fractions again.
+func replacedAgent(t *testing.T, old *corev1.Pod) *corev1.Pod {
+	t.Helper()
+	var pod *corev1.Pod
+	if err := waitFor("a new node agent pod Running", 3*time.Minute, func() (bool, error) {
+		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + release + "-node-agent"})
+		if err != nil {
+			return false, err
+		}
+		for i, p := range pods.Items {
+			if p.UID != old.UID && p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning {
+				pod = &pods.Items[i]
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, theNode.describeRelease())
+	}
+	if err := theNode.waitFractionReady(2 * time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// waitGone waits until the pod is deleted (or being deleted).
+func waitGone(t *testing.T, pod *corev1.Pod, why string) {
+	t.Helper()
+	if err := waitFor("pod "+pod.Name+" "+why, 2*time.Minute, func() (bool, error) {
+		p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), pod.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) || (err == nil && (p.UID != pod.UID || p.DeletionTimestamp != nil)) {
+			return true, nil
+		}
+		return false, err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The agent's pod deleted as a user would (kubectl delete pod) comes back
+// from its DaemonSet, and the node takes fractions again. The pod's MPS
+// daemon went with it: a fractional pod already running, an MPS client of
+// the old daemon, is evicted, as the chart README says, and one placed
+// afterwards runs with its limits.
+func TestAgentPodDeletedComesBack(t *testing.T) {
+	createPod(t, "before", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
+	before := running(t, "before")
+	checkLimits(t, before, assignment(t, before, "main"), theNode.probeReport(t, before, "main"))
+
+	old := agentPod(t)
+	if err := theNode.admin.CoreV1().Pods(releaseNS).Delete(context.Background(), old.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	replacedAgent(t, old)
+	waitGone(t, before, "evicted: its MPS daemon is gone")
+
+	createPod(t, "after", map[string]string{"gpu-memory": "2048"}, probe("main", nil))
+	after := running(t, "after")
+	checkLimits(t, after, assignment(t, after, "main"), theNode.probeReport(t, after, "main"))
+}
+
+// A fractional container that starts while the node has no agent (the
+// DaemonSet's pod is gone: here GPU Feature Discovery's label was taken
+// off, as a driver upgrade does) runs without its adjustment, since the
+// runtime goes on without its NRI plugin. Once the DaemonSet's pod is
+// back, the agent's audit stops it, its disruption budget notwithstanding.
+func TestContainerStartedWithoutTheAgentIsStopped(t *testing.T) {
+	ctx := context.Background()
+	setLabel := func(value *string) {
+		t.Helper()
+		v := "null"
+		if value != nil {
+			v = strconv.Quote(*value)
+		}
+		patch := []byte(`{"metadata":{"labels":{"nvidia.com/gpu.present":` + v + `}}}`)
+		if _, err := theNode.admin.CoreV1().Nodes().Patch(ctx, nodeName, "application/merge-patch+json", patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	present := "true"
+	t.Cleanup(func() { setLabel(&present) })
+	// Placed while the agent runs; its main container starts once the
+	// init container's sleep is over, with the agent gone by then.
+	off := false
+	late := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "late", Namespace: ns, Annotations: map[string]string{"gpu-memory": "1024"}},
+		Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever,
+			InitContainers: []corev1.Container{{Name: "wait", Image: probeImage, ImagePullPolicy: corev1.PullNever, Command: []string{"/bin/sleep", "15"}}},
+			Containers:     []corev1.Container{probe("main", nil)}, AutomountServiceAccountToken: &off, EnableServiceLinks: &off,
+			TerminationGracePeriodSeconds: new(int64(2)), SecurityContext: tenantUser()},
+	}
+	if _, err := theNode.admin.CoreV1().Pods(ns).Create(ctx, late, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { deletePod(t, "late") })
+	if err := waitFor("pod late's init container running", time.Minute, func() (bool, error) {
+		p := getPod(t, "late")
+		return len(p.Status.InitContainerStatuses) == 1 && p.Status.InitContainerStatuses[0].State.Running != nil, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	old := agentPod(t)
+	setLabel(nil)
+	if err := waitFor("the agent's pod gone", time.Minute, func() (bool, error) {
+		_, err := theNode.admin.CoreV1().Pods(releaseNS).Get(ctx, old.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	unadjusted := running(t, "late")
+	if r := theNode.probeReport(t, unadjusted, "main"); r.Env[nodeapi.EnvMemoryLimit] != "" {
+		t.Fatalf("with no agent the container was adjusted anyway (%s=%s)", nodeapi.EnvMemoryLimit, r.Env[nodeapi.EnvMemoryLimit])
+	}
+	pinPod(t, "late")
+	setLabel(&present)
+	replacedAgent(t, old)
+	waitGone(t, unadjusted, "evicted: it runs without its limits")
+}
+
+// helm upgrade with a changed value rolls the agent's DaemonSet: the new
+// pod runs with the value, and the node's fractional pods, MPS clients of
+// the replaced daemon, are evicted, as the chart README says.
+func TestHelmUpgradeRollsTheAgent(t *testing.T) {
+	createPod(t, "upgraded", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
+	pod := running(t, "upgraded")
+	old := agentPod(t)
+	args := append([]string{"upgrade", release, filepath.Join(theNode.repo, "deploy", "helm", "gpufrac"), "-n", releaseNS, "--wait", "--timeout", "3m"},
+		append(theNode.helmValues(), "--set", "nodeAgent.resyncPeriod=20s")...)
+	if _, err := theNode.helm(args...); err != nil {
+		t.Fatal(err)
+	}
+	agent := replacedAgent(t, old)
+	var flags []string
+	for _, c := range agent.Spec.Containers {
+		if c.Name == "agent" {
+			flags = c.Args
+		}
+	}
+	if !slices.Contains(flags, "--resync-period=20s") {
+		t.Errorf("the new agent runs with %v, not the upgraded value", flags)
+	}
+	waitGone(t, pod, "evicted: its MPS daemon was replaced")
 }

@@ -14,11 +14,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
@@ -132,36 +129,6 @@ func TestCorruptStateMakesTheNodeNotReady(t *testing.T) {
 	time.Sleep(5 * time.Second) // two resyncs: still running
 	if err := theNode.exited("node-agent"); err != nil {
 		t.Fatalf("the agent did not keep running: %v", err)
-	}
-}
-
-// pinPod puts a PodDisruptionBudget allowing no disruption on the pod, and
-// checks that an eviction is now refused.
-func pinPod(t *testing.T, name string) {
-	t.Helper()
-	ctx := context.Background()
-	patch := []byte(`{"metadata":{"labels":{"pinned":"` + name + `"}}}`)
-	if _, err := theNode.admin.CoreV1().Pods(ns).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	one := intstr.FromInt32(1)
-	pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: policyv1.PodDisruptionBudgetSpec{MinAvailable: &one, Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"pinned": name}}}}
-	if _, err := theNode.admin.PolicyV1().PodDisruptionBudgets(ns).Create(ctx, pdb, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = theNode.admin.PolicyV1().PodDisruptionBudgets(ns).Delete(ctx, name, metav1.DeleteOptions{})
-	})
-	if err := waitFor("the budget to refuse an eviction", 30*time.Second, func() (bool, error) {
-		err := theNode.admin.PolicyV1().Evictions(ns).Evict(ctx, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			DeleteOptions: &metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}}})
-		if err == nil {
-			return false, fmt.Errorf("a dry-run eviction of %s passed under its budget: the test would prove nothing", name)
-		}
-		return apierrors.IsTooManyRequests(err), nil
-	}); err != nil {
-		t.Fatal(err)
 	}
 }
 
