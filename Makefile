@@ -252,6 +252,7 @@ vet:
 lint: $(GOLANGCI_LINT) ## golangci-lint, built from hack/tools at a pinned version
 	$(call announce,"golangci-lint run ./... (first time: about 1.5 min; its own cache keeps later runs short)")
 	$(GOLANGCI_LINT) run ./...
+	$(GOLANGCI_LINT) run --build-tags charte2e ./test/node/...
 
 .PHONY: tidy-check
 tidy-check: ## go.mod and go.sum must already be tidy

@@ -171,11 +171,9 @@ func newNode(need ...string) (*node, error) {
 		return nil, err
 	}
 	n := &node{repo: repo, dir: dir, gpufrac: filepath.Join(repo, "bin", "gpufrac"), nodeBin: filepath.Join(repo, "bin", "node"), procs: map[string]*process{}}
-	for _, p := range []string{n.gpufrac, filepath.Join(n.nodeBin, "containerd"), filepath.Join(n.nodeBin, "containerd-shim-runc-v2"),
+	need = append(need, n.gpufrac, filepath.Join(n.nodeBin, "containerd"), filepath.Join(n.nodeBin, "containerd-shim-runc-v2"),
 		filepath.Join(n.nodeBin, "ctr"), filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"), filepath.Join(n.nodeBin, "images.tar"),
-		filepath.Join(repo, "bin", "kube", "kubelet"), "/usr/sbin/runc", "/usr/lib/cni/bridge"} {
-		need = append(need, p)
-	}
+		filepath.Join(repo, "bin", "kube", "kubelet"), "/usr/sbin/runc", "/usr/lib/cni/bridge")
 	for i, p := range need {
 		if !filepath.IsAbs(p) {
 			need[i] = filepath.Join(repo, p)
@@ -183,7 +181,7 @@ func newNode(need ...string) (*node, error) {
 	}
 	for _, need := range need {
 		if _, err := os.Stat(need); err != nil {
-			return n, fmt.Errorf("%s is missing: `make node-e2e` builds or installs it", need)
+			return n, fmt.Errorf("%s is missing: `make node-e2e` (or `make chart-e2e`) builds or installs it", need)
 		}
 	}
 	// The kubelet's device-plugin directory and pod cgroups are fixed
