@@ -761,7 +761,7 @@ func TestChartDashboard(t *testing.T) {
 	if dep.Spec.Template.Spec.ServiceAccountName != "gpufrac-dashboard" || sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation ||
 		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
 		psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot || psc.SeccompProfile == nil || psc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault ||
-		dep.Spec.Template.Spec.HostNetwork || dep.Spec.Template.Spec.HostPID || len(dep.Spec.Template.Spec.Volumes) > 0 {
+		dep.Spec.Template.Spec.HostNetwork || dep.Spec.Template.Spec.HostPID || !onlyScratch(dep.Spec.Template.Spec.Volumes) {
 		t.Errorf("dashboard pod privileges: %+v", dep.Spec.Template.Spec)
 	}
 	if c.LivenessProbe == nil || c.LivenessProbe.HTTPGet.Path != "/livez" || c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet.Path != "/healthz" {
@@ -887,4 +887,15 @@ func TestChartDRA(t *testing.T) {
 			t.Errorf("DRA off, the chart still renders %s %s", o.GetKind(), o.GetName())
 		}
 	}
+}
+
+// onlyScratch: the pod's volumes are its memory-backed /tmp and nothing
+// else (no host path, no Secret).
+func onlyScratch(volumes []corev1.Volume) bool {
+	for _, v := range volumes {
+		if v.Name != "tmp" || v.EmptyDir == nil || v.EmptyDir.Medium != corev1.StorageMediumMemory {
+			return false
+		}
+	}
+	return len(volumes) == 1
 }
