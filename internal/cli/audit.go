@@ -3,14 +3,12 @@ package cli
 import (
 	"context"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/spf13/cobra"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -93,14 +91,6 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 // clusterClient connects as a person's tools do: --kubeconfig, else
 // $KUBECONFIG, ~/.kube/config, or in-cluster.
 func clusterClient(kubeconfig string) (kubernetes.Interface, error) {
-	// In a pod, its service account, as controller-runtime orders it:
-	// a home directory in an image is no kubeconfig (the chart test found
-	// the webhook refusing to start on an unreadable one).
-	if kubeconfig == "" && os.Getenv(clientcmd.RecommendedConfigPathEnvVar) == "" {
-		if config, err := rest.InClusterConfig(); err == nil {
-			return kubernetes.NewForConfig(config)
-		}
-	}
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = kubeconfig
 	config, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, nil).ClientConfig()

@@ -72,7 +72,7 @@ they change.`,
 	}
 	f := cmd.Flags()
 	f.BoolVar(&quota, "gpu-memory-quota", true, "charge every GPU share (annotations, claims) to its namespace as "+string(api.ResourceGPUMemory)+", which a ResourceQuota bounds; false only where no GPU node advertises it (gpufrac's node agent does; NVIDIA's node operator does not): schedulers then find no node for a charged pod")
-	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, in-cluster, or ~/.kube/config)")
+	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&opts.Host, "host", "", "address to serve the webhooks on (default: all)")
 	f.IntVar(&opts.Port, "port", 9443, "TLS port of the webhooks")
 	f.StringVar(&opts.CertDir, "cert-dir", "/etc/gpufrac/webhook-certs", "directory holding tls.crt and tls.key (reloaded on change)")

@@ -29,6 +29,7 @@ package node
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"encoding/pem"
 	"errors"
@@ -132,11 +133,23 @@ func (n *node) clearHost() error {
 			}
 		}
 	}
+	// An earlier run killed before its cleanup left kube-proxy's chains.
+	if out, err := exec.Command(filepath.Join(n.repo, "bin", "kube", "kube-proxy"), "--cleanup").CombinedOutput(); err != nil {
+		return fmt.Errorf("kube-proxy --cleanup: %w\n%s", err, out)
+	}
 	rules, err := iptablesRules()
 	if err != nil {
 		return err
 	}
+	// Last, whatever happened before: the chart's host directories go
+	// (an uninstall leaves them), and the rules must be as they were.
 	n.cleanups = append(n.cleanups, func() error {
+		var errs []error
+		for _, d := range chartHostDirs {
+			errs = append(errs, os.RemoveAll(d))
+		}
+		return errors.Join(errs...)
+	}, func() error {
 		now, err := iptablesRules()
 		if err != nil {
 			return err
@@ -149,12 +162,17 @@ func (n *node) clearHost() error {
 	return nil
 }
 
-// iptablesRules is iptables-save without counters and comments: what must
-// be the same before and after.
+// iptablesRules is iptables-save and ip6tables-save (kube-proxy is dual
+// stack) without counters and comments: what must be the same before and
+// after.
 func iptablesRules() (string, error) {
-	out, err := exec.Command("iptables-save").Output()
-	if err != nil {
-		return "", fmt.Errorf("iptables-save: %w", err)
+	var out []byte
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		o, err := exec.Command(save).Output()
+		if err != nil {
+			return "", fmt.Errorf("%s: %w", save, err)
+		}
+		out = append(out, o...)
 	}
 	var keep []string
 	for _, l := range strings.Split(string(out), "\n") {
@@ -211,7 +229,7 @@ func (n *node) startAPIServer() error {
 	if err != nil {
 		return err
 	}
-	admin, nodeToken := strconv.FormatInt(time.Now().UnixNano(), 36)+"admin", strconv.FormatInt(time.Now().UnixNano(), 36)+"node"
+	admin, nodeToken := rand.Text(), rand.Text() // the API server listens on every address
 	tokens := fmt.Sprintf("%s,gpufrac-test-admin,admin,\"system:masters\"\n%s,system:node:%s,%s,\"system:nodes\"\n", admin, nodeToken, nodeName, nodeName)
 	for name, data := range map[string][]byte{"apiserver.crt": crt, "apiserver.key": key, "ca.crt": ca, "sa.key": saKey, "tokens.csv": []byte(tokens)} {
 		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
@@ -391,9 +409,10 @@ func (n *node) startKubeProxy() error {
 		}
 		return nil
 	}}, n.cleanups...)
-	// conntrack-max-per-core 0: leave this machine's conntrack table as it is.
 	if err := n.start("kube-proxy", nil, proxy, "--kubeconfig", n.kubeconfig, "--hostname-override", nodeName, "--proxy-mode", "iptables",
-		"--cluster-cidr", podCIDR, "--conntrack-max-per-core", "0", "--iptables-localhost-nodeports=false",
+		"--cluster-cidr", podCIDR, "--iptables-localhost-nodeports=false",
+		// 0: leave this machine's conntrack table and timeouts as they are.
+		"--conntrack-max-per-core", "0", "--conntrack-tcp-timeout-established", "0", "--conntrack-tcp-timeout-close-wait", "0",
 		"--metrics-bind-address", fmt.Sprintf("127.0.0.1:%d", metrics), "--healthz-bind-address", fmt.Sprintf("127.0.0.1:%d", healthz), "--v", "2"); err != nil {
 		return err
 	}
@@ -504,13 +523,6 @@ func (n *node) uninstall() error {
 	if len(left) > 0 {
 		return fmt.Errorf("helm uninstall left %s", strings.Join(left, "; "))
 	}
-	n.cleanups = append(n.cleanups, func() error {
-		var errs []error
-		for _, d := range chartHostDirs {
-			errs = append(errs, os.RemoveAll(d))
-		}
-		return errors.Join(errs...)
-	})
 	return n.checkHostFiles()
 }
 
@@ -536,8 +548,31 @@ func (n *node) gpufracObjects(ctx context.Context) []string {
 	add("ValidatingWebhookConfiguration", namesOf(vw, err), err)
 	vap, err := n.admin.AdmissionregistrationV1().ValidatingAdmissionPolicies().List(ctx, sel)
 	add("ValidatingAdmissionPolicy", namesOf(vap, err), err)
+	vapb, err := n.admin.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().List(ctx, sel)
+	add("ValidatingAdmissionPolicyBinding", namesOf(vapb, err), err)
+	r, err := n.admin.RbacV1().Roles("").List(ctx, sel)
+	add("Role", namesOf(r, err), err)
 	rb, err := n.admin.RbacV1().RoleBindings("").List(ctx, sel)
 	add("RoleBinding", namesOf(rb, err), err)
+	for _, kind := range []string{"ServiceAccount", "ConfigMap", "Secret", "Service"} {
+		var names []string
+		var err error
+		switch kind {
+		case "ServiceAccount":
+			l, e := n.admin.CoreV1().ServiceAccounts("").List(ctx, sel)
+			names, err = namesOf(l, e), e
+		case "ConfigMap":
+			l, e := n.admin.CoreV1().ConfigMaps("").List(ctx, sel)
+			names, err = namesOf(l, e), e
+		case "Secret":
+			l, e := n.admin.CoreV1().Secrets("").List(ctx, sel)
+			names, err = namesOf(l, e), e
+		case "Service":
+			l, e := n.admin.CoreV1().Services("").List(ctx, sel)
+			names, err = namesOf(l, e), e
+		}
+		add(kind, names, err)
+	}
 	return left
 }
 
@@ -638,7 +673,7 @@ func TestChartPodsAreReady(t *testing.T) {
 		}
 	}
 	agent := agentPod(t)
-	resp, err := http.Get(fmt.Sprintf("http://%s:8082/readyz", agent.Status.PodIP))
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Get(fmt.Sprintf("http://%s:8082/readyz", agent.Status.PodIP))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -793,14 +828,18 @@ func checkPrivileges(t *testing.T, what string, pid int, w privileges) {
 	}
 }
 
-// runtimeMount is a mount every container gets from the runtime.
+// runtimeMount is a mount every container gets from the kubelet and the
+// runtime: containerd's default mounts, and the paths its default spec
+// masks or makes read-only (containerd's oci/spec.go); nothing else under
+// /proc, /dev or /sys passes.
 func runtimeMount(point string) bool {
-	for _, p := range []string{"/proc", "/dev", "/sys"} {
-		if point == p || strings.HasPrefix(point, p+"/") {
-			return true
-		}
-	}
-	return slices.Contains([]string{"/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/var/run/secrets/kubernetes.io/serviceaccount"}, point)
+	return slices.Contains([]string{
+		"/proc", "/dev", "/dev/pts", "/dev/mqueue", "/dev/shm", "/dev/termination-log", "/sys", "/sys/fs/cgroup",
+		"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+		"/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
+		"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+		"/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/var/run/secrets/kubernetes.io/serviceaccount",
+	}, point)
 }
 
 // underOneOf: below (not at) a listed mount, as what an rbind of the
@@ -962,7 +1001,9 @@ func TestContainerStartedWithoutTheAgentIsStopped(t *testing.T) {
 	late := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "late", Namespace: ns, Annotations: map[string]string{"gpu-memory": "1024"}},
 		Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever,
-			InitContainers: []corev1.Container{{Name: "wait", Image: probeImage, ImagePullPolicy: corev1.PullNever, Command: []string{"/bin/sleep", "15"}}},
+			// Long enough for the agent's pod to terminate (its grace
+			// period is the default 30 s) before main is created.
+			InitContainers: []corev1.Container{{Name: "wait", Image: probeImage, ImagePullPolicy: corev1.PullNever, Command: []string{"/bin/sleep", "40"}}},
 			Containers:     []corev1.Container{probe("main", nil)}, AutomountServiceAccountToken: &off, EnableServiceLinks: &off,
 			TerminationGracePeriodSeconds: new(int64(2)), SecurityContext: tenantUser()},
 	}

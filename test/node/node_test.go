@@ -301,12 +301,16 @@ func (n *node) killProcess(name string) {
 	}
 }
 
+// errNotStarted is exited's error for a process this test never started
+// (or stopped): in chart mode the agent is a pod, not a process.
+var errNotStarted = errors.New("not started by the test")
+
 func (n *node) exited(name string) error {
 	n.mu.Lock()
 	p := n.procs[name]
 	n.mu.Unlock()
 	if p == nil {
-		return fmt.Errorf("%s is not running", name)
+		return fmt.Errorf("%s: %w", name, errNotStarted)
 	}
 	select {
 	case <-p.done:
@@ -467,7 +471,7 @@ podPidsLimit: -1
 func (n *node) waitFractionReady(timeout time.Duration) error {
 	var why string
 	err := waitFor("the node's "+api.ConditionFractioningReady, timeout, func() (bool, error) {
-		if err := n.exited("node-agent"); err != nil && !strings.HasSuffix(err.Error(), "is not running") {
+		if err := n.exited("node-agent"); err != nil && !errors.Is(err, errNotStarted) {
 			return false, err // the agent as a host process (hostnode_test.go) exited
 		}
 		node, err := n.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})

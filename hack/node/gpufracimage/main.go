@@ -41,6 +41,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 )
 
 // triplets are Debian's multiarch directories of the C library.
@@ -167,7 +168,9 @@ func build(o options) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	img, err := mutate.AppendLayers(empty.Image, layer)
+	// OCI media types throughout (empty.Image is Docker's schema 2).
+	base := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
+	img, err := mutate.AppendLayers(base, layer)
 	if err != nil {
 		return "", err
 	}
@@ -216,7 +219,9 @@ func build(o options) (string, error) {
 	}
 	if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{
 		"org.opencontainers.image.ref.name": tag.TagStr(),
-		"io.containerd.image.name":          tag.Name(),
+		// As containerd and the kubelet name it: docker.io, not
+		// go-containerregistry's index.docker.io, for a short name.
+		"io.containerd.image.name": strings.Replace(tag.Name(), name.DefaultRegistry+"/", "docker.io/", 1),
 	})); err != nil {
 		return "", err
 	}
@@ -316,7 +321,8 @@ func layerOf(files []file, mtime time.Time) (v1.Layer, error) {
 		return nil, err
 	}
 	data := buf.Bytes()
-	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
+	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil },
+		tarball.WithMediaType(types.OCILayer))
 }
 
 // tarDir archives the OCI layout with fixed times and sorted entries, so

@@ -18,6 +18,11 @@ import (
 // before the rename, so a node that loses power mid-install keeps the old
 // file or the new one, never half of one.
 func Install(src, dir, name string, mode os.FileMode) (err error) {
+	// What an install that died midway left beside the file.
+	stale, _ := filepath.Glob(filepath.Join(dir, "."+name+".new-*"))
+	for _, f := range stale {
+		_ = os.Remove(f)
+	}
 	in, err := os.Open(src)
 	if err != nil {
 		return fmt.Errorf("install %s: %w", name, err)
