@@ -810,7 +810,11 @@ func checkPrivileges(t *testing.T, what string, pid int, w privileges) {
 			}
 			continue
 		}
-		if runtimeMount(point) || underOneOf(point, w.mounts) {
+		fstype := ""
+		if _, post, ok := strings.Cut(l, " - "); ok {
+			fstype = strings.Fields(post)[0]
+		}
+		if runtimeMount(point, fstype) || underOneOf(point, w.mounts) {
 			continue
 		}
 		got[point] = mode
@@ -830,9 +834,13 @@ func checkPrivileges(t *testing.T, what string, pid int, w privileges) {
 
 // runtimeMount is a mount every container gets from the kubelet and the
 // runtime: containerd's default mounts, and the paths its default spec
-// masks or makes read-only (containerd's oci/spec.go); nothing else under
-// /proc, /dev or /sys passes.
-func runtimeMount(point string) bool {
+// masks or makes read-only (containerd's oci/spec.go), and on a cgroup v1
+// (hybrid) host the runtime's cgroup hierarchies under /sys/fs/cgroup;
+// nothing else under /proc, /dev or /sys passes.
+func runtimeMount(point, fstype string) bool {
+	if strings.HasPrefix(point, "/sys/fs/cgroup/") && (fstype == "cgroup" || fstype == "cgroup2") {
+		return true
+	}
 	return slices.Contains([]string{
 		"/proc", "/dev", "/dev/pts", "/dev/mqueue", "/dev/shm", "/dev/termination-log", "/sys", "/sys/fs/cgroup",
 		"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
