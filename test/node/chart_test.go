@@ -56,7 +56,6 @@ import (
 	certutil "k8s.io/client-go/util/cert"
 	"k8s.io/client-go/util/keyutil"
 
-	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
@@ -75,7 +74,6 @@ const (
 	// apiServiceIP is the kubernetes Service's address, the first of
 	// serviceCIDR: pods reach the API server there through kube-proxy.
 	apiServiceIP = "10.96.0.1"
-	podCIDR      = "10.213.0.0/24"
 )
 
 // chartHostDirs are the chart's host directories (values.yaml defaults):
@@ -112,9 +110,10 @@ func startChartNode() (*node, error) {
 	})
 }
 
-// clearHost removes what an earlier run that was killed may have left of
-// this test's own files, and refuses a machine where the chart's host
-// directories or a driver library are someone else's.
+// clearHost removes what an earlier run that was killed may have left (the
+// fake driver, the chart's host directories, kube-proxy's chains), and
+// refuses a machine whose driver library is a real one (newNode has
+// already refused one where another kubelet runs).
 func (n *node) clearHost() error {
 	fake, err := os.ReadFile(filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"))
 	if err != nil {
@@ -197,8 +196,12 @@ func hostIP() (net.IP, error) {
 	if err != nil {
 		return nil, err
 	}
+	_, pods, err := net.ParseCIDR(podCIDR)
+	if err != nil {
+		return nil, err
+	}
 	for _, a := range addrs {
-		if ip, ok := a.(*net.IPNet); ok && ip.IP.To4() != nil && !ip.IP.IsLoopback() && !strings.HasPrefix(ip.IP.String(), "10.213.") {
+		if ip, ok := a.(*net.IPNet); ok && ip.IP.To4() != nil && !ip.IP.IsLoopback() && !pods.Contains(ip.IP) {
 			return ip.IP, nil
 		}
 	}
@@ -236,23 +239,16 @@ func (n *node) startAPIServer() error {
 			return err
 		}
 	}
-	etcdPort, err := localcluster.FreePort()
+	ports, err := freePorts(3)
 	if err != nil {
 		return err
 	}
-	peerPort, err := localcluster.FreePort()
-	if err != nil {
-		return err
-	}
-	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
-	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
+	port := ports[2]
 	if err := n.start("etcd", nil, filepath.Join(n.repo, "bin", "kube", "etcd"), "--data-dir", n.path("etcd"), "--name", "default",
 		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL, "--listen-peer-urls", peerURL,
 		"--initial-advertise-peer-urls", peerURL, "--initial-cluster", "default="+peerURL, "--unsafe-no-fsync"); err != nil {
-		return err
-	}
-	port, err := localcluster.FreePort()
-	if err != nil {
 		return err
 	}
 	if err := n.start("kube-apiserver", nil, filepath.Join(n.repo, "bin", "kube", "kube-apiserver"),
@@ -393,14 +389,11 @@ func (n *node) withNvidiaRuntime(start func() error) error {
 }
 
 func (n *node) startKubeProxy() error {
-	metrics, err := localcluster.FreePort()
+	ports, err := freePorts(2)
 	if err != nil {
 		return err
 	}
-	healthz, err := localcluster.FreePort()
-	if err != nil {
-		return err
-	}
+	metrics, healthz := ports[0], ports[1]
 	proxy := filepath.Join(n.repo, "bin", "kube", "kube-proxy")
 	// Its rules go with it: --cleanup removes every chain it made.
 	n.cleanups = append([]func() error{func() error {

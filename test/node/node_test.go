@@ -65,6 +65,8 @@ const (
 	fakeDriver = "615.27.01"
 	fakeCUDA   = 13040
 	bridge     = "gfnode0"
+	// podCIDR is the pods' addresses on the bridge.
+	podCIDR    = "10.213.0.0/24"
 	probeImage = "localhost/gpufrac/probe:1"
 	// standingGPUs of the node's eight are held for shares, so that DRA
 	// claims of both compute modes find a GPU each (dra_test.go).
@@ -333,7 +335,7 @@ func (n *node) startContainerd() error {
 	_ = exec.Command("ip", "link", "delete", bridge).Run()
 	conf := fmt.Sprintf(`{"cniVersion": "1.0.0", "name": "gpufrac-node-e2e", "plugins": [
   {"type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.213.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}}]}`, bridge, n.path("cni-ipam"))
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}}]}`, bridge, podCIDR, n.path("cni-ipam"))
 	if err := os.WriteFile(n.path("cni", "10-gpufrac.conflist"), []byte(conf), 0o644); err != nil {
 		return err
 	}
@@ -397,15 +399,25 @@ state = %[2]q
 	return nil
 }
 
+// freePorts is n free loopback ports.
+func freePorts(n int) ([]int, error) {
+	ports := make([]int, n)
+	for i := range ports {
+		p, err := localcluster.FreePort()
+		if err != nil {
+			return nil, err
+		}
+		ports[i] = p
+	}
+	return ports, nil
+}
+
 func (n *node) startKubelet() error {
-	port, err := localcluster.FreePort()
+	ports, err := freePorts(2)
 	if err != nil {
 		return err
 	}
-	healthz, err := localcluster.FreePort()
-	if err != nil {
-		return err
-	}
+	port, healthz := ports[0], ports[1]
 	// failCgroupV1: this machine is cgroup v1 (hybrid); cgroupfs, not
 	// systemd, manages the cgroups. Authentication and authorization are
 	// open on loopback only: the kubelet serves nothing else here. No
