@@ -149,3 +149,30 @@ func checkAssignments(t *testing.T, annotations map[string]string) {
 		}
 	}
 }
+
+// The resize keys and records never panic, and what they accept holds
+// 0 < request ≤ limit.
+func FuzzResize(f *testing.F) {
+	for _, seed := range [][3]string{{"16Gi", "20Gi", "request=1Mi,limit=2Mi"}, {"", "2Gi", ""}, {"1e3Mi", "", "request=0Mi,limit=0Mi"}} {
+		f.Add(seed[0], seed[1], seed[2])
+	}
+	f.Fuzz(func(t *testing.T, req, limit, record string) {
+		annotations := map[string]string{EnforcedAnnotation: record}
+		if req != "" {
+			annotations[KeyResizeRequest] = req
+		}
+		if limit != "" {
+			annotations[KeyResizeLimit] = limit
+		}
+		a := Assignment{Container: "c", Devices: []string{"GPU-1"}, RequestMiB: 100, LimitMiB: 200, Mode: TimeSlicing}
+		r, err := ResizeOf(annotations, a)
+		for _, m := range []Memory{r.Desired, r.Enforced, r.Charged()} {
+			if m.RequestMiB <= 0 || m.LimitMiB < m.RequestMiB {
+				t.Fatalf("%v (err %v) from %q: %+v", m, err, annotations, r)
+			}
+		}
+		if m, err := ParseMemory(record); err == nil && m.String() != record {
+			t.Fatalf("ParseMemory(%q) = %v, which writes as %q", record, m, m.String())
+		}
+	})
+}

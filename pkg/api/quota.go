@@ -2,6 +2,7 @@ package api
 
 import (
 	"fmt"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -151,4 +152,17 @@ func ChargedMiB(spec *corev1.PodSpec) (mib int64, charged bool) {
 // ChargeQuantity is mib as the quantity the webhook writes (20Gi, 1500Mi).
 func ChargeQuantity(mib int64) resource.Quantity {
 	return *resource.NewQuantity(mib*mebibyte, resource.BinarySI)
+}
+
+// QuotaBoundsGPUMemory says whether a ResourceQuota's hard limits bound
+// GPU memory: ResourceGPUMemory itself, or requests. or limits. of it (an
+// extended resource is quota'd as requests.<name>; the others are read as
+// well, should an admin write them).
+func QuotaBoundsGPUMemory(hard corev1.ResourceList) bool {
+	for name := range hard {
+		if strings.TrimPrefix(strings.TrimPrefix(string(name), "requests."), "limits.") == string(ResourceGPUMemory) {
+			return true
+		}
+	}
+	return false
 }

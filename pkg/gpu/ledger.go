@@ -121,6 +121,9 @@ const (
 	ReasonCompute Reason = "ComputePortionExceeded"
 	ReasonInvalid Reason = "InvalidRequest"
 	ReasonUnheld  Reason = "GPUNotHeldForShares"
+	// ReasonTooLarge: a share larger than its GPU's schedulable memory,
+	// which no amount of freeing makes fit.
+	ReasonTooLarge Reason = "LargerThanGPU"
 )
 
 // Unfit explains a rejection: the reason and the numbers behind it.
@@ -312,6 +315,59 @@ func (n *Node) Release(tenant string) error {
 	n.cpuUsed -= h.Request.CPU
 	n.memUsed -= h.Request.Memory
 	delete(n.held, tenant)
+	return nil
+}
+
+// FitResize says why a share tenant's share cannot become s on the GPUs it
+// holds, or nil when it can: the same mode and compute portion (a running
+// client's compute ceiling cannot change), and on each GPU the new request
+// within what is free plus the tenant's own. A shrink always fits.
+func (n *Node) FitResize(tenant string, s Share) *Unfit {
+	h, ok := n.held[tenant]
+	if !ok || h.Request.Devices == 0 {
+		return &Unfit{ReasonInvalid, fmt.Sprintf("tenant %s holds no share on node %s", tenant, n.Name)}
+	}
+	old := h.Request.Share
+	r := h.Request
+	r.Share = s
+	if u := validate(r); u != nil {
+		return u
+	}
+	if s.Mode != old.Mode || s.Portion != old.Portion {
+		return &Unfit{ReasonMode, fmt.Sprintf("a resize changes memory only: mode %s and compute portion %d/1000 stay", old.Mode, old.Portion)}
+	}
+	for _, i := range h.Devices {
+		d := n.Devices[i]
+		switch {
+		case s.Request > d.Schedulable():
+			return &Unfit{ReasonTooLarge, fmt.Sprintf("GPU %d has %dMi schedulable memory, %dMi asked", d.Index, d.Schedulable(), s.Request)}
+		case s.Request > old.Request && d.Free()+old.Request < s.Request:
+			return &Unfit{ReasonGPUs, fmt.Sprintf("GPU %d has %dMi free beside this share's %dMi, %dMi asked", d.Index, d.Free(), old.Request, s.Request)}
+		}
+	}
+	return nil
+}
+
+// Resize changes a share tenant's share in place on the GPUs it holds, as
+// the cluster reports it (as Record, fitting or not: Violations says what
+// it breaks); FitResize is what the scheduler asks first.
+func (n *Node) Resize(tenant string, s Share) error {
+	h, ok := n.held[tenant]
+	if !ok || h.Request.Devices == 0 {
+		return fmt.Errorf("tenant %s holds no share on node %s", tenant, n.Name)
+	}
+	r := h.Request
+	r.Share = s
+	if u := validate(r); u != nil {
+		return fmt.Errorf("node %s: %w", n.Name, u)
+	}
+	for _, i := range h.Devices {
+		d := n.Devices[i]
+		d.shares[tenant] = s
+		d.charged += s.Request - h.Request.Share.Request
+		d.portion += s.Portion - h.Request.Share.Portion
+	}
+	n.held[tenant] = holding{Request: r, Devices: h.Devices}
 	return nil
 }
 

@@ -301,3 +301,56 @@ func TestHostViewReadsAndNeverBooks(t *testing.T) {
 		t.Errorf("the ledger's CPU changed: used %d of %d", cpu, n.CPU)
 	}
 }
+
+func TestResizeGrowsOnlyIntoFreeMemoryAndNeverMoves(t *testing.T) {
+	n := node(2, "H100") // 80Gi less 1Gi reserve each
+	if err := n.Assign(Request{Tenant: "a", Devices: 1, Share: share(8192, api.TimeSlicing, 0)}, []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Assign(Request{Tenant: "b", Devices: 1, Share: share(60000, api.TimeSlicing, 0)}, []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	free := n.Devices[0].Free() // 80896 - 68192 = 12704
+	for _, c := range []struct {
+		name   string
+		share  Share
+		reason Reason // "" when it fits
+	}{
+		{"grow into the free memory", share(8192+free, api.TimeSlicing, 0), ""},
+		{"grow past it", share(8192+free+1, api.TimeSlicing, 0), ReasonGPUs},
+		{"larger than the GPU", share(80897, api.TimeSlicing, 0), ReasonTooLarge},
+		{"shrink", share(1024, api.TimeSlicing, 0), ""},
+		{"a burst limit is not charged", Share{Request: 8192, Limit: 80000, Mode: api.TimeSlicing}, ""},
+		{"another mode", share(8192, api.SMSharing, 100), ReasonMode},
+		{"limit below request", Share{Request: 8192, Limit: 4096, Mode: api.TimeSlicing}, ReasonInvalid},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			u := n.FitResize("a", c.share)
+			if (u == nil) != (c.reason == "") || (u != nil && u.Reason != c.reason) {
+				t.Fatalf("FitResize = %v, want reason %q", u, c.reason)
+			}
+		})
+	}
+	if u := n.FitResize("nobody", share(1, api.TimeSlicing, 0)); u == nil {
+		t.Error("a tenant that holds nothing can be resized")
+	}
+	if err := n.Resize("a", share(8192+free, api.TimeSlicing, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if d := n.Devices[0]; d.Free() != 0 || d.Charged() != 8192+free+60000 || d.Shares()["a"].Request != 8192+free {
+		t.Errorf("after the grow: free %d, charged %d, shares %v", d.Free(), d.Charged(), d.Shares())
+	}
+	if held, _ := n.Holds("a"); !slices.Equal(held, []int{0}) {
+		t.Errorf("the resized tenant holds %v, want GPU 0 still", held)
+	}
+	if err := n.Check(); err != nil {
+		t.Error(err)
+	}
+	// Released after a resize, the GPU is as before the tenant came.
+	if err := n.Release("a"); err != nil {
+		t.Fatal(err)
+	}
+	if d := n.Devices[0]; d.Charged() != 60000 {
+		t.Errorf("after release: charged %d, want b's 60000", d.Charged())
+	}
+}

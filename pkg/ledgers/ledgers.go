@@ -116,7 +116,12 @@ func TenantOf(pod *corev1.Pod, groupOf GroupOf, schedulableMiB int64) (t Tenant,
 	t.Assignment = &a
 	t.UUIDs = a.Devices
 	t.Request.Devices = len(a.Devices)
-	t.Request.Share = gpu.Share{Request: a.RequestMiB, Limit: a.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}
+	// A resize the node has not applied yet is charged at the larger of
+	// its old and new memory (api.Resize.Charged); a resize key that
+	// cannot be read changes nothing here (admission refuses it).
+	r, _ := api.ResizeOf(pod.Annotations, a)
+	charged := r.Charged()
+	t.Request.Share = gpu.Share{Request: charged.RequestMiB, Limit: charged.LimitMiB, Mode: a.Mode, Portion: a.Portion.Of(gpu.FullPortion)}
 	if a.Mode == api.SMSharing && a.Portion.IsZero() {
 		if schedulableMiB <= 0 {
 			return Tenant{}, false, fmt.Errorf("pod %s is sm-sharing without a compute portion, which is derived from its node's GPU memory, not known yet", t.Pod)

@@ -239,6 +239,30 @@ func (n *Node) Add(t *Tenant) {
 	n.closeUnheld()
 }
 
+// Resize changes what a booked share tenant holds to t's share, in place
+// on its GPUs (its groups do not change: a resize never moves a pod). A
+// share the ledger cannot take is a conflict, as for Add.
+func (n *Node) Resize(t *Tenant) {
+	key := t.Request.Tenant
+	old, ok := n.Tenants[key]
+	if !ok {
+		n.Add(t)
+		return
+	}
+	t.Groups = old.Groups
+	n.Tenants[key] = t
+	if n.Ledger == nil {
+		return
+	}
+	if _, held := n.Ledger.Holds(key); !held {
+		n.Place(*t, n.Reserved)
+		return
+	}
+	if err := n.Ledger.Resize(key, t.Request.Share); err != nil {
+		n.Conflicts[key] = err.Error()
+	}
+}
+
 // Remove forgets a tenant and gives its slots back; its groups settle.
 func (n *Node) Remove(key string) {
 	t, ok := n.Tenants[key]
