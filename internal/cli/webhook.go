@@ -79,6 +79,8 @@ they change.`,
 	f.StringVar(&opts.HealthAddr, "health-addr", ":8081", "address of /healthz and /readyz (plain HTTP); empty disables")
 	f.StringSliceVar(&opts.Identity.Users, "scheduler-user", []string{admission.DefaultSchedulerUser},
 		"user names allowed to write scheduler-owned keys (service accounts as system:serviceaccount:NS:NAME); repeatable")
+	f.StringSliceVar(&opts.Identity.NodeAgents, "node-agent-user", []string{admission.DefaultNodeAgentUser},
+		"user names of the node agents, the only ones allowed to record what a node enforces after a resize ("+api.EnforcedAnnotation+"); repeatable")
 	f.StringVar(&opts.SchedulerName, "scheduler-name", "", "schedulerName to give fractional pods that use the default scheduler (empty: leave it)")
 	f.StringSliceVar(&opts.Identity.Schedulers, "trusted-scheduler", []string{"gpufrac"},
 		"schedulerNames trusted to place GPU fractions (with --scheduler-name's), each a name or a glob (gpufrac-*): a fractional pod created for another, or with spec.nodeName, is refused; repeatable (KAI: kai-scheduler)")

@@ -334,7 +334,7 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
 		// KAI's scheduler is trusted too: the local cluster plays KAI's
 		// side in the interop scenarios (a pod KAI admits and binds).
-		Identity: admission.Identity{Users: []string{schedulerUser}, Schedulers: []string{"gpufrac", "kai-scheduler"}}, SchedulerName: "gpufrac",
+		Identity: admission.Identity{Users: []string{schedulerUser}, NodeAgents: []string{agentUser}, Schedulers: []string{"gpufrac", "kai-scheduler"}}, SchedulerName: "gpufrac",
 		Charger: charger,
 	})
 	// The webhook runs in this process; its log goes to a file like the

@@ -23,6 +23,10 @@ import (
 // by deploy/: its service account.
 const DefaultSchedulerUser = "system:serviceaccount:gpufrac-system:gpufrac-scheduler"
 
+// DefaultNodeAgentUser is the identity of gpufrac's node agents as
+// deployed by deploy/: their service account.
+const DefaultNodeAgentUser = "system:serviceaccount:gpufrac-system:gpufrac-node-agent"
+
 // SelectionLabel marks pods that ask for a GPU fraction, so that
 // schedulers, node agents and people can select them (kubectl get pods -l).
 const SelectionLabel = "gpufrac.io/fractional"
@@ -33,6 +37,9 @@ type Identity struct {
 	// Users are user names as the API server authenticates them; a service
 	// account is system:serviceaccount:<namespace>:<name>.
 	Users []string
+	// NodeAgents are the node agents' user names: only they may write
+	// what a node enforces after a resize (api.EnforcedAnnotation).
+	NodeAgents []string
 	// Schedulers are the schedulerNames trusted to place fractions
 	// (gpufrac's profiles; KAI's where it is the one), each a name or a
 	// glob (path.Match: gpufrac-*). A pod that asks for a fraction with
@@ -72,6 +79,12 @@ func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (wa
 			// Nothing a user asked for changed: a bound pod's resolved
 			// annotations need not (and cannot) parse as user intent.
 			return nil, nil
+		}
+	}
+	if op == Create && !scheduler {
+		if key := firstKey(pod.Annotations, func(k string) bool { return api.IsResizeKey(k) || api.IsResizeRecordKey(k) }); key != "" {
+			return nil, api.ErrorList{{Key: key, Value: pod.Annotations[key],
+				Rule: "cannot be set when a pod is created: it resizes the GPU share of a pod already running (set the memory request itself at creation)"}}
 		}
 	}
 	if op == Update && old != nil && !scheduler && !hasFractionKeys(old.Annotations) {
@@ -137,7 +150,7 @@ func (i Identity) ReviewBinding(user string, annotations map[string]string) erro
 	}
 	var errs api.ErrorList
 	for _, key := range slices.Sorted(maps.Keys(annotations)) {
-		if !api.IsFractionKey(key) && !api.IsDecisionKey(key) {
+		if !api.IsFractionKey(key) && !api.IsDecisionKey(key) && !api.IsResizeRecordKey(key) {
 			continue
 		}
 		c, _, _ := api.SplitContainerKey(key)
@@ -172,9 +185,52 @@ func (i Identity) guardUpdate(user string, scheduler bool, old, pod *corev1.Pod)
 	if node := scheduledTo(old); node != "" && fractionKeysChanged(old.Annotations, pod.Annotations) {
 		key := changedFractionKeys(old.Annotations, pod.Annotations)[0]
 		return api.ErrorList{{Key: key, Value: describeChange(old.Annotations, pod.Annotations, key),
-			Rule: fmt.Sprintf("cannot change: the pod is already scheduled to %s, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction", node)}}
+			Rule: fmt.Sprintf("cannot change: the pod is already scheduled to %s, so its GPU-fraction annotations are fixed; resize its memory with %s (and %s), or delete and recreate the pod to ask for another fraction",
+				node, api.KeyResizeRequest, api.KeyResizeLimit)}}
 	}
-	return nil
+	return i.guardResize(user, old, pod)
+}
+
+// guardResize admits a change of a scheduled fractional pod's resize keys
+// that reads (api.DesiredMemory) against what its decision allocated, and
+// refuses every change of the resize records to anyone but their writer:
+// the node agents' record of what they enforce. (The scheduler's own
+// writes never get here.)
+func (i Identity) guardResize(user string, old, pod *corev1.Pod) error {
+	changed := changedKeys(old.Annotations, pod.Annotations)
+	for _, key := range changed {
+		if !api.IsResizeRecordKey(key) || (key == api.EnforcedAnnotation && slices.Contains(i.NodeAgents, user)) {
+			continue
+		}
+		writer := "the scheduler (" + strings.Join(i.Users, ", ") + ")"
+		if key == api.EnforcedAnnotation {
+			writer = "a node agent (" + strings.Join(i.NodeAgents, ", ") + ")"
+		}
+		return api.ErrorList{{Key: key, Value: describeChange(old.Annotations, pod.Annotations, key),
+			Rule: fmt.Sprintf("can be set, changed or removed only by %s, not by %s", writer, user)}}
+	}
+	key := firstKey(pod.Annotations, api.IsResizeKey)
+	if !slices.ContainsFunc(changed, api.IsResizeKey) || key == "" {
+		return nil // no resize asked, or one taken back
+	}
+	assignments, err := api.ParseAssignments(old.Annotations)
+	if !api.HasDecision(old.Annotations) || err != nil || len(assignments) == 0 {
+		return api.ErrorList{{Key: key, Value: pod.Annotations[key],
+			Rule: "resizes the GPU share of a pod the scheduler has placed, and this pod has no GPU decision yet: set the memory request itself, or wait until it is scheduled"}}
+	}
+	a := assignments[0]
+	_, _, err = api.DesiredMemory(pod.Annotations, api.Memory{RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB})
+	return err
+}
+
+// firstKey is the least key of annotations that match says yes to, or "".
+func firstKey(annotations map[string]string, match func(string) bool) string {
+	for _, k := range slices.Sorted(maps.Keys(annotations)) {
+		if match(k) {
+			return k
+		}
+	}
+	return ""
 }
 
 // scheduledTo names where the pod is placed: its node, or "a GPU" when the

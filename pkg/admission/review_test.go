@@ -75,11 +75,11 @@ func TestReviewPod(t *testing.T) {
 		{"scheduler writes its keys and the resolved request", Update, scheduler, pod(ann{"gpu-fraction": "0.5"}, ""), pod(scheduled, ""), ""},
 		{"scheduler may rewrite a bound pod", Update, scheduler, pod(scheduled, "n1"), pod(with(scheduled, devices, "GPU-2"), "n1"), ""},
 		{"user changes the fraction of a bound pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, "n1"), pod(ann{"gpu-fraction": "0.75"}, "n1"),
-			`gpu-fraction "0.75" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`},
+			`gpu-fraction "0.75" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`},
 		{"user changes the resolved request before binding", Update, "alice", pod(scheduled, ""), pod(with(scheduled, resolvedReq, "80000Mi"), ""),
-			`nvidia.com/container.main.gpu-memory.request "80000Mi" cannot change: the pod is already scheduled to a GPU, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`},
+			`nvidia.com/container.main.gpu-memory.request "80000Mi" cannot change: the pod is already scheduled to a GPU, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`},
 		{"user adds a fraction key to a bound pod", Update, "alice", pod(nil, "n1"), pod(ann{"gpu-memory": "1024"}, "n1"),
-			`gpu-memory "1024" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`},
+			`gpu-memory "1024" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`},
 		{"user edits other annotations of a bound pod", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, "team", "ml"), "n1"), ""},
 		{"user fixes the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.25"}, ""), ""},
 		{"user breaks the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "50"}, ""),
@@ -254,5 +254,44 @@ func TestReviewWorkloadNeedsATrustedScheduler(t *testing.T) {
 		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
 			t.Errorf("%s: %v, want refused with %q", tc.name, err, tc.want)
 		}
+	}
+}
+
+func TestReviewPodResize(t *testing.T) {
+	const agent = DefaultNodeAgentUser
+	id := Identity{Users: []string{scheduler}, NodeAgents: []string{agent}}
+	devices := "nvidia.com/container.main.gpus.devices"
+	scheduled := ann{"gpu-memory": "8192", devices: "GPU-1", "nvidia.com/container.main.gpu-memory.request": "8Gi", "nvidia.com/container.main.gpu-memory.limit": "8Gi"}
+	pending := ann{"gpu-memory": "8192"}
+	enforced := "request=16384Mi,limit=16384Mi"
+	checkReviews(t, id, []reviewCase{
+		{"user asks a resize of a scheduled pod", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, api.KeyResizeRequest, "16Gi"), "n1"), ""},
+		{"user asks a limit alone", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, api.KeyResizeLimit, "32Gi"), "n1"), ""},
+		{"user takes a resize back", Update, "alice", pod(with(scheduled, api.KeyResizeRequest, "16Gi"), "n1"), pod(scheduled, "n1"), ""},
+		{"a resize that cannot be read", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, api.KeyResizeRequest, "16"), "n1"),
+			`gpufrac.io/resize.gpu-memory.request "16" must be a quantity with a unit, such as 8Gi (unlike gpu-memory, it is not a number of MiB)`},
+		{"a resize with the limit below the request", Update, "alice", pod(with(scheduled, api.KeyResizeRequest, "16Gi"), "n1"),
+			pod(with(with(scheduled, api.KeyResizeRequest, "16Gi"), api.KeyResizeLimit, "10Gi"), "n1"),
+			`gpufrac.io/resize.gpu-memory.limit "10Gi" must be at least gpufrac.io/resize.gpu-memory.request (16Gi)`},
+		{"a resize of a pod not scheduled yet", Update, "alice", pod(pending, ""), pod(with(pending, api.KeyResizeRequest, "16Gi"), ""),
+			`gpufrac.io/resize.gpu-memory.request "16Gi" resizes the GPU share of a pod the scheduler has placed, and this pod has no GPU decision yet: set the memory request itself, or wait until it is scheduled`},
+		{"a resize key at creation", Create, "alice", nil, pod(with(pending, api.KeyResizeRequest, "16Gi"), ""),
+			`gpufrac.io/resize.gpu-memory.request "16Gi" cannot be set when a pod is created: it resizes the GPU share of a pod already running (set the memory request itself at creation)`},
+		{"a record forged at creation", Create, "alice", nil, pod(with(pending, api.EnforcedAnnotation, enforced), ""),
+			`gpufrac.io/enforced-gpu-memory "request=16384Mi,limit=16384Mi" cannot be set when a pod is created: it resizes the GPU share of a pod already running (set the memory request itself at creation)`},
+		{"user forges what the node enforces", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, api.EnforcedAnnotation, enforced), "n1"),
+			`gpufrac.io/enforced-gpu-memory "request=16384Mi,limit=16384Mi" can be set, changed or removed only by a node agent (` + agent + `), not by alice`},
+		{"user removes the scheduler's record", Update, "alice", pod(with(scheduled, api.ResizedFromAnnotation, enforced), "n1"), pod(scheduled, "n1"),
+			`gpufrac.io/resized-from "(removed; was request=16384Mi,limit=16384Mi)" can be set, changed or removed only by the scheduler (` + scheduler + `), not by alice`},
+		{"a node agent records what it enforces", Update, agent, pod(scheduled, "n1"), pod(with(scheduled, api.EnforcedAnnotation, enforced), "n1"), ""},
+		{"a node agent may not write the scheduler's record", Update, agent, pod(scheduled, "n1"), pod(with(scheduled, api.ResizedFromAnnotation, enforced), "n1"),
+			`gpufrac.io/resized-from "request=16384Mi,limit=16384Mi" can be set, changed or removed only by the scheduler (` + scheduler + `), not by ` + agent},
+		{"a node agent may not resize", Update, agent, pod(scheduled, "n1"), pod(with(scheduled, "nvidia.com/container.main.gpu-memory.request", "16Gi"), "n1"),
+			`nvidia.com/container.main.gpu-memory.request "16Gi" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`},
+		{"the scheduler grants", Update, scheduler, pod(with(scheduled, api.KeyResizeRequest, "16Gi"), "n1"),
+			pod(with(with(scheduled, api.KeyResizeRequest, "16Gi"), api.ResizedFromAnnotation, "request=8192Mi,limit=8192Mi"), "n1"), ""},
+	})
+	if err := id.ReviewBinding("alice", ann{api.EnforcedAnnotation: enforced}); err == nil {
+		t.Error("a Binding from a user may carry what a node enforces")
 	}
 }

@@ -356,7 +356,7 @@ func TestSchedulerOwnedKeysAreGuarded(t *testing.T) {
 	raised.Annotations["nvidia.com/container.main.gpu-memory.limit"] = "80000Mi"
 	_, err = pods(shared.alice)(raised)
 	deniedWith(t, err, "pods.validate.gpufrac.io",
-		`nvidia.com/container.main.gpu-memory.limit "80000Mi" cannot change: the pod is already scheduled to a GPU, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
+		`nvidia.com/container.main.gpu-memory.limit "80000Mi" cannot change: the pod is already scheduled to a GPU, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`)
 
 	// A JSON merge patch that deletes the key, as `kubectl annotate key-` does.
 	_, err = shared.alice.CoreV1().Pods("default").Patch(ctx, p.Name, "application/merge-patch+json",
@@ -385,7 +385,7 @@ func TestFractionFixedOnceBound(t *testing.T) {
 	bound.Annotations["gpu-fraction"] = "0.75"
 	_, err = shared.alice.CoreV1().Pods("default").Update(ctx, bound, metav1.UpdateOptions{})
 	deniedWith(t, err, "pods.validate.gpufrac.io",
-		`gpu-fraction "0.75" cannot change: the pod is already scheduled to node gpu-node-1, so its GPU-fraction annotations are fixed; delete and recreate the pod to ask for another fraction`)
+		`gpu-fraction "0.75" cannot change: the pod is already scheduled to node gpu-node-1, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`)
 }
 
 // validateCalls is how many reviews the webhook's /validate has served
