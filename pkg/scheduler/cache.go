@@ -51,6 +51,11 @@ type Cache struct {
 	claims map[types.UID]claimHeld
 	// now is the clock the agents' heartbeats are judged by (tests set it).
 	now func() time.Time
+	// resizes are the bound pods whose resize waits for a decision
+	// (resize.go), as last seen; resizing are the grants booked whose
+	// write the cache has not seen yet, with the share booked.
+	resizes  map[types.UID]*corev1.Pod
+	resizing map[types.UID]gpu.Share
 }
 
 // demand is what one pod of the workload asks: its CPU and memory, and
@@ -88,7 +93,8 @@ type nodeState struct {
 // NewCache returns an empty cache.
 func NewCache(args Args) *Cache {
 	return &Cache{args: args, nodes: map[string]*nodeState{}, where: map[types.UID]string{}, assumed: map[types.UID]bool{},
-		dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}, now: time.Now}
+		dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}, now: time.Now,
+		resizes: map[types.UID]*corev1.Pod{}, resizing: map[types.UID]gpu.Share{}}
 }
 
 // Dirty returns a channel closed at the next change that may leave a
@@ -197,6 +203,8 @@ func (c *Cache) remove(ns *nodeState, uid types.UID) {
 	ns.Remove(string(uid))
 	delete(c.where, uid)
 	delete(c.assumed, uid)
+	delete(c.resizes, uid)
+	delete(c.resizing, uid)
 	c.markDirty()
 	// A conflict may have cleared now that room was freed.
 	if len(ns.Conflicts) > 0 {
@@ -263,7 +271,8 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	}
 	if known && node == pod.Spec.NodeName {
 		delete(c.assumed, pod.UID)     // bound where it was reserved: nothing else changes,
-		c.learnGPUs(c.node(node), pod) // but the GPUs its decision names
+		c.learnGPUs(c.node(node), pod) // but the GPUs its decision names,
+		c.seeResize(c.node(node), pod) // and its memory, when resized
 		return
 	}
 	if known {
@@ -282,6 +291,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 	}
 	if t != nil {
 		c.add(ns, t)
+		c.seeResize(ns, pod)
 	}
 }
 

@@ -21,6 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	corev1listers "k8s.io/client-go/listers/core/v1"
 	toolscache "k8s.io/client-go/tools/cache"
 	resourcehelper "k8s.io/component-helpers/resource"
 	"k8s.io/klog/v2"
@@ -50,6 +51,10 @@ type Plugin struct {
 	// bindOrder finds out once whether this plugin binds first (first).
 	bindOrder sync.Once
 	first     bool
+	// quotas are the ResourceQuotas, which say whether a namespace bounds
+	// GPU memory (a resize then stays within its pod's charge).
+	quotas       corev1listers.ResourceQuotaLister
+	quotasSynced toolscache.InformerSynced
 }
 
 var (
@@ -74,6 +79,8 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		return nil, err
 	}
 	p := &Plugin{args: args, handle: h, cache: NewCache(args)}
+	quotas := h.SharedInformerFactory().Core().V1().ResourceQuotas()
+	p.quotas, p.quotasSynced = quotas.Lister(), quotas.Informer().HasSynced
 	pods := h.SharedInformerFactory().Core().V1().Pods().Informer()
 	nodes := h.SharedInformerFactory().Core().V1().Nodes().Informer()
 	podEvents, err := pods.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
@@ -698,6 +705,7 @@ func (p *Plugin) collect(ctx context.Context) {
 				logger.Error(err, "Could not write what annotation shares hold on a standing reservation pod; retrying later", "pod", klog.KRef(u.Namespace, u.Name))
 			}
 		}
+		p.resizeAll(ctx, logger)
 		for _, o := range p.cache.Orphans() {
 			if !p.cache.StillOrphan(o) {
 				continue
