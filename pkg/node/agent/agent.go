@@ -281,6 +281,8 @@ func (a *Agent) Run(ctx context.Context) error {
 		}()
 	}
 
+	wg.Add(1)
+	go func() { defer wg.Done(); a.runResizes(ctx) }()
 	a.markStarting(logger)
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
 	defer ticker.Stop()

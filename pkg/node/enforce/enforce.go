@@ -439,3 +439,56 @@ func CheckCgroup(root string) error {
 	return fmt.Errorf("the cgroup v2 root %s has neither the dmem controller (kernel 6.14 and later) nor misc (the driver's fallback), so the driver cannot account GPU memory per cgroup; it has: %s",
 		root, strings.Join(controllers, " "))
 }
+
+// ErrInUse is in Resize's error when a container already uses more of a
+// GPU than the hard limit asked: nothing is changed.
+var ErrInUse = errors.New("the container uses more than the new hard limit")
+
+// Resize holds a running container's cgroup to new limits on every device
+// (SPEC §7): the same NVML call as at creation, on the cgroup its process
+// runs in. It first reads what the cgroup uses on each device
+// (GetMemoryLimits_v1's currentUsed) and refuses, changing nothing, a hard
+// limit below it: the driver would fail the container's next allocation
+// with memory it already holds. A device that fails midway has the devices
+// already changed put back to from, so the container is never left
+// without limits.
+func Resize(lib nvml.Interface, cgroup string, devices []string, from, to Limits) error {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		return fmt.Errorf("resize GPU memory limits of cgroup %s: nvmlInit: %w", cgroup, ret)
+	}
+	defer func() { _ = lib.Shutdown() }()
+	devs := make([]nvml.Device, len(devices))
+	for i, uuid := range devices {
+		dev, ret := lib.DeviceGetHandleByUUID(uuid)
+		if ret != nvml.SUCCESS {
+			return fmt.Errorf("GPU %s for cgroup %s: nvmlDeviceGetHandleByUUID: %w", uuid, cgroup, ret)
+		}
+		got, ret := dev.GetMemoryLimits_v1(cgroup)
+		if ret != nvml.SUCCESS {
+			return fmt.Errorf("GPU %s: read the memory cgroup %s uses: nvmlDeviceGetMemoryLimits_v1: %w", uuid, cgroup, ret)
+		}
+		if got.CurrentUsed > to.LimitMiB*mebibyte {
+			return fmt.Errorf("%w: GPU %s: cgroup %s uses %dMi, above the hard limit %dMi asked; nothing changed",
+				ErrInUse, uuid, cgroup, (got.CurrentUsed+mebibyte-1)/mebibyte, to.LimitMiB)
+		}
+		devs[i] = dev
+	}
+	for i, dev := range devs {
+		if ret := dev.SetMemoryLimits_v1(cgroup, to.RequestMiB*mebibyte, to.LimitMiB*mebibyte); ret != nvml.SUCCESS {
+			err := fmt.Errorf("GPU %s: set memory limits (soft %dMi, hard %dMi) for cgroup %s: nvmlDeviceSetMemoryLimits_v1: %w",
+				devices[i], to.RequestMiB, to.LimitMiB, cgroup, ret)
+			for j := range i {
+				if ret := devs[j].SetMemoryLimits_v1(cgroup, from.RequestMiB*mebibyte, from.LimitMiB*mebibyte); ret != nvml.SUCCESS {
+					err = errors.Join(err, fmt.Errorf("GPU %s: put back soft %dMi, hard %dMi for cgroup %s: %w", devices[j], from.RequestMiB, from.LimitMiB, cgroup, ret))
+				}
+			}
+			return err
+		}
+	}
+	for i, dev := range devs {
+		if err := check(dev, devices[i], cgroup, to.RequestMiB*mebibyte, to.LimitMiB*mebibyte); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,6 +1,7 @@
 package enforce
 
 import (
+	"errors"
 	"maps"
 	"os"
 	"path/filepath"
@@ -375,5 +376,52 @@ func TestPruneDropsLeasesOfEarlierBootsAndGoneCgroups(t *testing.T) {
 	}
 	if got := BootID(proc); got != "abc-123" {
 		t.Errorf("BootID = %q", got)
+	}
+}
+
+func TestResizeChangesARunningContainersLimits(t *testing.T) {
+	lib, d, uuids := newMachine(t, 2)
+	from := Limits{Container: "main", Devices: uuids, RequestMiB: 8192, LimitMiB: 8192}
+	if err := Apply(lib, cg, from); err != nil {
+		t.Fatal(err)
+	}
+	to := Limits{Container: "main", Devices: uuids, RequestMiB: 16384, LimitMiB: 20480}
+	if err := Resize(lib, cg, uuids, from, to); err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range uuids {
+		if got := d.Get(u, cg); got.SoftLimit != 16384<<20 || got.HardLimit != 20480<<20 {
+			t.Errorf("GPU %s after the grow: %+v", u, got)
+		}
+	}
+	// A shrink below what the container uses changes nothing.
+	d.SetUsed(uuids[1], cg, 6000<<20+1)
+	calls := len(d.Calls())
+	err := Resize(lib, cg, uuids, to, Limits{Devices: uuids, RequestMiB: 4096, LimitMiB: 6000})
+	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), "uses 6001Mi, above the hard limit 6000Mi") || !strings.Contains(err.Error(), uuids[1]) {
+		t.Errorf("a shrink below the memory in use: %v", err)
+	}
+	if len(d.Calls()) != calls {
+		t.Errorf("a refused shrink set limits: %v", d.Calls()[calls:])
+	}
+	// At the memory in use it is taken.
+	if err := Resize(lib, cg, uuids, to, Limits{Devices: uuids, RequestMiB: 4096, LimitMiB: 6001}); err != nil {
+		t.Errorf("a shrink to the memory in use: %v", err)
+	}
+}
+
+func TestResizeThatFailsMidwayPutsBackWhatItChanged(t *testing.T) {
+	lib, d, uuids := newMachine(t, 2)
+	from := Limits{Devices: uuids, RequestMiB: 8192, LimitMiB: 8192}
+	if err := Apply(lib, cg, from); err != nil {
+		t.Fatal(err)
+	}
+	d.FailSet = uuids[1]
+	err := Resize(lib, cg, uuids, from, Limits{Devices: uuids, RequestMiB: 16384, LimitMiB: 16384})
+	if err == nil || !strings.Contains(err.Error(), "GPU "+uuids[1]) {
+		t.Fatalf("a resize the driver refused on one GPU: %v", err)
+	}
+	if got := d.Get(uuids[0], cg); got.SoftLimit != 8192<<20 || got.HardLimit != 8192<<20 {
+		t.Errorf("the GPU changed before the failure keeps %+v, want the old limits back", got)
 	}
 }

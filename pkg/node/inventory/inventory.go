@@ -104,8 +104,21 @@ var Machines = []string{"dgxa100", "dgxh100", "dgxh200", "dgxb200"}
 
 // MachineHelp lists what --simulate-gpus accepts, for flag help.
 func MachineHelp() string {
-	return strings.Join(Machines, ", ") + ", or COUNTxMODEL@MEMORYMi (e.g. 8xG2@32000Mi)"
+	return strings.Join(Machines, ", ") + ", or COUNTxMODEL@MEMORYMi (e.g. 8xG2@32000Mi); with " + DriverLimitsSuffix + " (dgxh100" + DriverLimitsSuffix + ") on a driver with per-cgroup memory limits"
 }
+
+// DriverLimitsSuffix after a machine's name makes its mock report the
+// first driver with per-cgroup memory limits (r615, CUDA 13.4) instead of
+// the mock's own (r550): its node then uses the driver backend, as a node
+// of the CUDA 13.4 era would, where the mocks' default is an older node
+// with MPS pinned-memory limits only.
+const DriverLimitsSuffix = "+r615"
+
+// Driver and CUDA versions of a DriverLimitsSuffix machine.
+const (
+	simulatedLimitsDriver = "615.00"
+	simulatedLimitsCUDA   = minLimitsCUDA
+)
 
 // shapeMachine is COUNTxMODEL@MEMORYMi.
 var shapeMachine = regexp.MustCompile(`^([0-9]+)x([A-Za-z0-9][A-Za-z0-9._-]*)@([0-9]+)Mi$`)
@@ -116,6 +129,7 @@ const maxShapeGPUs = 16
 // CheckMachine says whether --simulate-gpus accepts machine, and if not
 // why, in one line.
 func CheckMachine(machine string) error {
+	machine = strings.TrimSuffix(machine, DriverLimitsSuffix)
 	if slices.Contains(Machines, machine) {
 		return nil
 	}
@@ -141,8 +155,9 @@ func Simulated(machine string) (nvml.Interface, error) {
 	if err := CheckMachine(machine); err != nil {
 		return nil, err
 	}
+	base, limits := strings.CutSuffix(machine, DriverLimitsSuffix)
 	var s *server.Server
-	switch machine {
+	switch base {
 	case "dgxa100":
 		s = dgxa100.New()
 	case "dgxh100":
@@ -153,12 +168,16 @@ func Simulated(machine string) (nvml.Interface, error) {
 		s = dgxb200.New()
 	default:
 		// A shape: H100s renamed and resized, on dgxh100's driver.
-		m := shapeMachine.FindStringSubmatch(machine)
+		m := shapeMachine.FindStringSubmatch(base)
 		count, _ := strconv.Atoi(m[1])
 		mem, _ := strconv.ParseUint(m[3], 10, 64)
 		gpu := gpus.H100_SXM5_80GB
 		gpu.Name, gpu.MemoryMB = m[2], mem
 		s = dgxh100.NewWithGPUs(gpus.Multiple(count, gpu)...)
+	}
+	if limits {
+		s.SystemGetDriverVersionFunc = func() (string, nvml.Return) { return simulatedLimitsDriver, nvml.SUCCESS }
+		s.SystemGetCudaDriverVersionFunc = func() (int, nvml.Return) { return simulatedLimitsCUDA, nvml.SUCCESS }
 	}
 	for i, d := range s.Devices {
 		dev, ok := d.(*server.Device)

@@ -1,6 +1,7 @@
 package nriplugin
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -9,7 +10,9 @@ import (
 	nriapi "github.com/containerd/nri/pkg/api"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
+	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
 
 // Enforcement states of a fractional container.
@@ -145,4 +148,46 @@ func tenantOf(sandbox *nriapi.PodSandbox, d injection.Decision, backend, state s
 	}
 	return Tenant{Pod: refOf(sandbox), Container: a.Container, Devices: a.Devices, RequestMiB: a.RequestMiB, LimitMiB: a.LimitMiB,
 		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, Groups: groups, assignment: a, notes: d.Notes, started: started}
+}
+
+// forPod is the tenant of a pod's container, with its container ID.
+func (t *tenants) forPod(uid, container string) (string, Tenant, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for id, tenant := range t.m {
+		if tenant.Pod.UID == uid && tenant.Container == container {
+			return id, tenant, true
+		}
+	}
+	return "", Tenant{}, false
+}
+
+// Resize holds the running container of pod uid to new memory limits
+// (SPEC §7), through the driver's per-cgroup limits (enforce.Resize, which
+// refuses a hard limit below what the container uses). held says whether
+// the container is held to them now, or already was (created since with
+// them); false with no error when it is not running here yet: its
+// creation hook applies the pod's allocation then.
+func (p *Plugin) Resize(uid, container string, to api.Memory) (held bool, err error) {
+	id, t, ok := p.tenants.forPod(uid, container)
+	switch {
+	case !ok:
+		return false, nil
+	case t.RequestMiB == to.RequestMiB && t.LimitMiB == to.LimitMiB:
+		return true, nil
+	case t.Backend != string(nodeapi.BackendDriver):
+		return false, fmt.Errorf("container %s of pod %s/%s is held to its memory by the %q backend, which cannot change a running container's limit", container, t.Pod.Namespace, t.Pod.Name, t.Backend)
+	case t.cgroup == "" || p.opts.NVML == nil:
+		return false, nil // not started: its limits are verified, and resized, once it is
+	}
+	from := enforce.Limits{Container: container, Devices: t.Devices, RequestMiB: uint64(t.RequestMiB), LimitMiB: uint64(t.LimitMiB)}
+	limits := enforce.Limits{Container: container, Devices: t.Devices, RequestMiB: uint64(to.RequestMiB), LimitMiB: uint64(to.LimitMiB)}
+	if err := enforce.Resize(p.opts.NVML, t.cgroup, t.Devices, from, limits); err != nil {
+		return false, fmt.Errorf("container %s of pod %s/%s: %w", container, t.Pod.Namespace, t.Pod.Name, err)
+	}
+	p.tenants.update(id, func(t *Tenant) {
+		t.RequestMiB, t.LimitMiB = to.RequestMiB, to.LimitMiB
+		t.assignment.RequestMiB, t.assignment.LimitMiB = to.RequestMiB, to.LimitMiB
+	})
+	return true, nil
 }

@@ -22,6 +22,10 @@
  *              driver opens the path it is given, so a cgroup named through
  *              another mount of the hierarchy (the hook's host path, the
  *              agent's /host/sys/fs/cgroup in its pod) is the same one;
+ *   used       what cgroups use, as the driver accounts it: one
+ *              "UUID BYTES DEV:INO" line per GPU and cgroup, written by the
+ *              test; nvmlDeviceGetMemoryLimits_v1 answers currentUsed from the
+ *              last line for the GPU and cgroup (0 without one);
  *   fail-set   if present, every SetMemoryLimits_v1 returns the NVML code it
  *              holds (default NVML_ERROR_UNKNOWN), as a driver refusing would;
  *   compute-mode-UUID
@@ -297,6 +301,15 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t d, nvmlGetMemoryLimits_v1
         }
     }
     fclose(f);
+    if (found && state_path("used", path, sizeof path) && (f = fopen(path, "r")) != NULL) {
+        unsigned long long used;
+        while (fscanf(f, "%127s %llu %llu:%llu\n", uuid, &used, &sdev, &sino) == 4) {
+            if (strcmp(uuid, g->uuid) == 0 && sdev == (unsigned long long)st.st_dev && sino == (unsigned long long)st.st_ino) {
+                l->currentUsed = used;
+            }
+        }
+        fclose(f);
+    }
     return found ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 

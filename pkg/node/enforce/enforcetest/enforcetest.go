@@ -23,6 +23,7 @@ import (
 type Driver struct {
 	mu     sync.Mutex
 	limits map[string]nvml.MemoryLimits_v1 // uuid + cgroup →
+	used   map[string]uint64               // uuid + cgroup → bytes in use
 	calls  []Call
 	// FailSet makes SetMemoryLimits_v1 fail on this GPU.
 	FailSet string
@@ -34,7 +35,7 @@ type Driver struct {
 // NewMachine returns n mock H100s sharing one limit table, and their UUIDs.
 func NewMachine(n int) (*server.Server, *Driver, []string) {
 	s := dgxh100.NewWithGPUs(gpus.Multiple(n, gpus.H100_SXM5_80GB)...)
-	d := &Driver{limits: map[string]nvml.MemoryLimits_v1{}}
+	d := &Driver{limits: map[string]nvml.MemoryLimits_v1{}, used: map[string]uint64{}}
 	var uuids []string
 	for _, dev := range s.Devices {
 		dev := dev.(*server.Device)
@@ -61,7 +62,11 @@ func NewMachine(n int) (*server.Server, *Driver, []string) {
 				d.FailGets--
 				return nvml.MemoryLimits_v1{}, nvml.ERROR_UNKNOWN
 			}
-			return d.limits[uuid+cgroup], nvml.SUCCESS
+			l := d.limits[uuid+cgroup]
+			if used, ok := d.used[uuid+cgroup]; ok {
+				l.CurrentUsed = used
+			}
+			return l, nvml.SUCCESS
 		}
 	}
 	return s, d, uuids
@@ -100,6 +105,14 @@ func (d *Driver) Set(uuid, cgroup string, l nvml.MemoryLimits_v1) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.limits[uuid+cgroup] = l
+}
+
+// SetUsed says how much memory cgroup uses on a GPU, as the driver
+// reports it (currentUsed), whatever limits are set since.
+func (d *Driver) SetUsed(uuid, cgroup string, bytes uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.used[uuid+cgroup] = bytes
 }
 
 // CgroupFS is where the fake /proc of Proc says cgroup v2 is mounted.

@@ -1,0 +1,149 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// runResizes follows the node's pods and holds each running fractional
+// container to what its scheduler last allocated (SPEC §7, api.Resize):
+// when a resize is granted, the agent changes the running container's
+// limits (nriplugin.Plugin.Resize) and records what it now enforces; when
+// it cannot (the container already uses more than the new hard limit), it
+// says so on the pod and changes nothing, and tries again at the next
+// resync. Nothing here restarts a container.
+func (a *Agent) runResizes(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	factory := informers.NewSharedInformerFactoryWithOptions(a.client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.FieldSelector = "spec.nodeName=" + a.opts.NodeName
+	}))
+	pods := factory.Core().V1().Pods()
+	kick := make(chan struct{}, 1)
+	wake := func(obj any) {
+		if pod, ok := obj.(*corev1.Pod); ok && applying(pod) {
+			select {
+			case kick <- struct{}{}:
+			default:
+			}
+		}
+	}
+	if _, err := pods.Informer().AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc: wake, UpdateFunc: func(_, obj any) { wake(obj) },
+	}); err != nil {
+		logger.Error(err, "Cannot follow the node's pods; GPU resizes are not applied")
+		return
+	}
+	factory.Start(ctx.Done())
+	defer factory.Shutdown()
+	if !toolscache.WaitForCacheSync(ctx.Done(), pods.Informer().HasSynced) {
+		return
+	}
+	tick := time.NewTicker(a.opts.ResyncPeriod)
+	defer tick.Stop()
+	for {
+		list, err := pods.Lister().List(labels.Everything())
+		if err != nil {
+			logger.Error(err, "Cannot list the node's pods")
+		}
+		for _, pod := range list {
+			if applying(pod) {
+				a.applyResize(ctx, pod)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-kick:
+		case <-tick.C:
+		}
+	}
+}
+
+// applying says whether a pod's allocation differs from what its node
+// enforces (api.Resize.Applying).
+func applying(pod *corev1.Pod) bool {
+	if pod.DeletionTimestamp != nil || podEnded(pod) {
+		return false
+	}
+	as, err := api.ParseAssignments(pod.Annotations)
+	if err != nil || len(as) == 0 {
+		return false
+	}
+	r, _ := api.ResizeOf(pod.Annotations, as[0])
+	return r.Applying()
+}
+
+func podEnded(pod *corev1.Pod) bool {
+	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
+}
+
+// applyResize holds a pod's running container to its allocation, and
+// writes what came of it: the memory enforced and the InProgress
+// condition Done, or the condition Error and an event.
+func (a *Agent) applyResize(ctx context.Context, pod *corev1.Pod) {
+	as, err := api.ParseAssignments(pod.Annotations)
+	if err != nil || len(as) == 0 {
+		return
+	}
+	r, _ := api.ResizeOf(pod.Annotations, as[0])
+	to := r.Allocated
+	held, how := true, "the running container is held to it (not restarted)"
+	if a.env.containers {
+		held, err = a.plugin.Resize(string(pod.UID), r.Container, to)
+	} else {
+		how = "a simulated node runs no container: recorded as applied"
+	}
+	logger := klog.FromContext(ctx).WithValues("pod", klog.KObj(pod), "container", r.Container)
+	if err != nil {
+		if c, ok := api.PodResizeCondition(pod, api.ConditionResizeInProgress); ok && c.Status == corev1.ConditionTrue && c.Reason == api.ReasonResizeError {
+			return // said already; retried at each resync
+		}
+		cond := api.ResizeCondition(api.ConditionResizeInProgress, corev1.ConditionTrue, api.ReasonResizeError,
+			fmt.Sprintf("node %s did not change the running container's limits to request %dMi, limit %dMi, and tries again at each resync: %v", a.opts.NodeName, to.RequestMiB, to.LimitMiB, err))
+		if werr := a.writeResize(ctx, pod, api.Write{}, cond); werr != nil {
+			logger.Error(werr, "Cannot report a refused GPU resize")
+			return
+		}
+		a.recorder.Event(pod, corev1.EventTypeWarning, "GPUResizeRefused", cond.Message)
+		logger.Info("Refused a GPU resize", "reason", err.Error())
+		return
+	}
+	if !held {
+		return // not running here yet
+	}
+	done := api.ResizeCondition(api.ConditionResizeInProgress, corev1.ConditionFalse, api.ReasonResizeDone,
+		fmt.Sprintf("request %dMi, limit %dMi on each of its GPUs: %s", to.RequestMiB, to.LimitMiB, how))
+	if err := a.writeResize(ctx, pod, api.EnforcedWrite(to), done); err != nil {
+		logger.Error(err, "Cannot record an applied GPU resize; retrying")
+		return
+	}
+	logger.Info("Applied a GPU resize", "requestMiB", to.RequestMiB, "limitMiB", to.LimitMiB)
+}
+
+// writeResize writes on the pod's status as the scheduler does
+// (api.ResizeStatusPatch), conditioned on the version of the pod the
+// agent acted on: a newer allocation makes it a conflict, and the next
+// pass acts on that.
+func (a *Agent) writeResize(ctx context.Context, pod *corev1.Pod, w api.Write, conditions ...corev1.PodCondition) error {
+	patch, err := api.ResizeStatusPatch(pod, pod.ResourceVersion, w, metav1.Now(), conditions...)
+	if err != nil {
+		return err
+	}
+	_, err = a.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status")
+	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
+		return nil
+	}
+	return err
+}
