@@ -179,3 +179,24 @@ func OnNodes(pods []corev1.Pod, nodes []corev1.Node) []corev1.Pod {
 	}
 	return out
 }
+
+// Resizes are the resizes of bound pods not yet granted and applied
+// (api.DescribeResize), one line each, sorted: no violation (the ledger
+// charges each pod the larger of what it was granted and what its node
+// enforces), but what an operator reads beside the audit.
+func Resizes(pods []corev1.Pod) []string {
+	var out []string
+	for i := range pods {
+		p := &pods[i]
+		if p.Spec.NodeName == "" || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		if as, err := api.ParseAssignments(p.Annotations); err == nil && len(as) > 0 {
+			if d := api.DescribeResize(p, as[0]); d != "" {
+				out = append(out, fmt.Sprintf("resizing %s/%s on %s: %s", p.Namespace, p.Name, p.Spec.NodeName, d))
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}

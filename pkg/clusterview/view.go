@@ -93,6 +93,9 @@ type Tenant struct {
 	// Annotations are the pod's GPU-fraction annotations: what it asked
 	// for and what the scheduler decided.
 	Annotations map[string]string `json:"annotations,omitempty"`
+	// Resize says where a resize of its share stands (api.DescribeResize):
+	// RequestMiB and LimitMiB are what it is charged until it is applied.
+	Resize string `json:"resize,omitempty"`
 }
 
 // WholePod holds whole GPUs.
@@ -131,8 +134,12 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	v := View{Pending: []PendingPod{}}
 	c := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: reservationNamespace})
 	annotations := map[string]map[string]string{} // namespace/name → GPU-fraction annotations
+	resizes := map[string]string{}                // namespace/name → api.DescribeResize
 	for i := range pods {
 		p := &pods[i]
+		if as, err := api.ParseAssignments(p.Annotations); err == nil && len(as) > 0 && p.Spec.NodeName != "" {
+			resizes[p.Namespace+"/"+p.Name] = api.DescribeResize(p, as[0])
+		}
 		if p.Spec.NodeName == "" && p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
 			if reqs, err := api.Parse(api.Intent(p)); err == nil && len(reqs) > 0 {
 				v.Summary.Pending++
@@ -190,6 +197,9 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 							t = &ledgers.Tenant{Pod: key} // every share is a tenant's; shown by its key if not
 						}
 						tenant := Tenant{Pod: t.Pod, Claim: t.Claim, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
+						if !t.Claim {
+							tenant.Resize = resizes[t.Pod]
+						}
 						if a := t.Assignment; a != nil && a.Mode == api.SMSharing && !a.Portion.IsZero() {
 							tenant.Portion = a.Portion.String()
 						}
@@ -308,6 +318,9 @@ func Render(w io.Writer, v View) error {
 				who := t.Pod
 				if t.Claim {
 					who = "claim " + who
+				}
+				if t.Resize != "" {
+					portion = strings.TrimSpace(portion + "  " + t.Resize)
 				}
 				fmt.Fprintf(&b, "    %-38s %8s %8s  %s\n", clip(who, 38), mib(t.RequestMiB), mib(t.LimitMiB), portion)
 			}

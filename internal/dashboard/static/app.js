@@ -64,7 +64,8 @@ function renderTenant(node, gpu, t, i) {
   const key = node.name + "/" + gpu.uuid + "/" + t.pod;
   const nums = "request " + mib(t.requestMiB) + " · limit " + mib(t.limitMiB) +
     (t.limitMiB > t.requestMiB ? " (burst " + mib(t.limitMiB - t.requestMiB) + ")" : "") +
-    (t.portion ? " · compute " + t.portion : "");
+    (t.portion ? " · compute " + t.portion : "") +
+    (t.resize ? " · " + t.resize : "");
   const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
   swatch.style.backgroundColor = colour(i);
   const details = el("details", {},
