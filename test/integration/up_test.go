@@ -49,11 +49,12 @@ func TestLocalClusterDemo(t *testing.T) {
 
 // startUp runs `gpufrac up --nodes n` in the background and returns once
 // it reports running, with its state directory and its exit status to
-// come. It fails the test if up exits or stalls first.
-func startUp(t *testing.T, nodes int) (dir string, done <-chan error) {
+// come; args are more of up's flags. It fails the test if up exits or
+// stalls first.
+func startUp(t *testing.T, nodes int, args ...string) (dir string, done <-chan error) {
 	t.Helper()
 	dir = t.TempDir()
-	up := exec.Command(gpufracBinary(t), "up", "--nodes", strconv.Itoa(nodes), "--dir", dir)
+	up := exec.Command(gpufracBinary(t), append([]string{"up", "--nodes", strconv.Itoa(nodes), "--dir", dir}, args...)...)
 	log, err := os.Create(filepath.Join(dir, "up.out"))
 	if err != nil {
 		t.Fatal(err)

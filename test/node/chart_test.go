@@ -870,13 +870,15 @@ func TestChartServiceAccountsHoldLeastPrivilege(t *testing.T) {
 		},
 		release + "-scheduler": {
 			{"create", "pods", "", api.DefaultReservationNamespace, true}, {"patch", "pods", "", ns, true}, {"create", "pods", "binding", ns, true},
+			{"patch", "pods", "status", ns, true}, {"list", "resourcequotas", "", ns, true}, {"update", "resourcequotas", "", ns, false},
 			{"create", "pods", "", ns, false}, {"get", "secrets", "", ns, false}, {"delete", "nodes", "", "", false},
 		},
 		release + "-node-agent": {
 			{"patch", "nodes", "", "", true}, {"patch", "nodes", "status", "", true}, {"delete", "pods", "", ns, true},
 			{"patch", "pods", "", api.DefaultReservationNamespace, true},
 			{"create", "pods", "", ns, false}, {"patch", "pods", "", ns, false}, {"get", "secrets", "", releaseNS, false},
-			{"list", "pods", "", ns, false}, {"update", "daemonsets", "", releaseNS, false},
+			{"list", "pods", "", ns, true}, {"patch", "pods", "status", ns, true}, {"update", "pods", "status", ns, false},
+			{"update", "daemonsets", "", releaseNS, false},
 		},
 	}
 	ctx := context.Background()

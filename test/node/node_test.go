@@ -628,6 +628,22 @@ func (n *node) limitCalls() ([]limitCall, error) {
 	return calls, nil
 }
 
+// setUsed makes the fake driver report that cgroup uses bytes on a GPU
+// (GetMemoryLimits_v1's currentUsed), by the cgroup directory's device and
+// inode, as it matches limits.
+func (n *node) setUsed(uuid, cgroup string, bytes uint64) error {
+	var st syscall.Stat_t
+	if err := syscall.Stat(cgroup, &st); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(filepath.Join(n.nvmlDir(), "used"), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(f, "%s %d %d:%d\n", uuid, bytes, st.Dev, st.Ino)
+	return errors.Join(err, f.Close())
+}
+
 // stop takes the node down: pods first (so the kubelet stops their
 // containers), then the agent, the kubelet, every CRI sandbox left, the
 // shims, containerd, the MPS daemon, the control plane; then it unmounts

@@ -4,6 +4,7 @@ package node
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -494,4 +495,138 @@ func pinPod(t *testing.T, name string) {
 	}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A running share is resized in place (SPEC §7): the scheduler grants the
+// grow on the pod's GPU, the agent sets the new soft and hard limits on
+// the running container's cgroup through the driver (the fake NVML
+// records them), and the container is the same one, its process too. A
+// shrink of the hard limit below what the driver says the container uses
+// is refused with the figures, and nothing is set.
+func TestRunningShareIsResizedInPlace(t *testing.T) {
+	ctx := context.Background()
+	createPod(t, "resize", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
+	pod := running(t, "resize")
+	a := assignment(t, pod, "main")
+	r := theNode.probeReport(t, pod, "main")
+	checkLimits(t, pod, a, r)
+	id := containerID(t, pod, "main")
+	cgroup := lastLimits(t, id, a.Devices[0]).Cgroup
+	pids := probePIDs(t, cgroup)
+
+	annotate := func(kv map[string]any) {
+		t.Helper()
+		patch := fmt.Sprintf(`{"metadata":{"annotations":%s}}`, mustJSON(t, kv))
+		if _, err := theNode.admin.CoreV1().Pods(ns).Patch(ctx, "resize", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatalf("annotate %v: %v", kv, err)
+		}
+	}
+	condition := func(want corev1.ConditionStatus, reason string) *corev1.Pod {
+		t.Helper()
+		var p *corev1.Pod
+		err := waitFor("the resize's "+api.ConditionResizeInProgress+" "+string(want)+" "+reason, time.Minute, func() (bool, error) {
+			got, err := theNode.admin.CoreV1().Pods(ns).Get(ctx, "resize", metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			p = got
+			c, ok := api.PodResizeCondition(p, api.ConditionResizeInProgress)
+			return ok && c.Status == want && c.Reason == reason, nil
+		})
+		if err != nil {
+			t.Fatalf("%v (annotations %v, conditions %+v)", err, p.Annotations, p.Status.Conditions)
+		}
+		return p
+	}
+	sameContainer := func(p *corev1.Pod) {
+		t.Helper()
+		if got := containerID(t, p, "main"); got != id || p.Status.ContainerStatuses[0].RestartCount != 0 {
+			t.Errorf("the container changed: %s (restarts %d), was %s", got, p.Status.ContainerStatuses[0].RestartCount, id)
+		}
+		if got := probePIDs(t, cgroup); !slices.Equal(got, pids) {
+			t.Errorf("the container's processes changed: %v, were %v", got, pids)
+		}
+	}
+
+	// Grow: 4Gi → 8Gi, hard 12Gi.
+	annotate(map[string]any{api.KeyResizeRequest: "8Gi", api.KeyResizeLimit: "12Gi"})
+	grown := condition(corev1.ConditionFalse, api.ReasonResizeDone)
+	sameContainer(grown)
+	if g := assignment(t, grown, "main"); g.RequestMiB != 8192 || g.LimitMiB != 12288 || !slices.Equal(g.Devices, a.Devices) {
+		t.Errorf("granted %+v, want 8192Mi/12288Mi on %v", g, a.Devices)
+	}
+	if c := lastLimits(t, id, a.Devices[0]); c.Soft != 8192<<20 || c.Hard != 12288<<20 || c.Cgroup != cgroup {
+		t.Errorf("the driver holds %+v after the grow, want soft 8Gi and hard 12Gi on %s", c, cgroup)
+	}
+
+	// The container uses 10000Mi: a hard limit of 6Gi is refused.
+	if err := theNode.setUsed(a.Devices[0], cgroup, 10000<<20); err != nil {
+		t.Fatal(err)
+	}
+	calls, _ := theNode.limitCalls()
+	annotate(map[string]any{api.KeyResizeRequest: "4Gi", api.KeyResizeLimit: "6Gi"})
+	refused := condition(corev1.ConditionTrue, api.ReasonResizeError)
+	c, _ := api.PodResizeCondition(refused, api.ConditionResizeInProgress)
+	if !strings.Contains(c.Message, "uses 10000Mi, above the hard limit 6144Mi asked; nothing changed") {
+		t.Errorf("the refusal says %q", c.Message)
+	}
+	if after, _ := theNode.limitCalls(); len(after) != len(calls) {
+		t.Errorf("a refused resize set limits: %+v", after[len(calls):])
+	}
+	sameContainer(refused)
+	events, err := theNode.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=resize,reason=GPUResizeRefused"})
+	if err != nil || len(events.Items) == 0 {
+		t.Errorf("no GPUResizeRefused event: %v", err)
+	}
+	// Once it uses less, the agent's next resync applies it.
+	if err := theNode.setUsed(a.Devices[0], cgroup, 5000<<20); err != nil {
+		t.Fatal(err)
+	}
+	sameContainer(condition(corev1.ConditionFalse, api.ReasonResizeDone))
+	if c := lastLimits(t, id, a.Devices[0]); c.Soft != 4096<<20 || c.Hard != 6144<<20 {
+		t.Errorf("the driver holds %+v after the shrink, want soft 4Gi and hard 6Gi", c)
+	}
+}
+
+// lastLimits is the last SetMemoryLimits_v1 the fake driver took for the
+// container's cgroup on a GPU: what it holds.
+func lastLimits(t *testing.T, containerID, uuid string) limitCall {
+	t.Helper()
+	calls, err := theNode.limitCalls()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last limitCall
+	for _, c := range calls {
+		if c.GPU == uuid && strings.HasSuffix(c.Cgroup, containerID) {
+			last = c
+		}
+	}
+	if last.Cgroup == "" {
+		t.Fatalf("the driver holds no limits for container %s on %s: %+v", containerID, uuid, calls)
+	}
+	return last
+}
+
+// probePIDs are the processes of a container's cgroup.
+func probePIDs(t *testing.T, cgroup string) []string {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(cgroup, "cgroup.procs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pids := strings.Fields(string(raw))
+	if len(pids) == 0 {
+		t.Fatalf("no process in %s", cgroup)
+	}
+	return pids
+}
+
+func mustJSON(t *testing.T, v any) string {
+	t.Helper()
+	raw, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(raw)
 }
