@@ -1,6 +1,7 @@
 package shim
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -59,6 +60,22 @@ func TestShimReportsTheContainerLimitAsTotal(t *testing.T) {
 		t.Errorf("with a limit (-want +got):\n%s", diff)
 	}
 
+	// The driver's limit for the process's own cgroup wins over the one
+	// the container was created with: a resize changes it. The cgroup is
+	// named as the driver wants it, by its full sysfs path.
+	own, err := ownCgroup()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=20480", "FAKE_CGROUP="+own, "FAKE_CGROUP_HARD_MIB=4096")
+	if !strings.HasPrefix(got[0], "gpu=0 total=4096 used=3072 free=1024 ") {
+		t.Errorf("with the driver's limit for its cgroup: %q", got)
+	}
+	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=20480", "FAKE_CGROUP=/sys/fs/cgroup/another", "FAKE_CGROUP_HARD_MIB=4096")
+	if !strings.HasPrefix(got[0], "gpu=0 total=20480 ") {
+		t.Errorf("with a limit for another cgroup only: %q", got)
+	}
+
 	// Use above the limit is shown as the limit, never more than total.
 	got = memquery(t, program, shimDir, "GPUFRAC_REAL_NVML="+fake, "NVIDIA_GPU_MEMORY_LIMIT=2048")
 	if !strings.HasPrefix(got[0], "gpu=0 total=2048 used=2048 free=0 ") || !strings.HasPrefix(got[1], "gpu=1 total=2048 used=2048 free=0 ") {
@@ -90,6 +107,20 @@ func TestShimReportsTheContainerLimitAsTotal(t *testing.T) {
 	if diff := cmp.Diff([]string{"init=13"}, got); diff != "" {
 		t.Errorf("pointed at itself (-want +got):\n%s", diff)
 	}
+}
+
+// ownCgroup is this process's cgroup v2 as the driver names it.
+func ownCgroup() (string, error) {
+	raw, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if p, ok := strings.CutPrefix(line, "0::"); ok {
+			return "/sys/fs/cgroup" + p, nil
+		}
+	}
+	return "", errors.New("/proc/self/cgroup has no cgroup v2 line")
 }
 
 func TestGeneratorCoversTheHeader(t *testing.T) {

@@ -113,7 +113,7 @@ refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpu
 	}
 	f := cmd.Flags()
 	f.IntVar(&nodes, "nodes", 4, "simulated GPU nodes")
-	f.StringVar(&machine, "gpus", "dgxh100", "each node's GPUs, a go-nvml mock machine: "+inventory.MachineHelp())
+	f.StringVar(&machine, "gpus", "dgxh100"+inventory.DriverLimitsSuffix, "each node's GPUs, a go-nvml mock machine: "+inventory.MachineHelp()+" (the default: H100s on the CUDA 13.4 driver gpufrac is for; dgxh100 for an older one, with MPS pinned-memory limits)")
 	f.BoolVar(&demo, "demo", false, "apply every object of examples/, show the placements and a refusal, then stop")
 	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
 	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")

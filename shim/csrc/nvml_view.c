@@ -3,10 +3,11 @@
  * a fractional container's LD_LIBRARY_PATH by the node agent. Every NVML
  * function is forwarded to the real library (forward.c, generated from
  * nvml.h); the memory-info calls are answered for the container: its hard
- * limit (NVIDIA_GPU_MEMORY_LIMIT, MiB) is the GPU's total memory, used is
+ * limit (the driver's for its cgroup, which a resize changes; else
+ * NVIDIA_GPU_MEMORY_LIMIT, MiB) is the GPU's total memory, used is
  * what its own processes use (or, when NVML's process IDs are not visible
- * from the container, the GPU's use, capped at the limit). Without the
- * variable it changes nothing.
+ * from the container, the GPU's use, capped at the limit). Without a
+ * limit it changes nothing.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -81,14 +82,51 @@ void *gpufrac_real_symbol(const char *name) {
     return h ? dlsym(h, name) : NULL;
 }
 
-/* limit_bytes is the container's hard limit, 0 when none is set. */
-static unsigned long long limit_bytes(void) {
+/* env_limit_bytes is the hard limit the container was created with
+ * (NVIDIA_GPU_MEMORY_LIMIT, MiB), 0 when none is set. */
+static unsigned long long env_limit_bytes(void) {
     const char *v = getenv("NVIDIA_GPU_MEMORY_LIMIT");
     if (!v || !*v) return 0;
     char *end;
     unsigned long long mib = strtoull(v, &end, 10);
     if (*end != '\0' || mib == 0) return 0;
     return mib << 20;
+}
+
+/* own_cgroup names this process's cgroup as the driver wants it, the full
+ * sysfs path: /sys/fs/cgroup and the path /proc/self/cgroup gives ("/" in
+ * a container's own cgroup namespace, whose /sys/fs/cgroup is its cgroup). */
+static int own_cgroup(char *path, size_t size) {
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    char line[4096];
+    int found = 0;
+    if (!f) return 0;
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "0::", 3) == 0) {
+            line[strcspn(line, "\n")] = '\0';
+            found = snprintf(path, size, "/sys/fs/cgroup%s", line + 3) < (int)size;
+            break;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* limit_bytes is the container's hard limit on device, 0 when none is set:
+ * what the driver holds its cgroup to (nvmlDeviceGetMemoryLimits_v1, r615
+ * and later), which follows a resize of the running container; else the
+ * limit it was created with. */
+static unsigned long long limit_bytes(nvmlDevice_t device) {
+    nvmlReturn_t (*get)(nvmlDevice_t, nvmlGetMemoryLimits_v1_t *) =
+        (nvmlReturn_t (*)(nvmlDevice_t, nvmlGetMemoryLimits_v1_t *))gpufrac_real_symbol("nvmlDeviceGetMemoryLimits_v1");
+    char cgroup[4096];
+    if (get && own_cgroup(cgroup, sizeof cgroup)) {
+        nvmlGetMemoryLimits_v1_t l;
+        memset(&l, 0, sizeof l);
+        l.nameSpace = cgroup;
+        if (get(device, &l) == NVML_SUCCESS && l.hardLimit != 0 && l.hardLimit != NVML_DEVICE_MEMORY_LIMIT_MAX) return l.hardLimit;
+    }
+    return env_limit_bytes();
 }
 
 /* container_used is the memory used on device by the processes this
@@ -127,7 +165,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
         (nvmlReturn_t (*)(nvmlDevice_t, nvmlMemory_t *))gpufrac_real_symbol("nvmlDeviceGetMemoryInfo");
     if (!f) return NVML_ERROR_FUNCTION_NOT_FOUND;
     nvmlReturn_t ret = f(device, memory);
-    unsigned long long limit = limit_bytes();
+    unsigned long long limit = limit_bytes(device);
     if (ret != NVML_SUCCESS || !limit || !memory) return ret;
     as_container(device, limit, &memory->total, &memory->used, &memory->free);
     return ret;
@@ -138,7 +176,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
         (nvmlReturn_t (*)(nvmlDevice_t, nvmlMemory_v2_t *))gpufrac_real_symbol("nvmlDeviceGetMemoryInfo_v2");
     if (!f) return NVML_ERROR_FUNCTION_NOT_FOUND;
     nvmlReturn_t ret = f(device, memory);
-    unsigned long long limit = limit_bytes();
+    unsigned long long limit = limit_bytes(device);
     if (ret != NVML_SUCCESS || !limit || !memory) return ret;
     memory->reserved = 0; /* the driver's reserve is outside the container's share */
     as_container(device, limit, &memory->total, &memory->used, &memory->free);

@@ -1,5 +1,7 @@
 /* A fake NVML for the shim's tests: two 80 GiB GPUs, 10 GiB used each. */
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 typedef int nvmlReturn_t;
 typedef struct { int index; } *nvmlDevice_t;
@@ -44,5 +46,17 @@ static const unsigned long long export_table[2] = {0x5eed, 0};
 nvmlReturn_t nvmlInternalGetExportTable(const void **table, const void *id) {
     (void)id;
     *table = export_table;
+    return 0;
+}
+
+/* The driver's per-cgroup limits: FAKE_CGROUP_HARD_MIB on every GPU for the
+ * cgroup FAKE_CGROUP names, as a driver holding a resized container to it;
+ * any other cgroup has none (NVML_ERROR_NOT_FOUND). */
+typedef struct { const char *nameSpace; unsigned long long softLimit, hardLimit, currentUsed; } nvmlGetMemoryLimits_v1_t;
+nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t d, nvmlGetMemoryLimits_v1_t *l) {
+    const char *cg = getenv("FAKE_CGROUP"), *mib = getenv("FAKE_CGROUP_HARD_MIB");
+    (void)d;
+    if (!cg || !mib || !l || !l->nameSpace || strcmp(l->nameSpace, cg) != 0) return 6;
+    l->softLimit = 0; l->hardLimit = strtoull(mib, NULL, 10) << 20; l->currentUsed = 0;
     return 0;
 }

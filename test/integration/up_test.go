@@ -338,6 +338,8 @@ func TestReadmeTour(t *testing.T) {
 		regexp.MustCompile(`deployment "server" successfully rolled out`),
 		regexp.MustCompile(`(?m)^server-\S+\s+1/1\s+Running(?s:.*)^server-\S+\s+1/1\s+Running`),
 		regexp.MustCompile(`default/trainer\s+40Gi\s+40Gi`),
+		regexp.MustCompile(`pod/trainer annotated(?s:.*)pod/trainer condition met(?s:.*)default/trainer\s+60Gi\s+60Gi`),
+		regexp.MustCompile(`denied the request: nvidia.com/container.main.gpu-compute.mode "sm-sharing" cannot change: the pod is already scheduled`),
 		regexp.MustCompile(`default/server-\S+\s+20Gi\s+20Gi\s+compute 0.25(?s:.*)default/server-\S+\s+20Gi\s+20Gi\s+compute 0.25`),
 		regexp.MustCompile(`"nvidia.com/container.main.gpus.devices":"GPU-`),
 		regexp.MustCompile(`denied the request: .*nvidia.com/container.main.gpus.devices`),
