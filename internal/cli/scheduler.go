@@ -27,6 +27,9 @@ Plugin arguments (pluginConfig, name GPUFractions):
   reservationNamespace          namespace of reservation pods (default gpufrac-reservations)
   reservationImage              image reservation pods run (default registry.k8s.io/pause:3.10)
   reservationPriorityClassName  their priority class (default system-node-critical)
-  bindTimeout                   wait for a reservation pod's GPU UUID (default 2m)`
+  bindTimeout                   wait for a reservation pod's GPU UUID (default 2m)
+  deviceNaming                  uuid (default) or cdi
+  leaderLease                   <namespace>/<name> of the leader-election Lease: with
+                                several replicas only the leader decides resizes (unset: each)`
 	return cmd
 }

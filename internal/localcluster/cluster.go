@@ -488,6 +488,10 @@ func (c *Cluster) startScheduler() error {
 		}
 	}
 	cfg["leaderElection"] = map[string]any{"leaderElect": false}
+	// One replica, no election: it decides resizes itself.
+	if err := setPluginArg(cfg, "leaderLease", nil); err != nil {
+		return err
+	}
 	out, err := yaml.Marshal(cfg)
 	if err != nil {
 		return err
@@ -862,6 +866,12 @@ func (c *Cluster) Shutdown() error {
 // setPolicy sets the GPUFractions plugin's policy in a
 // KubeSchedulerConfiguration read as YAML.
 func setPolicy(cfg map[string]any, policy string) error {
+	return setPluginArg(cfg, "policy", policy)
+}
+
+// setPluginArg sets one of the GPUFractions plugin's args in a
+// KubeSchedulerConfiguration read as YAML; a nil value removes it.
+func setPluginArg(cfg map[string]any, key string, value any) error {
 	profiles, _ := cfg["profiles"].([]any)
 	for _, p := range profiles {
 		profile, _ := p.(map[string]any)
@@ -876,9 +886,13 @@ func setPolicy(cfg map[string]any, policy string) error {
 				args = map[string]any{}
 				pc["args"] = args
 			}
-			args["policy"] = policy
+			if value == nil {
+				delete(args, key)
+			} else {
+				args[key] = value
+			}
 			return nil
 		}
 	}
-	return fmt.Errorf("deploy/scheduler/config.yaml has no GPUFractions pluginConfig to set the policy %q in", policy)
+	return fmt.Errorf("deploy/scheduler/config.yaml has no GPUFractions pluginConfig to set %s %v in", key, value)
 }

@@ -48,6 +48,12 @@ type Args struct {
 	// there would run without driver limits). gpufrac's node agent reads
 	// both.
 	DeviceNaming string `json:"deviceNaming,omitempty"`
+	// LeaderLease names the scheduler's leader-election Lease,
+	// <namespace>/<name> (its leaderElection resourceNamespace and
+	// resourceName), when it runs more than one replica: resizes are then
+	// decided only by the replica that leads, whose cache holds the pods it
+	// is placing. Unset: every replica decides them (one replica).
+	LeaderLease string `json:"leaderLease,omitempty"`
 }
 
 // Device namings.
@@ -178,6 +184,12 @@ func (a Args) Validate() error {
 	}
 	if a.BindTimeout.Duration < time.Second {
 		return fmt.Errorf("GPUFractions args: bindTimeout %s must be at least 1s", a.BindTimeout.Duration)
+	}
+	if a.LeaderLease != "" {
+		ns, name, ok := strings.Cut(a.LeaderLease, "/")
+		if !ok || len(validation.IsDNS1123Label(ns)) > 0 || len(validation.IsDNS1123Subdomain(name)) > 0 {
+			return fmt.Errorf("GPUFractions args: leaderLease %q must be <namespace>/<name>, the leaderElection resourceNamespace and resourceName", a.LeaderLease)
+		}
 	}
 	if a.DeviceNaming != DeviceNamingUUID && a.DeviceNaming != DeviceNamingCDI {
 		return fmt.Errorf("GPUFractions args: deviceNaming %q must be %s (bare GPU UUIDs) or %s (%s=<UUID>, for NVIDIA's node operator on CDI clusters)",

@@ -60,6 +60,10 @@ func TestDeployedConfigIsTheExample(t *testing.T) {
 		t.Fatalf("deploy/scheduler/config.yaml and the ConfigMap in scheduler.yaml differ (-example +mounted):\n%s", diff)
 	}
 	var cfg struct {
+		LeaderElection struct {
+			ResourceNamespace string `json:"resourceNamespace"`
+			ResourceName      string `json:"resourceName"`
+		} `json:"leaderElection"`
 		Profiles []struct {
 			SchedulerName string `json:"schedulerName"`
 			PluginConfig  []struct {
@@ -90,6 +94,11 @@ func TestDeployedConfigIsTheExample(t *testing.T) {
 	}
 	var defaults Args
 	defaults.Default()
+	// The one argument with no default: the example's own leader election.
+	if args.LeaderLease != cfg.LeaderElection.ResourceNamespace+"/"+cfg.LeaderElection.ResourceName {
+		t.Errorf("leaderLease %q is not the example's leader-election Lease %s/%s", args.LeaderLease, cfg.LeaderElection.ResourceNamespace, cfg.LeaderElection.ResourceName)
+	}
+	defaults.LeaderLease = args.LeaderLease
 	if diff := cmp.Diff(defaults, args); diff != "" {
 		t.Errorf("the example's arguments are not the defaults it documents (-defaults +example):\n%s", diff)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"os"
 	"slices"
 	"strings"
 
@@ -253,11 +254,33 @@ func (p *Plugin) writeResize(ctx context.Context, pod *corev1.Pod, w api.Write, 
 	return nil
 }
 
+// leads says whether this replica leads the scheduler's leader election
+// (Args.LeaderLease), and so decides resizes. kube-scheduler names its
+// identity <hostname>_<uuid> and does not tell its plugins; the hostname
+// (a pod's name) is enough to tell the replicas apart. Without a lease
+// named, every replica leads; while the Lease cannot be read, none does.
+func (p *Plugin) leads(ctx context.Context) bool {
+	if p.args.LeaderLease == "" {
+		return true
+	}
+	ns, name, _ := strings.Cut(p.args.LeaderLease, "/")
+	lease, err := p.handle.ClientSet().CoordinationV1().Leases(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil || lease.Spec.HolderIdentity == nil {
+		return false
+	}
+	host, err := os.Hostname()
+	return err == nil && strings.HasPrefix(*lease.Spec.HolderIdentity, host+"_")
+}
+
 // resizeAll decides every waiting resize, each on the informer's latest
-// copy of its pod.
+// copy of its pod, when this replica leads.
 func (p *Plugin) resizeAll(ctx context.Context, logger klog.Logger) {
+	waiting := p.cache.Resizes()
+	if len(waiting) == 0 || !p.leads(ctx) {
+		return
+	}
 	lister := p.handle.SharedInformerFactory().Core().V1().Pods().Lister()
-	for _, seen := range p.cache.Resizes() {
+	for _, seen := range waiting {
 		pod, err := lister.Pods(seen.Namespace).Get(seen.Name)
 		if err != nil || pod.UID != seen.UID {
 			continue // gone: DeletePod forgets it

@@ -166,3 +166,15 @@ func TestResizeStaysWithinWhatQuotaCharged(t *testing.T) {
 		t.Errorf("a grow within the pod's quota charge: %+v %v", v, ok)
 	}
 }
+
+func TestLeaderLeaseArgument(t *testing.T) {
+	for lease, ok := range map[string]bool{"": true, "gpufrac-system/gpufrac-scheduler": true, "gpufrac-scheduler": false, "Bad_NS/x": false, "ns/": false} {
+		a := testArgs()
+		a.LeaderLease = lease
+		if err := a.Validate(); (err == nil) != ok {
+			t.Errorf("leaderLease %q: %v", lease, err)
+		} else if err != nil && !strings.Contains(err.Error(), "leaderLease") {
+			t.Errorf("leaderLease %q: the error does not name the argument: %v", lease, err)
+		}
+	}
+}

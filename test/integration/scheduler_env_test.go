@@ -283,6 +283,7 @@ func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any
 	if pluginArgs == nil {
 		t.Fatal("deploy/scheduler/config.yaml has no GPUFractions pluginConfig")
 	}
+	delete(pluginArgs, "leaderLease") // one replica, no election
 	for k, v := range args {
 		pluginArgs[k] = v
 	}
