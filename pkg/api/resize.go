@@ -270,3 +270,24 @@ func DescribeResize(pod *corev1.Pod, a Assignment) string {
 	}
 	return ""
 }
+
+// Resized says whether a scheduler has changed the pod's memory since it
+// was placed (ResizedFromAnnotation): its sandbox, made before, may name
+// older memory than the pod does now.
+func Resized(annotations map[string]string) bool {
+	_, ok := annotations[ResizedFromAnnotation]
+	return ok
+}
+
+// WithMemory returns a copy of annotations with container's canonical
+// memory keys set to m: a pod's annotations as its sandbox holds them,
+// brought up to the allocation a resize made since.
+func WithMemory(annotations map[string]string, container string, m Memory) map[string]string {
+	out := make(map[string]string, len(annotations)+2)
+	for k, v := range annotations {
+		out[k] = v
+	}
+	out[ContainerKey(container, SuffixMemoryRequest)] = strconv.FormatInt(m.RequestMiB, 10) + "Mi"
+	out[ContainerKey(container, SuffixMemoryLimit)] = strconv.FormatInt(m.LimitMiB, 10) + "Mi"
+	return out
+}

@@ -243,7 +243,10 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.opts.RestrictGPUVisibility && env.containerDevices != nil {
 		grants = a.grants
 	}
-	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
+	// The node's pods, listed before the NRI plugin's first audit: a
+	// resized pod's containers are judged by its memory now.
+	pods := a.watchPods(ctx, 10*time.Second)
+	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, BootID: boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
 		EnsureExclusive: ensureExclusive, Grants: grants, VisibilityExempt: a.opts.GPUVisibilityExempt})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
@@ -282,7 +285,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 
 	wg.Add(1)
-	go func() { defer wg.Done(); a.runResizes(ctx) }()
+	go func() { defer wg.Done(); a.runResizes(ctx, pods) }()
 	a.markStarting(logger)
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
 	defer ticker.Stop()

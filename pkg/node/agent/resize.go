@@ -11,30 +11,37 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
+	corev1listers "k8s.io/client-go/listers/core/v1"
 	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
-// runResizes follows the node's pods and holds each running fractional
-// container to what its scheduler last allocated (SPEC §7, api.Resize):
-// when a resize is granted, the agent changes the running container's
-// limits (nriplugin.Plugin.Resize) and records what it now enforces; when
-// it cannot (the container already uses more than the new hard limit), it
-// says so on the pod and changes nothing, and tries again at the next
-// resync. Nothing here restarts a container.
-func (a *Agent) runResizes(ctx context.Context) {
-	logger := klog.FromContext(ctx)
-	factory := informers.NewSharedInformerFactoryWithOptions(a.client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+// podWatch is the agent's view of its node's pods (a watch with
+// spec.nodeName=<node>): for resizes (runResizes) and for the memory a
+// resized pod's container is created with (nriplugin.Options.Resized).
+type podWatch struct {
+	factory informers.SharedInformerFactory
+	lister  corev1listers.PodLister
+	synced  toolscache.InformerSynced
+	// kick wakes runResizes when a pod changes.
+	kick chan struct{}
+}
+
+// watchPods starts the watch of the node's pods and waits, at most wait,
+// until it has listed them: the NRI plugin's first audit reads resized
+// pods' memory from it.
+func (a *Agent) watchPods(ctx context.Context, wait time.Duration) *podWatch {
+	w := &podWatch{kick: make(chan struct{}, 1)}
+	w.factory = informers.NewSharedInformerFactoryWithOptions(a.client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 		o.FieldSelector = "spec.nodeName=" + a.opts.NodeName
 	}))
-	pods := factory.Core().V1().Pods()
-	kick := make(chan struct{}, 1)
+	pods := w.factory.Core().V1().Pods()
 	wake := func(obj any) {
-		if pod, ok := obj.(*corev1.Pod); ok && applying(pod) {
+		if pod, ok := obj.(*corev1.Pod); ok && resizing(pod) {
 			select {
-			case kick <- struct{}{}:
+			case w.kick <- struct{}{}:
 			default:
 			}
 		}
@@ -42,38 +49,72 @@ func (a *Agent) runResizes(ctx context.Context) {
 	if _, err := pods.Informer().AddEventHandler(toolscache.ResourceEventHandlerFuncs{
 		AddFunc: wake, UpdateFunc: func(_, obj any) { wake(obj) },
 	}); err != nil {
-		logger.Error(err, "Cannot follow the node's pods; GPU resizes are not applied")
-		return
+		klog.FromContext(ctx).Error(err, "Cannot follow the node's pods; GPU resizes are not applied")
 	}
-	factory.Start(ctx.Done())
-	defer factory.Shutdown()
-	if !toolscache.WaitForCacheSync(ctx.Done(), pods.Informer().HasSynced) {
+	w.lister, w.synced = pods.Lister(), pods.Informer().HasSynced
+	w.factory.Start(ctx.Done())
+	wctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	if !toolscache.WaitForCacheSync(wctx.Done(), w.synced) {
+		klog.FromContext(ctx).Info("The node's pods are not listed yet; a resized pod's restarted container may meanwhile be judged by the memory it was placed with", "waited", wait)
+	}
+	return w
+}
+
+// resized is nriplugin.Options.Resized: a resized pod's allocation now.
+func (w *podWatch) resized(namespace, name, uid string) (string, api.Memory, bool) {
+	if !w.synced() {
+		return "", api.Memory{}, false
+	}
+	pod, err := w.lister.Pods(namespace).Get(name)
+	if err != nil || string(pod.UID) != uid || !api.Resized(pod.Annotations) {
+		return "", api.Memory{}, false
+	}
+	as, err := api.ParseAssignments(pod.Annotations)
+	if err != nil || len(as) == 0 {
+		return "", api.Memory{}, false
+	}
+	return as[0].Container, api.Memory{RequestMiB: as[0].RequestMiB, LimitMiB: as[0].LimitMiB}, true
+}
+
+// runResizes holds each running fractional container of a resized pod to
+// what its scheduler last allocated (SPEC §7, api.Resize): when a resize
+// is granted, the agent changes the running container's limits
+// (nriplugin.Plugin.Resize) and records what it now enforces; when it
+// cannot (the container already uses more than the new hard limit), it
+// says so on the pod, changes nothing, and tries again at the next resync.
+// A container of a resized pod created since (a restart) is created with
+// the pod's memory now, and checked here all the same. Nothing here
+// restarts a container.
+func (a *Agent) runResizes(ctx context.Context, w *podWatch) {
+	defer w.factory.Shutdown()
+	if !toolscache.WaitForCacheSync(ctx.Done(), w.synced) {
 		return
 	}
 	tick := time.NewTicker(a.opts.ResyncPeriod)
 	defer tick.Stop()
 	for {
-		list, err := pods.Lister().List(labels.Everything())
+		list, err := w.lister.List(labels.Everything())
 		if err != nil {
-			logger.Error(err, "Cannot list the node's pods")
+			klog.FromContext(ctx).Error(err, "Cannot list the node's pods")
 		}
 		for _, pod := range list {
-			if applying(pod) {
+			if resizing(pod) {
 				a.applyResize(ctx, pod)
 			}
 		}
 		select {
 		case <-ctx.Done():
 			return
-		case <-kick:
+		case <-w.kick:
 		case <-tick.C:
 		}
 	}
 }
 
-// applying says whether a pod's allocation differs from what its node
-// enforces (api.Resize.Applying).
-func applying(pod *corev1.Pod) bool {
+// resizing says whether a pod has been resized, or its allocation
+// differs from what its node says it enforces (api.Resize.Applying).
+func resizing(pod *corev1.Pod) bool {
 	if pod.DeletionTimestamp != nil || podEnded(pod) {
 		return false
 	}
@@ -82,7 +123,7 @@ func applying(pod *corev1.Pod) bool {
 		return false
 	}
 	r, _ := api.ResizeOf(pod.Annotations, as[0])
-	return r.Applying()
+	return r.Applying() || api.Resized(pod.Annotations)
 }
 
 func podEnded(pod *corev1.Pod) bool {
@@ -122,6 +163,10 @@ func (a *Agent) applyResize(ctx context.Context, pod *corev1.Pod) {
 	}
 	if !held {
 		return // not running here yet
+	}
+	if c, ok := api.PodResizeCondition(pod, api.ConditionResizeInProgress); ok && r.Confirmed && !r.Applying() &&
+		c.Status == corev1.ConditionFalse && c.Reason == api.ReasonResizeDone {
+		return // recorded already
 	}
 	done := api.ResizeCondition(api.ConditionResizeInProgress, corev1.ConditionFalse, api.ReasonResizeDone,
 		fmt.Sprintf("request %dMi, limit %dMi on each of its GPUs: %s", to.RequestMiB, to.LimitMiB, how))

@@ -492,3 +492,34 @@ func Resize(lib nvml.Interface, cgroup string, devices []string, from, to Limits
 	}
 	return nil
 }
+
+// Held reads the limits the driver holds cgroup to on every device: the
+// same soft and hard limit on each, or an error naming what differs or is
+// missing (no limits at all is an error: nothing holds the container).
+func Held(lib nvml.Interface, cgroup string, devices []string) (Limits, error) {
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		return Limits{}, fmt.Errorf("read GPU memory limits of cgroup %s: nvmlInit: %w", cgroup, ret)
+	}
+	defer func() { _ = lib.Shutdown() }()
+	var held Limits
+	for i, uuid := range devices {
+		dev, ret := lib.DeviceGetHandleByUUID(uuid)
+		if ret != nvml.SUCCESS {
+			return Limits{}, fmt.Errorf("GPU %s: nvmlDeviceGetHandleByUUID: %w", uuid, ret)
+		}
+		got, ret := dev.GetMemoryLimits_v1(cgroup)
+		if ret != nvml.SUCCESS {
+			return Limits{}, fmt.Errorf("GPU %s: read the memory limits of cgroup %s: nvmlDeviceGetMemoryLimits_v1: %w", uuid, cgroup, ret)
+		}
+		l := Limits{Devices: devices, RequestMiB: got.SoftLimit / mebibyte, LimitMiB: got.HardLimit / mebibyte}
+		switch {
+		case got.HardLimit == 0 || got.HardLimit == nvml.DEVICE_MEMORY_LIMIT_MAX || got.SoftLimit == 0:
+			return Limits{}, limitsDiffer(fmt.Sprintf("GPU %s: cgroup %s has no memory limits (soft %d, hard %d bytes)", uuid, cgroup, got.SoftLimit, got.HardLimit))
+		case i > 0 && (l.RequestMiB != held.RequestMiB || l.LimitMiB != held.LimitMiB):
+			return Limits{}, limitsDiffer(fmt.Sprintf("GPU %s: cgroup %s has soft %dMi and hard %dMi, GPU %s soft %dMi and hard %dMi",
+				uuid, cgroup, l.RequestMiB, l.LimitMiB, devices[0], held.RequestMiB, held.LimitMiB))
+		}
+		held = l
+	}
+	return held, nil
+}

@@ -79,6 +79,12 @@ type Evictor interface {
 // Options configure the plugin.
 type Options struct {
 	Injection injection.Config
+	// Resized, when set, says the memory a pod's fractional container is
+	// allocated now, where a resize changed it (api.Resized) since the pod's
+	// sandbox was made: the runtime gives the plugin the sandbox's
+	// annotations, the pod's at that time. ok is false otherwise, and when
+	// the pod is not known (yet).
+	Resized func(namespace, name, uid string) (container string, m api.Memory, ok bool)
 	// FailOpen starts unenforceable fractional containers with no GPU
 	// instead of refusing them.
 	FailOpen bool
@@ -267,7 +273,8 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
 	defer p.observe("CreateContainer", time.Now())
 	cfg := *p.injection.Load()
-	d := injection.Decide(podOf(pod), ctr.GetName(), ctr.GetEnv(), cfg)
+	current, _ := p.podOf(pod)
+	d := injection.Decide(current, ctr.GetName(), ctr.GetEnv(), cfg)
 	if d.MPSNamespace != "" {
 		if err := p.ensureNamespace(ctx, pod, ctr, d); err != nil {
 			// Started without its namespace, its compute ceiling would be
@@ -700,8 +707,18 @@ func (p *Plugin) releaseVanished(ctx context.Context, pods map[string]*nriapi.Po
 	}
 }
 
-func podOf(pod *nriapi.PodSandbox) injection.Pod {
-	return injection.Pod{UID: pod.GetUid(), Annotations: pod.GetAnnotations()}
+// podOf is the pod as the plugin decides on it: its sandbox's annotations,
+// with the memory a resize has allocated since (Options.Resized), so that a
+// container created after a resize (a restart) gets the memory the pod has
+// now, not the memory it was placed with. resized says so.
+func (p *Plugin) podOf(pod *nriapi.PodSandbox) (_ injection.Pod, resized bool) {
+	annotations := pod.GetAnnotations()
+	if p.opts.Resized != nil {
+		if c, m, ok := p.opts.Resized(pod.GetNamespace(), pod.GetName(), pod.GetUid()); ok {
+			annotations, resized = api.WithMemory(annotations, c, m), true
+		}
+	}
+	return injection.Pod{UID: pod.GetUid(), Annotations: annotations}, resized
 }
 
 // ensureNamespace creates an sm-sharing container's MPS namespace, with
@@ -842,8 +859,9 @@ func (p *Plugin) LiveNamespaces() map[string]bool {
 }
 
 // decide is injection.Decide for a container the runtime reports.
-func (p *Plugin) decide(pod *nriapi.PodSandbox, ctr *nriapi.Container) injection.Decision {
-	return injection.Decide(podOf(pod), ctr.GetName(), ctr.GetEnv(), *p.injection.Load())
+func (p *Plugin) decide(pod *nriapi.PodSandbox, ctr *nriapi.Container) (injection.Decision, bool) {
+	current, resized := p.podOf(pod)
+	return injection.Decide(current, ctr.GetName(), ctr.GetEnv(), *p.injection.Load()), resized
 }
 
 // Synchronize audits the containers that run already when the plugin
@@ -911,15 +929,18 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 			}
 		}
 		if d.Assignment != nil {
-			state := StateEnforced
-			if reason != "" {
-				state = StateUnenforced
-			}
 			var created time.Time
 			if ns := ctr.GetCreatedAt(); ns > 0 {
 				created = time.Unix(0, ns)
 			}
-			p.tenants.set(ctr.GetId(), tenantOf(pod, d, backend, state, created))
+			t := tenantOf(pod, d, backend, StateEnforced, created)
+			if reason == "" {
+				reason = p.heldTo(&t, pod, ctr)
+			}
+			if reason != "" {
+				t.State = StateUnenforced
+			}
+			p.tenants.set(ctr.GetId(), t)
 		}
 		if reason == "" {
 			continue
@@ -935,13 +956,39 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 	p.releaseVanished(ctx, byID, ctrs)
 }
 
+// heldTo learns, on the driver backend, a running container's cgroup (a
+// resize changes its limits there) and, for a resized pod, what the driver
+// holds it to, which may be the memory of before the resize (not applied
+// yet, or refused) or after: t's memory becomes that. A resized pod's
+// container the driver holds to nothing is unenforced: the reason says so.
+func (p *Plugin) heldTo(t *Tenant, pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
+	if t.Backend != string(nodeapi.BackendDriver) || p.opts.NVML == nil || ctr.GetPid() <= 0 {
+		return ""
+	}
+	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
+	if err != nil {
+		return ""
+	}
+	t.cgroup = cgroup
+	if _, resized := p.podOf(pod); !resized {
+		return ""
+	}
+	held, err := enforce.Held(p.opts.NVML, cgroup, t.Devices)
+	if err != nil {
+		return "a resized container's GPU memory limits are not in force: " + err.Error()
+	}
+	t.RequestMiB, t.LimitMiB = int64(held.RequestMiB), int64(held.LimitMiB)
+	t.assignment.RequestMiB, t.assignment.LimitMiB = t.RequestMiB, t.LimitMiB
+	return ""
+}
+
 // judge is what CreateContainer would have made of a container that runs
 // already (its decision now), and why it must not run as it does ("" when
 // it may): its fraction not in force, or GPUs it was not granted. A grant
 // that cannot be read now is judged later, not guessed.
 func (p *Plugin) judge(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (injection.Decision, string) {
-	d := p.decide(pod, ctr)
-	reason := missingEnforcement(d, ctr)
+	d, resized := p.decide(pod, ctr)
+	reason := missingEnforcement(d, ctr, resized)
 	if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
 		adj, note, err := p.police(ctx, refOf(pod), ctr)
 		switch {
@@ -959,7 +1006,12 @@ func (p *Plugin) judge(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.
 // missingEnforcement compares a running container's environment with what
 // CreateContainer would have injected (d); "" means it is enforced (or needs
 // nothing, or failed open as the node allows).
-func missingEnforcement(d injection.Decision, ctr *nriapi.Container) string {
+//
+// A resized pod's container may have been created before the resize, with
+// the memory of then in its environment (a process's environment does not
+// change): its memory is not judged by its environment, but by what the
+// driver holds it to (audit).
+func missingEnforcement(d injection.Decision, ctr *nriapi.Container, resized bool) string {
 	if d.Verdict == injection.Refuse {
 		return "running although its GPU fraction cannot be enforced: " + d.Reason.Error()
 	}
@@ -970,6 +1022,9 @@ func missingEnforcement(d injection.Decision, ctr *nriapi.Container) string {
 	// would make it, for the variables that carry the limits.
 	want := injection.ApplyEnv(ctr.GetEnv(), d.Adjustment)
 	for _, key := range []string{nodeapi.EnvVisibleDevices, nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSThreads, nodeapi.EnvMPSPipeDirectory} {
+		if resized && (key == nodeapi.EnvMemoryRequest || key == nodeapi.EnvMemoryLimit) {
+			continue
+		}
 		if got := envValue(ctr.GetEnv(), key); got != want[key] {
 			return fmt.Sprintf("%s is %q, want %q", key, got, want[key])
 		}

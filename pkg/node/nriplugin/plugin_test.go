@@ -1253,3 +1253,56 @@ func TestTenantKeepsItsDecisionsGroups(t *testing.T) {
 		}
 	}
 }
+
+// A resized pod (SPEC §7): its running containers are judged by what the
+// driver holds them to, not by the memory in their environment (fixed
+// when they were created, before the resize), and are resized in place;
+// one the driver holds to nothing goes; one created after the resize (a
+// restart) is created with the memory the pod has now.
+func TestResizedPodsAreJudgedByTheDriverAndResizedInPlace(t *testing.T) {
+	lib, drv, uuids := enforcetest.NewMachine(1)
+	proc := enforcetest.Proc(t, map[int]string{201: "/kubepods/grown/ctr", 202: "/kubepods/bare/ctr"})
+	grownCg, bareCg := enforcetest.CgroupFS+"/kubepods/grown/ctr", enforcetest.CgroupFS+"/kubepods/bare/ctr"
+	placed := map[string]string{"nvidia.com/container.main.gpus.devices": uuids[0],
+		"nvidia.com/container.main.gpu-memory.request": "1Gi", "nvidia.com/container.main.gpu-memory.limit": "1Gi"}
+	createdEnv := []string{"NVIDIA_VISIBLE_DEVICES=" + uuids[0], "NVIDIA_GPU_MEMORY_REQUEST=1024", "NVIDIA_GPU_MEMORY_LIMIT=1024", "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia/mps"}
+	grown, bare := sandbox("pg", "grown", placed), sandbox("pb", "bare", placed)
+	c1, c2 := container("c1", "pg", "main", createdEnv...), container("c2", "pb", "main", createdEnv...)
+	c1.Pid, c2.Pid = 201, 202
+	// The driver holds the grown pod's container to what it was created
+	// with: the resize is granted, not applied yet. The bare one to nothing.
+	if err := enforce.Apply(lib, grownCg, enforce.Limits{Devices: uuids, RequestMiB: 1024, LimitMiB: 1024}); err != nil {
+		t.Fatal(err)
+	}
+	now := api.Memory{RequestMiB: 2048, LimitMiB: 3072}
+	resized := func(_, name, _ string) (string, api.Memory, bool) {
+		return "main", now, name == "grown" || name == "bare"
+	}
+	rt := startRuntime(t, []*nriapi.PodSandbox{grown, bare}, []*nriapi.Container{c1, c2})
+	rec := &recorder{}
+	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, NVML: lib, ProcRoot: proc, Resized: resized})
+	p.WaitForEvictions()
+	if got := rec.get(&rec.evict); len(got) != 1 || !strings.HasPrefix(got[0], "bare: a resized container's GPU memory limits are not in force: GPU "+uuids[0]+": cgroup "+bareCg+" has no memory limits") {
+		t.Fatalf("evictions = %v, want the bare pod's only", got)
+	}
+	held, err := p.Resize("uid-pg", "main", now)
+	if err != nil || !held {
+		t.Fatalf("Resize: %v %v", held, err)
+	}
+	if got := drv.Get(uuids[0], grownCg); got.SoftLimit != 2048<<20 || got.HardLimit != 3072<<20 {
+		t.Errorf("the driver holds %+v after the resize, want soft 2Gi, hard 3Gi", got)
+	}
+	if held, err := p.Resize("uid-pg", "main", now); err != nil || !held {
+		t.Errorf("a second Resize to the same memory: %v %v", held, err)
+	}
+
+	// The container restarts: created with the memory the pod has now.
+	resp, err := rt.CreateContainer(context.Background(), &nriapi.CreateContainerRequest{Pod: grown, Container: container("c3", "pg", "main")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := injection.ApplyEnv(nil, resp.GetAdjust())
+	if env["NVIDIA_GPU_MEMORY_REQUEST"] != "2048" || env["NVIDIA_GPU_MEMORY_LIMIT"] != "3072" {
+		t.Errorf("a container created after the resize sees request %s, limit %s; want 2048, 3072", env["NVIDIA_GPU_MEMORY_REQUEST"], env["NVIDIA_GPU_MEMORY_LIMIT"])
+	}
+}
