@@ -53,9 +53,9 @@ type Cache struct {
 	now func() time.Time
 	// resizes are the bound pods whose resize waits for a decision
 	// (resize.go), as last seen; resizing are the grants booked whose
-	// write the cache has not seen yet, with the share booked.
+	// write the cache has not seen yet, with the memory granted.
 	resizes  map[types.UID]*corev1.Pod
-	resizing map[types.UID]gpu.Share
+	resizing map[types.UID]api.Memory
 }
 
 // demand is what one pod of the workload asks: its CPU and memory, and
@@ -94,7 +94,7 @@ type nodeState struct {
 func NewCache(args Args) *Cache {
 	return &Cache{args: args, nodes: map[string]*nodeState{}, where: map[types.UID]string{}, assumed: map[types.UID]bool{},
 		dirty: make(chan struct{}), workload: map[types.UID]demand{}, claims: map[types.UID]claimHeld{}, now: time.Now,
-		resizes: map[types.UID]*corev1.Pod{}, resizing: map[types.UID]gpu.Share{}}
+		resizes: map[types.UID]*corev1.Pod{}, resizing: map[types.UID]api.Memory{}}
 }
 
 // Dirty returns a channel closed at the next change that may leave a

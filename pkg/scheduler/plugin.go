@@ -55,6 +55,8 @@ type Plugin struct {
 	// GPU memory (a resize then stays within its pod's charge).
 	quotas       corev1listers.ResourceQuotaLister
 	quotasSynced toolscache.InformerSynced
+	// leaseLogged is when this replica last said it does not lead.
+	leaseLogged time.Time
 }
 
 var (

@@ -2,11 +2,13 @@ package scheduler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
 	"slices"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -31,17 +33,23 @@ import (
 type resizeVerdict struct {
 	// grant is set when the resize fits and is booked.
 	grant bool
+	// withdrawn is set when the pod asks for nothing more and its Pending
+	// condition still says it waits: the condition is to be cleared.
+	withdrawn bool
 	// reason is api.ReasonResizeDeferred or api.ReasonResizeInfeasible
-	// when not granted; message says why, for the condition and event.
-	reason, message string
-	assignment      api.Assignment
-	resize          api.Resize
+	// when not granted; message says why, for the condition and event,
+	// and starts with target, which names the resize asked.
+	reason, message, target string
+	assignment              api.Assignment
+	resize                  api.Resize
 }
 
 // seeResize keeps a bound tenant's booking equal to what its pod says it
-// holds (a resize granted, or the node confirming a shrink, changes it),
-// and tracks the pods whose resize waits for the scheduler. Called with
-// the lock held.
+// holds (a resize granted, or the node confirming one, changes it), and
+// tracks the pods whose resize waits for the scheduler, or whose Pending
+// condition must be cleared. A grant booked ahead of its write
+// (resizing) holds until the pod shows the memory granted. Called with the
+// lock held.
 func (c *Cache) seeResize(ns *nodeState, pod *corev1.Pod) {
 	uid := pod.UID
 	t := ns.Tenants[string(uid)]
@@ -53,11 +61,12 @@ func (c *Cache) seeResize(ns *nodeState, pod *corev1.Pod) {
 	if err != nil || !held {
 		return
 	}
-	if booked, ok := c.resizing[uid]; ok {
-		if read.Request.Share == booked {
-			delete(c.resizing, uid) // the grant's write has landed
-		}
-	} else if read.Request.Share != t.Request.Share {
+	granted, booked := c.resizing[uid]
+	if booked && read.Assignment.RequestMiB == granted.RequestMiB && read.Assignment.LimitMiB == granted.LimitMiB {
+		delete(c.resizing, uid) // the grant's write has landed
+		booked = false
+	}
+	if !booked && read.Request.Share != t.Request.Share {
 		freed := read.Request.Share.Request < t.Request.Share.Request
 		ns.Resize(read)
 		if freed {
@@ -65,10 +74,11 @@ func (c *Cache) seeResize(ns *nodeState, pod *corev1.Pod) {
 		}
 	}
 	r, rerr := api.ResizeOf(pod.Annotations, *read.Assignment)
-	if rerr == nil && r.Wanted() {
-		if _, tracked := c.resizes[uid]; !tracked {
-			c.markDirty()
-		}
+	pending, _ := api.PodResizeCondition(pod, api.ConditionResizePending)
+	if rerr == nil && (r.Wanted() || pending.Status == corev1.ConditionTrue) {
+		// Any change of a waiting pod may be what it waits for (its node
+		// applied the previous resize, its resize was changed).
+		c.markDirty()
 		c.resizes[uid] = pod
 		return
 	}
@@ -83,12 +93,13 @@ func (c *Cache) Resizes() []*corev1.Pod {
 	return slices.Collect(maps.Values(c.resizes))
 }
 
-// quota is what of a pod's GPU memory charge (api.ChargedMiB) is left for
-// its annotation share: its namespace's quota counted the charge when the
-// pod was created, and a resize cannot be charged again (a pod's
-// resources are fixed), so a share may grow only within it.
+// quota bounds a resize where the pod's namespace has a ResourceQuota on
+// GPU memory: its quota counted the pod's charge (api.ChargedMiB) when it
+// was created, and a running pod's resources cannot be charged again, so
+// its limit may grow only within the charge (mib, what of it is left for
+// the annotation share; 0 for a pod created before gpufrac charged quota).
 type quota struct {
-	charged bool
+	bounded bool
 	mib     int64
 }
 
@@ -112,22 +123,37 @@ func (c *Cache) decideResize(pod *corev1.Pod, q quota) (v resizeVerdict, ok bool
 	v.assignment = assignments[0]
 	r, err := api.ResizeOf(pod.Annotations, v.assignment)
 	v.resize = r
+	v.target = fmt.Sprintf("%s to request %dMi, limit %dMi", r.Container, r.Desired.RequestMiB, r.Desired.LimitMiB)
+	infeasible := func(format string, args ...any) (resizeVerdict, bool) {
+		v.reason, v.message = api.ReasonResizeInfeasible, v.target+": "+fmt.Sprintf(format, args...)
+		return v, true
+	}
 	switch {
 	case err != nil:
-		v.reason, v.message = api.ReasonResizeInfeasible, err.Error()
-		return v, true
+		return infeasible("%v", err)
 	case !r.Wanted():
-		return v, false
+		pending, _ := api.PodResizeCondition(pod, api.ConditionResizePending)
+		v.withdrawn = pending.Status == corev1.ConditionTrue
+		return v, v.withdrawn
+	case len(api.DecisionGroups(pod.Annotations)) == 0:
+		// KAI's binder, say: its scheduler keeps its own books of this
+		// GPU, which a grant here would not change.
+		return infeasible("the pod was placed by another scheduler, which keeps its own account of its GPU; only pods gpufrac placed are resized")
 	}
 	if backend := api.MemoryEnforcement(ns.seen); !resizable(backend) {
-		v.reason = api.ReasonResizeInfeasible
-		v.message = fmt.Sprintf("node %s enforces GPU memory with %q, which cannot change a running container's limit (only gpufrac's driver backend can); recreate the pod with the new memory", ns.Name, backend)
-		return v, true
+		return infeasible("node %s enforces GPU memory with %q, which cannot change a running container's limit (only gpufrac's driver backend can); recreate the pod with the new memory", ns.Name, backend)
 	}
-	if devices := int64(len(v.assignment.Devices)); q.charged && r.Desired.LimitMiB*devices > q.mib {
-		v.reason = api.ReasonResizeInfeasible
-		v.message = fmt.Sprintf("a limit of %dMi on each of its %d GPU(s) is more than the %s charged to its namespace's quota (%s) when the pod was created, which a running pod cannot be charged again; recreate the pod with the memory it needs",
+	if devices := int64(len(v.assignment.Devices)); q.bounded && r.Desired.LimitMiB > r.Allocated.LimitMiB && r.Desired.LimitMiB*devices > q.mib {
+		return infeasible("a limit of %dMi on each of its %d GPU(s) is more than the %s charged to its namespace's GPU memory quota (%s) when the pod was created, which a running pod cannot be charged again; recreate the pod with the memory it needs",
 			r.Desired.LimitMiB, devices, api.FormatMiB(q.mib), api.ResourceGPUMemory)
+	}
+	if r.Applying() {
+		// One resize at a time: until the node holds the container to
+		// the last grant, it may hold it to any of the two, and the next
+		// grant could not say which it replaces.
+		v.reason = api.ReasonResizeDeferred
+		v.message = fmt.Sprintf("%s: node %s has not yet applied the previous resize (to request %dMi, limit %dMi; it holds the container to request %dMi, limit %dMi); this one is decided once it has (see %s)",
+			v.target, ns.Name, r.Allocated.RequestMiB, r.Allocated.LimitMiB, r.Enforced.RequestMiB, r.Enforced.LimitMiB, api.ConditionResizeInProgress)
 		return v, true
 	}
 	// Once granted the pod is charged the larger of the new memory and
@@ -141,13 +167,13 @@ func (c *Cache) decideResize(pod *corev1.Pod, q quota) (v resizeVerdict, ok bool
 		if unfit.Reason != gpu.ReasonGPUs {
 			v.reason = api.ReasonResizeInfeasible
 		}
-		v.message = fmt.Sprintf("%s to request %dMi, limit %dMi on node %s does not fit its GPUs: %s", r.Container, r.Desired.RequestMiB, r.Desired.LimitMiB, ns.Name, unfit)
+		v.message = fmt.Sprintf("%s on node %s does not fit its GPUs: %s", v.target, ns.Name, unfit)
 		return v, true
 	}
 	grown := *t
 	grown.Request.Share = share
 	ns.Resize(&grown)
-	c.resizing[pod.UID] = share
+	c.resizing[pod.UID] = r.Desired
 	v.grant = true
 	return v, true
 }
@@ -183,8 +209,8 @@ func resizable(backend string) bool { return backend == "driver" }
 // The pod is the informer's latest.
 func (p *Plugin) resize(ctx context.Context, pod *corev1.Pod) error {
 	var q quota
-	q.mib, q.charged = api.ChargedMiB(&pod.Spec)
-	if q.charged = q.charged && p.quotaBounds(pod.Namespace); q.charged {
+	if q.bounded = p.quotaBounds(pod.Namespace); q.bounded {
+		q.mib, _ = api.ChargedMiB(&pod.Spec) // none: 0, a pod created before gpufrac charged quota
 		claimsMiB, err := p.claimsChargeMiB(pod)
 		if err != nil {
 			return err
@@ -196,8 +222,14 @@ func (p *Plugin) resize(ctx context.Context, pod *corev1.Pod) error {
 		return nil
 	}
 	r := v.resize
+	if v.withdrawn {
+		cond := api.ResizeCondition(api.ConditionResizePending, corev1.ConditionFalse, api.ReasonResizeAllocated,
+			fmt.Sprintf("asks for no more than it is allocated: request %dMi, limit %dMi", r.Allocated.RequestMiB, r.Allocated.LimitMiB))
+		return p.writeResize(ctx, pod, api.Write{}, cond)
+	}
 	if !v.grant {
-		if c, found := api.PodResizeCondition(pod, api.ConditionResizePending); found && c.Status == corev1.ConditionTrue && c.Reason == v.reason {
+		if c, found := api.PodResizeCondition(pod, api.ConditionResizePending); found && c.Status == corev1.ConditionTrue && c.Reason == v.reason &&
+			strings.HasPrefix(c.Message, v.target+":") {
 			return nil // said already; the figures in its message may have moved, which is no news
 		}
 		cond := api.ResizeCondition(api.ConditionResizePending, corev1.ConditionTrue, v.reason, v.message)
@@ -258,25 +290,39 @@ func (p *Plugin) writeResize(ctx context.Context, pod *corev1.Pod, w api.Write, 
 // (Args.LeaderLease), and so decides resizes. kube-scheduler names its
 // identity <hostname>_<uuid> and does not tell its plugins; the hostname
 // (a pod's name) is enough to tell the replicas apart. Without a lease
-// named, every replica leads; while the Lease cannot be read, none does.
-func (p *Plugin) leads(ctx context.Context) bool {
+// named, every replica leads; while the Lease cannot be read, none does,
+// and it says so in its log once a minute.
+func (p *Plugin) leads(ctx context.Context, logger klog.Logger) bool {
 	if p.args.LeaderLease == "" {
 		return true
 	}
 	ns, name, _ := strings.Cut(p.args.LeaderLease, "/")
 	lease, err := p.handle.ClientSet().CoordinationV1().Leases(ns).Get(ctx, name, metav1.GetOptions{})
-	if err != nil || lease.Spec.HolderIdentity == nil {
-		return false
+	host, herr := os.Hostname()
+	holder := ""
+	if err == nil && lease.Spec.HolderIdentity != nil {
+		holder = *lease.Spec.HolderIdentity
 	}
-	host, err := os.Hostname()
-	return err == nil && strings.HasPrefix(*lease.Spec.HolderIdentity, host+"_")
+	if err == nil && herr == nil && strings.HasPrefix(holder, host+"_") {
+		return true
+	}
+	p.mu.Lock()
+	quiet := time.Since(p.leaseLogged) < time.Minute
+	if !quiet {
+		p.leaseLogged = time.Now()
+	}
+	p.mu.Unlock()
+	if !quiet {
+		logger.Info("Resizes wait: this replica does not lead (leaderLease); the leader decides them", "lease", p.args.LeaderLease, "holder", holder, "host", host, "err", errors.Join(err, herr))
+	}
+	return false
 }
 
 // resizeAll decides every waiting resize, each on the informer's latest
 // copy of its pod, when this replica leads.
 func (p *Plugin) resizeAll(ctx context.Context, logger klog.Logger) {
 	waiting := p.cache.Resizes()
-	if len(waiting) == 0 || !p.leads(ctx) {
+	if len(waiting) == 0 || !p.leads(ctx, logger) {
 		return
 	}
 	lister := p.handle.SharedInformerFactory().Core().V1().Pods().Lister()

@@ -63,14 +63,23 @@ func TestResizeGrowsWhereItFitsAndWaitsWhereNot(t *testing.T) {
 		t.Errorf("after the write: %s, waiting %d", got, len(c.Resizes()))
 	}
 
+	// One resize at a time: until the node applies the grant, the next waits.
+	early := resizing(granted, map[string]string{api.KeyResizeRequest: "25000Mi"})
+	c.SetPod(early)
+	if v, ok := c.decideResize(early, quota{}); !ok || v.grant || v.reason != api.ReasonResizeDeferred || !strings.Contains(v.message, "has not yet applied the previous resize") {
+		t.Errorf("a resize while the last is being applied: %+v %v", v, ok)
+	}
+	applied := resizing(granted, api.EnforcedWrite(api.Memory{RequestMiB: 30000, LimitMiB: 30000}).Set)
+	c.SetPod(applied)
+
 	// Another 1Mi does not fit: deferred, the allocation unchanged.
-	more := resizing(granted, map[string]string{api.KeyResizeRequest: "30001Mi"})
+	more := resizing(applied, map[string]string{api.KeyResizeRequest: "30001Mi"})
 	c.SetPod(more)
 	if v, ok := c.decideResize(more, quota{}); !ok || v.grant || v.reason != api.ReasonResizeDeferred || !strings.Contains(v.message, "NotEnoughGPUMemory") {
 		t.Errorf("a grow past the free memory: %+v %v", v, ok)
 	}
 	// Larger than the GPU: infeasible.
-	huge := resizing(granted, map[string]string{api.KeyResizeRequest: "80001Mi"})
+	huge := resizing(applied, map[string]string{api.KeyResizeRequest: "80001Mi"})
 	if v, ok := c.decideResize(huge, quota{}); !ok || v.reason != api.ReasonResizeInfeasible || !strings.Contains(v.message, "LargerThanGPU") {
 		t.Errorf("a grow past the GPU: %+v %v", v, ok)
 	}
@@ -158,11 +167,11 @@ func TestResizeStaysWithinWhatQuotaCharged(t *testing.T) {
 	c := resizeCluster(t, "driver")
 	p1 := resizing(placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}), map[string]string{api.KeyResizeRequest: "25000Mi"})
 	c.SetPod(p1)
-	v, ok := c.decideResize(p1, quota{charged: true, mib: 24000})
-	if !ok || v.grant || v.reason != api.ReasonResizeInfeasible || !strings.Contains(v.message, "charged to its namespace's quota") {
+	v, ok := c.decideResize(p1, quota{bounded: true, mib: 24000})
+	if !ok || v.grant || v.reason != api.ReasonResizeInfeasible || !strings.Contains(v.message, "charged to its namespace's GPU memory quota") {
 		t.Errorf("a grow past the pod's quota charge: %+v %v", v, ok)
 	}
-	if v, ok := c.decideResize(p1, quota{charged: true, mib: 25000}); !ok || !v.grant {
+	if v, ok := c.decideResize(p1, quota{bounded: true, mib: 25000}); !ok || !v.grant {
 		t.Errorf("a grow within the pod's quota charge: %+v %v", v, ok)
 	}
 }
@@ -176,5 +185,25 @@ func TestLeaderLeaseArgument(t *testing.T) {
 		} else if err != nil && !strings.Contains(err.Error(), "leaderLease") {
 			t.Errorf("leaderLease %q: the error does not name the argument: %v", lease, err)
 		}
+	}
+}
+
+func TestResizeWithdrawnClearsItsPendingCondition(t *testing.T) {
+	c := resizeCluster(t, "driver")
+	p1 := placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"})
+	p1.Status.Conditions = []corev1.PodCondition{{Type: api.ConditionResizePending, Status: corev1.ConditionTrue, Reason: api.ReasonResizeDeferred}}
+	c.SetPod(p1)
+	if len(c.Resizes()) != 1 {
+		t.Fatal("a pod whose Pending condition says it waits is not tracked once it asks nothing")
+	}
+	if v, ok := c.decideResize(p1, quota{}); !ok || !v.withdrawn || v.grant {
+		t.Errorf("%+v %v", v, ok)
+	}
+	// Placed by another scheduler (no GPU groups of gpufrac's): infeasible.
+	kai := resizing(placedPod("p2", "n1", 50000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}), map[string]string{api.KeyResizeRequest: "40000Mi"})
+	delete(kai.Annotations, api.GPUGroupsAnnotation)
+	c.SetPod(kai)
+	if v, ok := c.decideResize(kai, quota{}); !ok || v.reason != api.ReasonResizeInfeasible || !strings.Contains(v.message, "placed by another scheduler") {
+		t.Errorf("%+v %v", v, ok)
 	}
 }

@@ -150,6 +150,10 @@ type Agent struct {
 	draCfg injection.Config
 	// lastStanding is the standing GPU count last published.
 	lastStanding int
+	// pods is the watch of the node's pods (resize.go); until it has
+	// listed them, the node creates no fractional container and audits
+	// none (enforce): a resized pod's memory of now is not known yet.
+	pods *podWatch
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -246,6 +250,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	// The node's pods, listed before the NRI plugin's first audit: a
 	// resized pod's containers are judged by its memory now.
 	pods := a.watchPods(ctx, 10*time.Second)
+	a.mu.Lock()
+	a.pods = pods
+	a.mu.Unlock()
 	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, BootID: boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
 		EnsureExclusive: ensureExclusive, Grants: grants, VisibilityExempt: a.opts.GPUVisibilityExempt})

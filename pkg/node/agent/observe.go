@@ -231,6 +231,15 @@ func (a *Agent) resync(ctx context.Context) {
 // enforce hands the configuration to what enforces it: the NRI plugin
 // (from the next container on) and the DRA driver.
 func (a *Agent) enforce(cfg NodeConfig) {
+	a.mu.Lock()
+	pods := a.pods
+	a.mu.Unlock()
+	if pods != nil && !pods.synced() {
+		// As while the GPUs are unread: new fractional containers are
+		// refused and the running ones wait for their audit, which must
+		// know what resizes changed since their sandboxes were made.
+		cfg.Injection.Backend = nodeapi.BackendUnset
+	}
 	a.plugin.SetInjection(cfg.Injection)
 	a.mu.Lock()
 	a.draInv, a.draCfg = cfg.Publish.Inventory, cfg.Injection

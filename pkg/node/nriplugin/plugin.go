@@ -935,7 +935,7 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 			}
 			t := tenantOf(pod, d, backend, StateEnforced, created)
 			if reason == "" {
-				reason = p.heldTo(&t, pod, ctr)
+				reason = p.heldTo(ctx, &t, pod, ctr)
 			}
 			if reason != "" {
 				t.State = StateUnenforced
@@ -961,7 +961,7 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 // holds it to, which may be the memory of before the resize (not applied
 // yet, or refused) or after: t's memory becomes that. A resized pod's
 // container the driver holds to nothing is unenforced: the reason says so.
-func (p *Plugin) heldTo(t *Tenant, pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
+func (p *Plugin) heldTo(ctx context.Context, t *Tenant, pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
 	if t.Backend != string(nodeapi.BackendDriver) || p.opts.NVML == nil || ctr.GetPid() <= 0 {
 		return ""
 	}
@@ -974,8 +974,15 @@ func (p *Plugin) heldTo(t *Tenant, pod *nriapi.PodSandbox, ctr *nriapi.Container
 		return ""
 	}
 	held, err := enforce.Held(p.opts.NVML, cgroup, t.Devices)
-	if err != nil {
+	if errors.Is(err, enforce.ErrLimitsDiffer) {
 		return "a resized container's GPU memory limits are not in force: " + err.Error()
+	}
+	if err != nil {
+		// A read that failed says nothing of the limits: the container
+		// keeps the memory it was created with on record, and the resize
+		// loop reads them again when it acts.
+		klog.FromContext(ctx).Error(err, "Cannot read a resized container's GPU memory limits back", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
+		return ""
 	}
 	t.RequestMiB, t.LimitMiB = int64(held.RequestMiB), int64(held.LimitMiB)
 	t.assignment.RequestMiB, t.assignment.LimitMiB = t.RequestMiB, t.LimitMiB
@@ -988,7 +995,9 @@ func (p *Plugin) heldTo(t *Tenant, pod *nriapi.PodSandbox, ctr *nriapi.Container
 // that cannot be read now is judged later, not guessed.
 func (p *Plugin) judge(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (injection.Decision, string) {
 	d, resized := p.decide(pod, ctr)
-	reason := missingEnforcement(d, ctr, resized)
+	// Only the driver backend's limits can be read back in place of the
+	// environment's memory (heldTo); a resize is refused elsewhere.
+	reason := missingEnforcement(d, ctr, resized && p.injection.Load().Backend == nodeapi.BackendDriver)
 	if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
 		adj, note, err := p.police(ctx, refOf(pod), ctr)
 		switch {

@@ -169,9 +169,14 @@ func (t *tenants) forPod(uid, container string) (string, Tenant, bool) {
 // them); false with no error when it is not running here yet: its
 // creation hook applies the pod's allocation then.
 func (p *Plugin) Resize(uid, container string, to api.Memory) (held bool, err error) {
+	// Never beside an audit, which reads the limits this changes.
+	p.auditMu.Lock()
+	defer p.auditMu.Unlock()
 	id, t, ok := p.tenants.forPod(uid, container)
 	switch {
-	case !ok:
+	case !ok, t.State != StateEnforced:
+		// Not running here, or its limits not verified yet (Reverify
+		// reads them back against its record): tried again later.
 		return false, nil
 	case t.RequestMiB == to.RequestMiB && t.LimitMiB == to.LimitMiB:
 		return true, nil
