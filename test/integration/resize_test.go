@@ -297,7 +297,7 @@ func TestResizeRunningShare(t *testing.T) {
 	teamPatch(map[string]any{api.KeyResizeRequest: "16Gi"})
 	teamCondition("a grow past the quota charge is infeasible", func(p *corev1.Pod) bool {
 		c, _ := api.PodResizeCondition(p, api.ConditionResizePending)
-		return c.Status == corev1.ConditionTrue && c.Reason == api.ReasonResizeInfeasible && strings.Contains(c.Message, "charged to its namespace's quota")
+		return c.Status == corev1.ConditionTrue && c.Reason == api.ReasonResizeInfeasible && strings.Contains(c.Message, "charged to its namespace's GPU memory quota")
 	})
 	teamPatch(map[string]any{api.KeyResizeRequest: "8Gi"})
 	teamCondition("a grow within the quota charge", resized(8192, 8192))
