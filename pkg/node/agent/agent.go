@@ -247,9 +247,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.opts.RestrictGPUVisibility && env.containerDevices != nil {
 		grants = a.grants
 	}
-	// The node's pods, listed before the NRI plugin's first audit: a
-	// resized pod's containers are judged by its memory now.
-	pods := a.watchPods(ctx, 10*time.Second)
+	// The node's pods, listed before the NRI plugin's first audit (see
+	// enforce): a resized pod's containers are judged by its memory now.
+	pods := a.watchPods(ctx)
 	a.mu.Lock()
 	a.pods = pods
 	a.mu.Unlock()

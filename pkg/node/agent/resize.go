@@ -29,10 +29,11 @@ type podWatch struct {
 	kick chan struct{}
 }
 
-// watchPods starts the watch of the node's pods and waits, at most wait,
-// until it has listed them: the NRI plugin's first audit reads resized
-// pods' memory from it.
-func (a *Agent) watchPods(ctx context.Context, wait time.Duration) *podWatch {
+// watchPods starts the watch of the node's pods. It does not wait for the
+// first list: until then the agent gives the NRI plugin no backend
+// (Agent.enforce), so no fractional container is created or audited
+// before the memory a resize gave its pod is known.
+func (a *Agent) watchPods(ctx context.Context) *podWatch {
 	w := &podWatch{kick: make(chan struct{}, 1)}
 	w.factory = informers.NewSharedInformerFactoryWithOptions(a.client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 		o.FieldSelector = "spec.nodeName=" + a.opts.NodeName
@@ -53,11 +54,6 @@ func (a *Agent) watchPods(ctx context.Context, wait time.Duration) *podWatch {
 	}
 	w.lister, w.synced = pods.Lister(), pods.Informer().HasSynced
 	w.factory.Start(ctx.Done())
-	wctx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	if !toolscache.WaitForCacheSync(wctx.Done(), w.synced) {
-		klog.FromContext(ctx).Info("The node's pods are not listed yet; a resized pod's restarted container may meanwhile be judged by the memory it was placed with", "waited", wait)
-	}
 	return w
 }
 
