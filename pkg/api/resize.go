@@ -3,6 +3,7 @@ package api
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"regexp"
 	"strconv"
 	"strings"
@@ -271,6 +272,12 @@ func DescribeResize(pod *corev1.Pod, a Assignment) string {
 	return ""
 }
 
+// PodEnded says whether a pod has ended (Succeeded or Failed), so that it
+// holds no GPU and has nothing left to resize.
+func PodEnded(pod *corev1.Pod) bool {
+	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
+}
+
 // Resized says whether a scheduler has changed the pod's memory since it
 // was placed (ResizedFromAnnotation): its sandbox, made before, may name
 // older memory than the pod does now.
@@ -283,9 +290,9 @@ func Resized(annotations map[string]string) bool {
 // memory keys set to m: a pod's annotations as its sandbox holds them,
 // brought up to the allocation a resize made since.
 func WithMemory(annotations map[string]string, container string, m Memory) map[string]string {
-	out := make(map[string]string, len(annotations)+2)
-	for k, v := range annotations {
-		out[k] = v
+	out := maps.Clone(annotations)
+	if out == nil {
+		out = map[string]string{}
 	}
 	out[ContainerKey(container, SuffixMemoryRequest)] = strconv.FormatInt(m.RequestMiB, 10) + "Mi"
 	out[ContainerKey(container, SuffixMemoryLimit)] = strconv.FormatInt(m.LimitMiB, 10) + "Mi"

@@ -188,7 +188,7 @@ func Resizes(pods []corev1.Pod) []string {
 	var out []string
 	for i := range pods {
 		p := &pods[i]
-		if p.Spec.NodeName == "" || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+		if p.Spec.NodeName == "" || api.PodEnded(p) {
 			continue
 		}
 		if as, err := api.ParseAssignments(p.Annotations); err == nil && len(as) > 0 {

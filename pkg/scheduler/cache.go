@@ -252,7 +252,7 @@ func (c *Cache) SetPod(pod *corev1.Pod) {
 		c.setReservation(pod)
 		return
 	}
-	terminal := podEnded(pod)
+	terminal := api.PodEnded(pod)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.setDemand(pod, terminal)
@@ -308,11 +308,6 @@ func (c *Cache) learnGPUs(ns *nodeState, pod *corev1.Pod) {
 	if read, held, err := ns.ReadTenant(pod); err == nil && held && len(read.UUIDs) == len(t.Groups) {
 		t.UUIDs = read.UUIDs
 	}
-}
-
-// podEnded says whether a pod has ended, so that it holds no GPU.
-func podEnded(pod *corev1.Pod) bool {
-	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
 }
 
 // DeletePod forgets a deleted pod.

@@ -290,7 +290,7 @@ func (p *Plugin) PostBind(ctx context.Context, _ fwk.CycleState, pod *corev1.Pod
 	}
 	waiting := map[string]*corev1.Pod{}
 	for _, q := range all {
-		if q.Spec.NodeName == "" && len(q.Spec.ResourceClaims) > 0 && q.Spec.SchedulerName == pod.Spec.SchedulerName && q.UID != pod.UID && !podEnded(q) {
+		if q.Spec.NodeName == "" && len(q.Spec.ResourceClaims) > 0 && q.Spec.SchedulerName == pod.Spec.SchedulerName && q.UID != pod.UID && !api.PodEnded(q) {
 			waiting[q.Namespace+"/"+q.Name] = q
 		}
 	}

@@ -641,7 +641,7 @@ func assignedPodChanged(_ klog.Logger, _ *corev1.Pod, oldObj, newObj any) (fwk.Q
 	if !okOld || !okNew {
 		return fwk.Queue, nil // not what the event promises: err on retrying
 	}
-	if podEnded(pod) && !podEnded(old) || !maps.Equal(old.Annotations, pod.Annotations) {
+	if api.PodEnded(pod) && !api.PodEnded(old) || !maps.Equal(old.Annotations, pod.Annotations) {
 		return fwk.Queue, nil
 	}
 	return fwk.QueueSkip, nil

@@ -111,7 +111,7 @@ func (a *Agent) runResizes(ctx context.Context, w *podWatch) {
 // resizing says whether a pod has been resized, or its allocation
 // differs from what its node says it enforces (api.Resize.Applying).
 func resizing(pod *corev1.Pod) bool {
-	if pod.DeletionTimestamp != nil || podEnded(pod) {
+	if pod.DeletionTimestamp != nil || api.PodEnded(pod) {
 		return false
 	}
 	as, err := api.ParseAssignments(pod.Annotations)
@@ -120,10 +120,6 @@ func resizing(pod *corev1.Pod) bool {
 	}
 	r, _ := api.ResizeOf(pod.Annotations, as[0])
 	return r.Applying() || api.Resized(pod.Annotations)
-}
-
-func podEnded(pod *corev1.Pod) bool {
-	return pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
 }
 
 // applyResize holds a pod's running container to its allocation, and
