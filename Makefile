@@ -36,6 +36,9 @@ help: ## list the targets
 # Before a step that can take minutes, a line says what it builds and what
 # that costs the first time; later runs reuse Go's caches and bin/.
 announce = @printf '==> %s\n' $(1)
+# While a long step runs, a line every 30 s says how long so far and what Go
+# is compiling (PROGRESS_INTERVAL=seconds to change it).
+PROGRESS = hack/progress.sh
 
 .PHONY: preflight
 preflight: ## check the Go version and cgo's C compiler before anything long starts
@@ -44,7 +47,7 @@ preflight: ## check the Go version and cgo's C compiler before anything long sta
 .PHONY: build
 build: preflight ## build bin/gpufrac
 	$(call announce,"bin/gpufrac: gpufrac with kube-scheduler$(,) client-go$(,) controller-runtime and go-nvml (first time: about 5.5 min on 2 cores$(,) module download included; seconds once cached)")
-	$(GO) build -o $(BIN)/gpufrac ./cmd/gpufrac
+	$(PROGRESS) bin/gpufrac $(GO) build -o $(BIN)/gpufrac ./cmd/gpufrac
 
 .PHONY: shim
 shim: ## build the nvidia-smi view library (bin/shim/libnvidia-ml.so.1) for fractional containers
@@ -60,7 +63,7 @@ IMAGE_DIR   ?= $(BIN)/image
 image: preflight ## build gpufrac's image (amd64) as an OCI layout and archive in bin/image, without a container engine
 	$(call announce,"$(IMAGE_REF): gpufrac$(,) its view library and the C library$(,) as an OCI archive (first time: about 8 min on 2 cores$(,) a -trimpath build of every package; then seconds)")
 	rm -rf $(IMAGE_DIR)/build && mkdir -p $(IMAGE_DIR)/build
-	$(GO) build -trimpath -ldflags='-s -w -buildid=' -o $(IMAGE_DIR)/build/gpufrac ./cmd/gpufrac
+	$(PROGRESS) "the image's gpufrac" $(GO) build -trimpath -ldflags='-s -w -buildid=' -o $(IMAGE_DIR)/build/gpufrac ./cmd/gpufrac
 	$(GO) run ./shim/cmd/build-shim $(IMAGE_DIR)/build/shim >/dev/null
 	cd hack/node && $(GO) build -o $(NODE_BIN)/gpufracimage ./gpufracimage
 	$(NODE_BIN)/gpufracimage -binary $(IMAGE_DIR)/build/gpufrac -library $(IMAGE_DIR)/build/shim/libnvidia-ml.so.1 \
@@ -106,7 +109,7 @@ TRACE_TESTS := ^(TestFidelityToThePublishedStudy|TestQualityOurPolicyBeatsFGD)$$
 
 unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) chromium ## every test: with the race detector, then the trace replays without it
 	$(call announce,"go test -race ./...: compiles every package again with the race detector (first time: about 7 min)$(,) then runs the suite (about 3 min)")
-	$(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
+	$(PROGRESS) "go test -race" $(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
 	$(call announce,"the trace replays against the published study$(,) without the race detector (about 1.5 min)")
 	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
 
@@ -144,7 +147,7 @@ chart-e2e: build image $(KUBE_STAMP) $(KUBELET) $(KUBE_PROXY) $(HELM) $(NODE_STA
 
 $(KUBE_PROXY): go.mod go.sum | preflight
 	$(call announce,"bin/kube/kube-proxy $(KUBE_VERSION) from source (first time: about 1 min after bin/kube; kept until go.mod changes)")
-	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kube-proxy
+	$(PROGRESS) kube-proxy $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kube-proxy
 	@touch $@
 
 $(NVIDIA_RUNTIME): test/node/nvidiaruntime/main.go
@@ -161,12 +164,12 @@ node-packages:
 
 $(KUBELET): go.mod go.sum | preflight
 	$(call announce,"bin/kube/kubelet $(KUBE_VERSION) from source (first time: about 1 min after bin/kube; kept until go.mod changes)")
-	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubelet
+	$(PROGRESS) kubelet $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubelet
 	@touch $@
 
 $(NODE_STAMP): hack/node/go.mod hack/node/go.sum hack/node/mkimage/main.go | preflight
 	$(call announce,"bin/node: containerd v2.4.2$(,) containerd-shim-runc-v2$(,) ctr and mkimage (hack/node: a module of its own; first time: about 1.5 min)")
-	cd hack/node && $(GO) build -o $(NODE_BIN)/ tool ./mkimage
+	cd hack/node && ../../$(PROGRESS) bin/node $(GO) build -o $(NODE_BIN)/ tool ./mkimage
 	@touch $@
 
 # go list of the package (not -m) downloads go-nvml if it is not yet; cgo's
@@ -185,7 +188,7 @@ kube-binaries: $(KUBE_STAMP) ## build kube-apiserver, kube-controller-manager an
 
 $(KUBE_STAMP): go.mod go.sum | preflight
 	$(call announce,"bin/kube: kube-apiserver$(,) kube-controller-manager $(KUBE_VERSION) and etcd v3.7.0 from source (first time: about 4 min after bin/gpufrac$(,) whose Kubernetes packages they reuse; kept until go.mod changes)")
-	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager go.etcd.io/etcd/server/v3
+	$(PROGRESS) bin/kube $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager go.etcd.io/etcd/server/v3
 	mv -f $(KUBE_BIN)/server $(KUBE_BIN)/etcd
 	@touch $@
 
@@ -194,7 +197,7 @@ kubectl: $(KUBECTL) ## build kubectl from source into bin/kube (for the README's
 
 $(KUBECTL): go.mod go.sum | preflight
 	$(call announce,"bin/kube/kubectl $(KUBE_VERSION) from source (first time: about 30 s after bin/kube; kept until go.mod changes)")
-	$(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubectl
+	$(PROGRESS) kubectl $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $@ k8s.io/kubernetes/cmd/kubectl
 	@touch $@
 
 .PHONY: chromium
@@ -246,7 +249,7 @@ fmt-check:
 .PHONY: vet
 vet:
 	$(call announce,"go vet ./...: compiles every package and its tests (first time: about 1.5 min)")
-	$(GO) vet -tags nodee2e ./...
+	$(PROGRESS) "go vet" $(GO) vet -tags nodee2e ./...
 	$(GO) vet -tags charte2e ./test/node/...
 	cd hack/node && $(GO) vet ./...
 

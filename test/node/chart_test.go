@@ -32,7 +32,6 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"encoding/pem"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -77,8 +76,8 @@ const (
 )
 
 // chartHostDirs are the chart's host directories (values.yaml defaults):
-// an uninstall leaves them, as the chart README says, and the test removes
-// them afterwards.
+// an uninstall leaves them, as the chart README says. On the test node
+// they are the node's own (isolate_test.go), and go with it.
 var chartHostDirs = []string{"/opt/gpufrac", "/var/lib/gpufrac", "/run/gpufrac"}
 
 func TestMain(m *testing.M) {
@@ -97,7 +96,6 @@ func startChartNode() (*node, error) {
 	n.nvml = fakeNVMLDir
 	n.images = append(n.images, filepath.Join(n.repo, "bin", "image", "gpufrac.oci.tar"))
 	return n, n.runSteps([]step{
-		{"this machine clean of an earlier run", n.clearHost},
 		{"etcd, kube-apiserver (tokens, Node+RBAC)", n.startAPIServer},
 		{"kube-controller-manager, default scheduler", n.startControllers},
 		{"fake NVML at the driver's place", n.installDriver},
@@ -110,115 +108,17 @@ func startChartNode() (*node, error) {
 	})
 }
 
-// clearHost removes what an earlier run that was killed may have left (the
-// fake driver, the chart's host directories, kube-proxy's chains), and
-// refuses a machine whose driver library is a real one (newNode has
-// already refused one where another kubelet runs).
-func (n *node) clearHost() error {
-	fake, err := os.ReadFile(filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"))
-	if err != nil {
-		return err
-	}
-	if lib, err := os.ReadFile(hostDriverLib); err == nil && string(lib) != string(fake) {
-		return fmt.Errorf("%s is a real NVIDIA driver's: the chart test would replace it; run it on a machine without one", hostDriverLib)
-	}
-	_ = os.Remove(hostDriverLib)
-	_ = os.RemoveAll(fakeNVMLDir)
-	for _, d := range chartHostDirs {
-		if _, err := os.Stat(d); err == nil {
-			fmt.Fprintf(os.Stderr, "node e2e: removing %s, left by an earlier run\n", d)
-			if err := os.RemoveAll(d); err != nil {
-				return err
-			}
-		}
-	}
-	// An earlier run killed before its cleanup left kube-proxy's chains.
-	if out, err := exec.Command(filepath.Join(n.repo, "bin", "kube", "kube-proxy"), "--cleanup").CombinedOutput(); err != nil {
-		return fmt.Errorf("kube-proxy --cleanup: %w\n%s", err, out)
-	}
-	rules, err := iptablesRules()
-	if err != nil {
-		return err
-	}
-	// Last, whatever happened before: the chart's host directories go
-	// (an uninstall leaves them), and the rules must be as they were.
-	n.cleanups = append(n.cleanups, func() error {
-		var errs []error
-		for _, d := range chartHostDirs {
-			errs = append(errs, os.RemoveAll(d))
-		}
-		return errors.Join(errs...)
-	}, func() error {
-		now, err := iptablesRules()
-		if err != nil {
-			return err
-		}
-		if now != rules {
-			return fmt.Errorf("iptables rules left behind:\n%s\nwant:\n%s", now, rules)
-		}
-		return nil
-	})
-	return nil
-}
-
-// iptablesRules is iptables-save and ip6tables-save (kube-proxy is dual
-// stack) without counters and comments: what must be the same before and
-// after.
-func iptablesRules() (string, error) {
-	var out []byte
-	for _, save := range []string{"iptables-save", "ip6tables-save"} {
-		o, err := exec.Command(save).Output()
-		if err != nil {
-			return "", fmt.Errorf("%s: %w", save, err)
-		}
-		out = append(out, o...)
-	}
-	var keep []string
-	for _, l := range strings.Split(string(out), "\n") {
-		if strings.HasPrefix(l, "#") || l == "" {
-			continue
-		}
-		if strings.HasPrefix(l, ":") { // ":CHAIN POLICY [packets:bytes]"
-			if f := strings.Fields(l); len(f) >= 2 {
-				l = f[0] + " " + f[1]
-			}
-		}
-		keep = append(keep, l)
-	}
-	return strings.Join(keep, "\n"), nil
-}
-
-// hostIP is the machine's first non-loopback IPv4 address: the API
-// server advertises it as the kubernetes Service's endpoint, which pods
-// reach (not loopback, which is each pod's own).
-func hostIP() (net.IP, error) {
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return nil, err
-	}
-	_, pods, err := net.ParseCIDR(podCIDR)
-	if err != nil {
-		return nil, err
-	}
-	for _, a := range addrs {
-		if ip, ok := a.(*net.IPNet); ok && ip.IP.To4() != nil && !ip.IP.IsLoopback() && !pods.Contains(ip.IP) {
-			return ip.IP, nil
-		}
-	}
-	return nil, errors.New("no non-loopback IPv4 address: pods could not reach the API server")
-}
-
 func (n *node) startAPIServer() error {
 	dir := n.path("pki")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	ip, err := hostIP()
-	if err != nil {
-		return err
-	}
+	// The node's own address (isolate_test.go): the API server advertises
+	// it as the kubernetes Service's endpoint, which pods reach through
+	// the bridge (not loopback, which is each pod's own).
+	ip := net.ParseIP(nodeAddress)
 	// One serving certificate for every name a client uses: loopback (the
-	// test, the kubelet, the control plane), the host's address, and the
+	// test, the kubelet, the control plane), the node's address, and the
 	// kubernetes Service (pods).
 	crt, key, err := certutil.GenerateSelfSignedCertKey("kube-apiserver", []net.IP{net.ParseIP("127.0.0.1"), ip, net.ParseIP(apiServiceIP)},
 		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
@@ -324,12 +224,13 @@ func (n *node) startControllers() error {
 }
 
 // installDriver puts the fake NVML where the driver's library is, with
-// the machine it reports; both are removed at the end.
+// the machine it reports. Both are the node's: the driver's directory is
+// an overlay and /run a tmpfs of its own (isolate_test.go), so a real
+// driver's library on the host stays as it is.
 func (n *node) installDriver() error {
 	if err := os.MkdirAll(fakeNVMLDir, 0o755); err != nil {
 		return err
 	}
-	n.cleanups = append(n.cleanups, func() error { return errors.Join(os.Remove(hostDriverLib), os.RemoveAll(fakeNVMLDir)) })
 	if err := n.writeMachine(); err != nil {
 		return err
 	}
@@ -395,13 +296,7 @@ func (n *node) startKubeProxy() error {
 	}
 	metrics, healthz := ports[0], ports[1]
 	proxy := filepath.Join(n.repo, "bin", "kube", "kube-proxy")
-	// Its rules go with it: --cleanup removes every chain it made.
-	n.cleanups = append([]func() error{func() error {
-		if out, err := exec.Command(proxy, "--cleanup").CombinedOutput(); err != nil {
-			return fmt.Errorf("kube-proxy --cleanup: %w\n%s", err, out)
-		}
-		return nil
-	}}, n.cleanups...)
+	// Its rules are the node's network namespace's, and go with it.
 	if err := n.start("kube-proxy", nil, proxy, "--kubeconfig", n.kubeconfig, "--hostname-override", nodeName, "--proxy-mode", "iptables",
 		"--cluster-cidr", podCIDR, "--iptables-localhost-nodeports=false",
 		// 0: leave this machine's conntrack table and timeouts as they are.
@@ -481,8 +376,13 @@ func (n *node) describeRelease() string {
 }
 
 // uninstall is `helm uninstall`, and what the README says it leaves: no
-// gpufrac object, no process, and on the host only chartHostDirs.
+// gpufrac object, no process, no rule for its Services, and on the host
+// only chartHostDirs.
 func (n *node) uninstall() error {
+	// The check below can fail: the release's Services have rules now.
+	if rules, err := releaseRules(); err != nil || len(rules) == 0 {
+		return fmt.Errorf("before helm uninstall, kube-proxy has no rule for the release's Services (%v): the check of what the uninstall leaves would prove nothing", err)
+	}
 	if _, err := n.helm("uninstall", release, "-n", releaseNS, "--wait", "--timeout", "2m"); err != nil {
 		return err
 	}
@@ -513,10 +413,41 @@ func (n *node) uninstall() error {
 		return len(procs) == 0, nil
 	})
 	left = append(append(left, n.gpufracObjects(ctx)...), procs...)
+	// kube-proxy takes the Services' rules out on its next sync.
+	var rules []string
+	_ = waitFor("no iptables rule for the release's Services", time.Minute, func() (bool, error) {
+		var err error
+		rules, err = releaseRules()
+		return err == nil && len(rules) == 0, err
+	})
+	left = append(left, rules...)
 	if len(left) > 0 {
 		return fmt.Errorf("helm uninstall left %s", strings.Join(left, "; "))
 	}
 	return n.checkHostFiles()
+}
+
+// releaseRules are the node's iptables and ip6tables rules that belong to
+// the release: kube-proxy's for its Services, which name them in a
+// comment ("gpufrac-system/gpufrac-webhook:https cluster IP"). The rest of
+// the node's tables is not gpufrac's and is not checked: the kubelet's own
+// chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT, made on
+// its first start) and kube-proxy's for the kubernetes Service. All of it
+// is the node's network namespace's, and goes with it.
+func releaseRules() ([]string, error) {
+	var rules []string
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		out, err := exec.Command(save).Output()
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", save, err)
+		}
+		for _, l := range strings.Split(string(out), "\n") {
+			if strings.Contains(l, releaseNS+"/") {
+				rules = append(rules, "iptables rule "+l)
+			}
+		}
+	}
+	return rules, nil
 }
 
 // gpufracObjects lists the cluster's objects labelled as gpufrac's.

@@ -83,6 +83,14 @@ func run(m *testing.M, startNode func() (*node, error)) int {
 		fmt.Fprintln(os.Stderr, "node e2e: must run as root (containerd, runc and the kubelet need it); run it with `make node-e2e` as root")
 		return 1
 	}
+	// The node runs in namespaces of its own (isolate_test.go): on the
+	// host this binary only starts it and checks the host afterwards.
+	switch os.Getenv(stageEnv) {
+	case "":
+		return onHost()
+	case stageInit:
+		return nodeInit()
+	}
 	n, err := startNode()
 	theNode = n
 	code := 0
@@ -166,11 +174,13 @@ func newNode(need ...string) (*node, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Short: an MPS namespace's control socket under it must stay within
-	// 83 characters (nodeapi.CheckRoot), so the MPS root is <dir>/m.
-	dir, err := os.MkdirTemp("/tmp", "gfn")
-	if err != nil {
-		return nil, err
+	// A tmpfs of the node's own (isolate_test.go), made on the host as
+	// /tmp/gfn<digits>. Short: an MPS namespace's control socket under it
+	// must stay within 83 characters (nodeapi.CheckRoot), so the MPS root
+	// is <dir>/m.
+	dir := os.Getenv(dirEnv)
+	if dir == "" {
+		return nil, errors.New(dirEnv + " is not set: the node runs in the namespaces that onHost makes")
 	}
 	n := &node{repo: repo, dir: dir, gpufrac: filepath.Join(repo, "bin", "gpufrac"), nodeBin: filepath.Join(repo, "bin", "node"), procs: map[string]*process{}}
 	need = append(need, n.gpufrac, filepath.Join(n.nodeBin, "containerd"), filepath.Join(n.nodeBin, "containerd-shim-runc-v2"),
@@ -185,16 +195,6 @@ func newNode(need ...string) (*node, error) {
 		if _, err := os.Stat(need); err != nil {
 			return n, fmt.Errorf("%s is missing: `make node-e2e` (or `make chart-e2e`) builds or installs it", need)
 		}
-	}
-	// The kubelet's device-plugin directory and pod cgroups are fixed
-	// paths: a kubelet already running here (or an earlier run's pods)
-	// would share them.
-	if c, err := net.Dial("unix", dp.KubeletSocket); err == nil {
-		_ = c.Close()
-		return n, fmt.Errorf("a kubelet already serves %s on this machine: the node test needs the machine to itself", dp.KubeletSocket)
-	}
-	if pids := kubepodsPIDs(); len(pids) > 0 {
-		return n, fmt.Errorf("processes %v are in pod cgroups (%v): another kubelet's pods, or an earlier run's left behind; stop them first", pids, kubepodsRoots)
 	}
 	for _, d := range []string{"logs", "nvml", "cni", "m", "agent", "pod-logs", "dmem-standin", "cdi-specs", "nri"} {
 		if err := os.MkdirAll(n.path(d), 0o755); err != nil {
@@ -331,8 +331,6 @@ func waitFor(what string, timeout time.Duration, ok func() (bool, error)) error 
 }
 
 func (n *node) startContainerd() error {
-	// A bridge left by an earlier run that was killed would make CNI fail.
-	_ = exec.Command("ip", "link", "delete", bridge).Run()
 	conf := fmt.Sprintf(`{"cniVersion": "1.0.0", "name": "gpufrac-node-e2e", "plugins": [
   {"type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}}]}`, bridge, podCIDR, n.path("cni-ipam"))
@@ -460,7 +458,7 @@ podPidsLimit: -1
 	}
 	if err := n.start("kubelet", nil, filepath.Join(n.repo, "bin", "kube", "kubelet"), "--config", n.path("kubelet.yaml"),
 		"--kubeconfig", cmp.Or(n.kubeletKubeconfig, n.kubeconfig), "--root-dir", n.kubeletRoot(), "--hostname-override", nodeName,
-		"--v", "2"); err != nil {
+		"--node-ip", nodeAddress, "--v", "2"); err != nil {
 		return err
 	}
 	return waitFor("the kubelet's Node, Ready", 90*time.Second, func() (bool, error) {
@@ -697,20 +695,11 @@ func (n *node) stop() error {
 			errs = append(errs, err)
 		}
 	}
-	if err := clearDevicePlugins(); err != nil {
-		errs = append(errs, err)
-	}
-	// The kubelet's fixed directories, if nothing else is in them.
-	_ = os.Remove(dp.DevicePluginPath)
-	_ = os.Remove(filepath.Dir(filepath.Clean(dp.DevicePluginPath)))
+	// The work directory, the bridge and the kubelet's fixed directories
+	// go with the node's namespaces; what is mounted is unmounted here so
+	// that a mount that will not go is reported.
 	if err := n.unmountAll(); err != nil {
 		errs = append(errs, err)
-	}
-	_ = exec.Command("ip", "link", "delete", bridge).Run()
-	if len(errs) == 0 {
-		if err := os.RemoveAll(n.dir); err != nil {
-			errs = append(errs, err)
-		}
 	}
 	return errors.Join(errs...)
 }
@@ -785,9 +774,10 @@ func (n *node) killMatching(s string) {
 }
 
 // kubepodsRoots are the kubelet's pod cgroups (cgroupfs driver): in the
-// unified hierarchy, and in v1's pids hierarchy on a hybrid host. startNode
+// unified hierarchy, and in v1's pids hierarchy on a hybrid host. onHost
 // refuses to run where another kubelet's pods are, so what is in them is
-// this node's.
+// this node's. Read in the node's PID namespace, they list only the node's
+// processes (a process it cannot see reads as 0, and is left out).
 var kubepodsRoots = []string{"/sys/fs/cgroup/kubepods", "/sys/fs/cgroup/unified/kubepods", "/sys/fs/cgroup/pids/kubepods"}
 
 func kubepodsPIDs() []int {
@@ -799,7 +789,7 @@ func kubepodsPIDs() []int {
 			}
 			raw, _ := os.ReadFile(path)
 			for _, f := range strings.Fields(string(raw)) {
-				if pid, err := strconv.Atoi(f); err == nil && !slices.Contains(pids, pid) {
+				if pid, err := strconv.Atoi(f); err == nil && pid > 0 && !slices.Contains(pids, pid) {
 					pids = append(pids, pid)
 				}
 			}

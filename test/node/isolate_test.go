@@ -1,0 +1,354 @@
+//go:build nodee2e || charte2e
+
+package node
+
+// The node runs in namespaces of its own, the way kind and KWOK-in-a-
+// container isolate a node, so that it leaves the host as it found it by
+// construction, not by cleaning up after itself:
+//
+//   - a network namespace: the kubelet's firewall chains, kube-proxy's
+//     rules, the CNI bridge and IP forwarding are the node's, and go with
+//     it; the node has one address of its own (nodeAddress, on one end of
+//     a veth pair: this kernel has no dummy interfaces) besides loopback,
+//     and a default route into that pair, which leads nowhere (components
+//     look for a default route to find the node's address);
+//   - a mount namespace: containerd's and the kubelet's mounts; /run a
+//     fresh tmpfs, as on a kind node; /etc, /opt, /var/lib and the driver's
+//     library directory overlays whose writes stay in the node; the work
+//     directory a tmpfs; and the kubelet's kernel tunables masked with the
+//     values it wants, so it never writes the host's (setupKernelTunables
+//     sets vm.overcommit_memory, kernel.panic, ... unless they are already
+//     so);
+//   - a PID namespace, whose first process is a small init that reaps the
+//     node's orphans: when it ends, for whatever reason (a failure, a
+//     kill of the run), the kernel ends every process of the node.
+//
+// What must be checked on the host is what these namespaces do not hold:
+// the cgroups the kubelet makes (it names them from the root of each
+// hierarchy), which the host side removes once the node is gone. Around
+// it all, the host side takes hoststate snapshots before and after and
+// fails the run on any difference.
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	utilsysctl "k8s.io/component-helpers/node/util/sysctl"
+
+	"github.com/gpufrac/gpufrac/test/node/hoststate"
+)
+
+const (
+	// stageEnv is where a process of the node test stands: unset on the
+	// host, stageInit for the namespaces' first process, stageNode for
+	// the test itself.
+	stageEnv  = "GPUFRAC_NODE_E2E_STAGE"
+	stageInit = "init"
+	stageNode = "node"
+	// dirEnv is the node's work directory: made on the host, a tmpfs in
+	// the node.
+	dirEnv = "GPUFRAC_NODE_E2E_DIR"
+	// nodeInterface carries nodeAddress, the node's own address: the API
+	// server advertises it, pods reach it through the bridge, and the
+	// kubelet reports it (--node-ip). Its default route goes into the veth
+	// pair and no further: kube-apiserver finds its address by the default
+	// route, and nothing the node does goes out.
+	nodeInterface = "gfhost0"
+	nodeAddress   = "10.214.0.1"
+	// agentCgroupName is the hostnode agent's cgroup (agentCgroup), one
+	// of what a run makes on the host.
+	agentCgroupName = "gpufrac-node-e2e-agent"
+)
+
+// nodeCgroups are the top-level cgroups a run makes on the host: the
+// kubelet's pods (cgroupfs driver) and the host-process agent's own.
+var nodeCgroups = []string{"kubepods", agentCgroupName}
+
+// kubeletTunables are the kernel settings the kubelet sets unless they
+// already have its values (setupKernelTunables in
+// pkg/kubelet/cm/container_manager_linux.go, v1.37): the node sees them
+// so, and the host's stay as they are.
+var kubeletTunables = map[string]int{
+	utilsysctl.VMOvercommitMemory: utilsysctl.VMOvercommitMemoryAlways,
+	utilsysctl.VMPanicOnOOM:       utilsysctl.VMPanicOnOOMInvokeOOMKiller,
+	utilsysctl.KernelPanic:        utilsysctl.KernelPanicRebootTimeout,
+	utilsysctl.KernelPanicOnOops:  utilsysctl.KernelPanicOnOopsAlways,
+	utilsysctl.RootMaxKeys:        utilsysctl.RootMaxKeysSetting,
+	utilsysctl.RootMaxBytes:       utilsysctl.RootMaxBytesSetting,
+}
+
+// overlaid are the host directories a node writes into (the chart's host
+// paths, the kubelet's device-plugin directory, the driver's library
+// place): the node sees them as they are, and its writes stay in it.
+var overlaid = []string{"/etc", "/opt", "/var/lib", "/usr/lib/x86_64-linux-gnu"}
+
+// onHost runs the node test in a node of its own and checks that the host
+// is as before. It is the test binary's first stage.
+func onHost() int {
+	if pids := kubepodsPIDs(); len(pids) > 0 {
+		fmt.Fprintf(os.Stderr, "node e2e: processes %v are in pod cgroups (%v): another kubelet's pods; the node test needs them to itself (its kubelet names the same cgroups)\n", pids, kubepodsRoots)
+		return 1
+	}
+	if err := clearEarlierRun(); err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e: what an earlier run left:", err)
+		return 1
+	}
+	before, err := hoststate.Take(hoststate.Options{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e: the host before the run:", err)
+		return 1
+	}
+	dir, err := os.MkdirTemp("/tmp", "gfn")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e:", err)
+		return 1
+	}
+	code, err := runStage(stageInit, dir, syscall.CLONE_NEWNS|syscall.CLONE_NEWNET|syscall.CLONE_NEWPID|syscall.CLONE_NEWUTS|syscall.CLONE_NEWIPC)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e: start the node's namespaces:", err)
+		code = 1
+	}
+	// The node's first process has ended, and with it every process,
+	// mount and network of the node. Its cgroups remain: they are the
+	// host's.
+	errs := []error{os.Remove(dir)}
+	for _, cg := range cgroupsOfTheNode() {
+		errs = append(errs, removeCgroup(cg))
+	}
+	after, err := hoststate.Take(hoststate.Options{})
+	if err = errors.Join(append(errs, err)...); err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e: after the run:", err)
+		return 1
+	}
+	if d := hoststate.Diff(before, after); len(d) > 0 {
+		fmt.Fprintf(os.Stderr, "node e2e: the run changed the host:\n  %s\n", strings.Join(d, "\n  "))
+		return 1
+	}
+	fmt.Fprintf(os.Stderr, "node e2e: the host is as before the run: %d iptables and ip6tables lines, %d mounts, %d entries under /run, %d kernel settings, %d top-level cgroups\n",
+		len(after.IPTables), len(after.Mounts), len(after.Run), len(after.Sysctls), len(after.Cgroups))
+	return code
+}
+
+// clearEarlierRun removes what a run that was killed leaves on the host:
+// its empty cgroups and its work directory's mount point.
+func clearEarlierRun() error {
+	var errs []error
+	for _, cg := range cgroupsOfTheNode() {
+		fmt.Fprintf(os.Stderr, "node e2e: removing the cgroup %s, left by an earlier run\n", cg)
+		errs = append(errs, removeCgroup(cg))
+	}
+	stale, _ := filepath.Glob("/tmp/gfn*")
+	for _, d := range stale {
+		if entries, err := os.ReadDir(d); err == nil && len(entries) == 0 {
+			_ = os.Remove(d) // an earlier run's work directory's mount point
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// cgroupsOfTheNode are nodeCgroups where they are, in every hierarchy.
+func cgroupsOfTheNode() []string {
+	hierarchies, _ := filepath.Glob("/sys/fs/cgroup/*/cgroup.procs")
+	roots := []string{"/sys/fs/cgroup"}
+	for _, h := range hierarchies {
+		roots = append(roots, filepath.Dir(h))
+	}
+	var cgroups []string
+	for _, root := range roots {
+		for _, name := range nodeCgroups {
+			if cg := filepath.Join(root, name); isDir(cg) {
+				cgroups = append(cgroups, cg)
+			}
+		}
+	}
+	return cgroups
+}
+
+func isDir(p string) bool {
+	st, err := os.Stat(p)
+	return err == nil && st.IsDir()
+}
+
+// removeCgroup removes a cgroup and the cgroups under it, deepest first.
+// A cgroup that still holds a process cannot be removed, and says so.
+func removeCgroup(root string) error {
+	var dirs []string
+	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() {
+			dirs = append(dirs, p)
+		}
+		return nil
+	})
+	slices.SortFunc(dirs, func(a, b string) int { return strings.Count(b, "/") - strings.Count(a, "/") })
+	for _, d := range dirs {
+		var err error
+		// A process killed a moment ago may still be leaving its cgroup.
+		for range 50 {
+			if err = syscall.Rmdir(d); err == nil || errors.Is(err, syscall.ENOENT) {
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		if err != nil && !errors.Is(err, syscall.ENOENT) {
+			procs, _ := os.ReadFile(filepath.Join(d, "cgroup.procs"))
+			return fmt.Errorf("remove cgroup %s (processes: %q): %w", d, strings.Fields(string(procs)), err)
+		}
+	}
+	return nil
+}
+
+// runStage runs this test binary again, with its arguments, as stage in
+// new namespaces (flags), and returns its exit code. It ends with this
+// process (Pdeathsig), and SIGINT and SIGTERM are passed on to it.
+func runStage(stage, dir string, flags uintptr) (int, error) {
+	// Pdeathsig follows the thread that started the child.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	cmd := exec.Command("/proc/self/exe", os.Args[1:]...)
+	cmd.Args[0] = os.Args[0]
+	cmd.Env = append(os.Environ(), stageEnv+"="+stage, dirEnv+"="+dir)
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return 1, err
+	}
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sig)
+	go func() {
+		for s := range sig {
+			_ = cmd.Process.Signal(s)
+		}
+	}()
+	err := cmd.Wait()
+	var exit *exec.ExitError
+	if errors.As(err, &exit) {
+		return exitCode(exit.Sys().(syscall.WaitStatus)), nil
+	}
+	return 0, err
+}
+
+func exitCode(ws syscall.WaitStatus) int {
+	if ws.Signaled() {
+		return 128 + int(ws.Signal())
+	}
+	return ws.ExitStatus()
+}
+
+// nodeInit is the first process of the node's namespaces: it makes the
+// node's mounts and network, runs the test as its child, reaps every
+// orphan of the node meanwhile (a shim, a container's process), and
+// exits with the test's code, which ends the node.
+func nodeInit() int {
+	if err := makeNode(os.Getenv(dirEnv)); err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e: make the node:", err)
+		return 1
+	}
+	runtime.LockOSThread()
+	cmd := exec.Command("/proc/self/exe", os.Args[1:]...)
+	cmd.Args[0] = os.Args[0]
+	cmd.Env = append(os.Environ(), stageEnv+"="+stageNode)
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "node e2e: start the test in the node:", err)
+		return 1
+	}
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		for s := range sig {
+			_ = cmd.Process.Signal(s)
+		}
+	}()
+	// As PID 1, every orphan of the node is this process's child: reap
+	// them all (not cmd.Wait, which would race this loop), until the test
+	// itself ends.
+	for {
+		var ws syscall.WaitStatus
+		pid, err := syscall.Wait4(-1, &ws, 0, nil)
+		if errors.Is(err, syscall.EINTR) {
+			continue
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "node e2e: wait for the test in the node:", err)
+			return 1
+		}
+		if pid == cmd.Process.Pid {
+			return exitCode(ws)
+		}
+	}
+}
+
+// makeNode makes the node's mounts and network, in its fresh namespaces.
+func makeNode(dir string) error {
+	if dir == "" {
+		return errors.New(dirEnv + " is not set")
+	}
+	mount := func(source, target, fstype string, flags uintptr, data string) error {
+		if err := syscall.Mount(source, target, fstype, flags, data); err != nil {
+			return fmt.Errorf("mount %s (%s) on %s: %w", source, fstype, target, err)
+		}
+		return nil
+	}
+	// Nothing mounted here reaches the host.
+	if err := mount("", "/", "", syscall.MS_REC|syscall.MS_PRIVATE, ""); err != nil {
+		return err
+	}
+	// This PID namespace's processes, for ps, the leftovers check and
+	// the agent's hostPID view.
+	if err := mount("proc", "/proc", "proc", syscall.MS_NOSUID|syscall.MS_NODEV|syscall.MS_NOEXEC, ""); err != nil {
+		return err
+	}
+	if err := mount("gpufrac-node", dir, "tmpfs", 0, "mode=0755"); err != nil {
+		return err
+	}
+	if err := mount("gpufrac-node-run", "/run", "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "mode=0755"); err != nil {
+		return err
+	}
+	for i, d := range overlaid {
+		if !isDir(d) {
+			continue
+		}
+		layer := filepath.Join(dir, ".host", strconv.Itoa(i))
+		upper, work := filepath.Join(layer, "upper"), filepath.Join(layer, "work")
+		if err := errors.Join(os.MkdirAll(upper, 0o755), os.MkdirAll(work, 0o755)); err != nil {
+			return err
+		}
+		if err := mount("gpufrac-node", d, "overlay", 0, fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", d, upper, work)); err != nil {
+			return err
+		}
+	}
+	for name, value := range kubeletTunables {
+		f := filepath.Join(dir, ".host", "sysctl", strings.ReplaceAll(name, "/", "."))
+		if err := errors.Join(os.MkdirAll(filepath.Dir(f), 0o755), os.WriteFile(f, []byte(strconv.Itoa(value)+"\n"), 0o644)); err != nil {
+			return err
+		}
+		if err := mount(f, filepath.Join("/proc/sys", name), "", syscall.MS_BIND, ""); err != nil {
+			return err
+		}
+	}
+	for _, args := range [][]string{
+		{"link", "set", "lo", "up"},
+		{"link", "add", nodeInterface, "type", "veth", "peer", "name", nodeInterface + "-peer"},
+		{"addr", "add", nodeAddress + "/32", "dev", nodeInterface},
+		{"link", "set", nodeInterface, "up"},
+		{"link", "set", nodeInterface + "-peer", "up"},
+		{"route", "add", "default", "dev", nodeInterface},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			return fmt.Errorf("ip %s: %w: %s (Debian's iproute2 has ip)", strings.Join(args, " "), err, out)
+		}
+	}
+	return nil
+}
