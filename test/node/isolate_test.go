@@ -13,12 +13,12 @@ package node
 //     and a default route into that pair, which leads nowhere (components
 //     look for a default route to find the node's address);
 //   - a mount namespace: containerd's and the kubelet's mounts; /run a
-//     fresh tmpfs, as on a kind node; /etc, /opt, /var/lib and the driver's
-//     library directory overlays whose writes stay in the node; the work
-//     directory a tmpfs; and the kubelet's kernel tunables masked with the
-//     values it wants, so it never writes the host's (setupKernelTunables
-//     sets vm.overcommit_memory, kernel.panic, ... unless they are already
-//     so);
+//     fresh tmpfs, as on a kind node; /tmp, /etc, /opt, /var/lib and the
+//     driver's library directory overlays whose writes stay in the node;
+//     the work directory a tmpfs; and the kubelet's kernel tunables masked
+//     with the values it wants, so it never writes the host's
+//     (setupKernelTunables sets vm.overcommit_memory, kernel.panic, ...
+//     unless they are already so);
 //   - a PID namespace, whose first process is a small init that reaps the
 //     node's orphans: when it ends, for whatever reason (a failure, a
 //     kill of the run), the kernel ends every process of the node.
@@ -87,10 +87,12 @@ var kubeletTunables = map[string]int{
 	utilsysctl.RootMaxBytes:       utilsysctl.RootMaxBytesSetting,
 }
 
-// overlaid are the host directories a node writes into (the chart's host
-// paths, the kubelet's device-plugin directory, the driver's library
-// place): the node sees them as they are, and its writes stay in it.
-var overlaid = []string{"/etc", "/opt", "/var/lib", "/usr/lib/x86_64-linux-gnu"}
+// overlaid are the host directories a node writes into (temporary files,
+// such as the control plane's certificates; the chart's host paths, the
+// kubelet's device-plugin directory, the driver's library place): the node
+// sees them as they are (this test binary is under /tmp), and its writes
+// stay in it.
+var overlaid = []string{"/tmp", "/etc", "/opt", "/var/lib", "/usr/lib/x86_64-linux-gnu"}
 
 // onHost runs the node test in a node of its own and checks that the host
 // is as before. It is the test binary's first stage.
@@ -310,27 +312,32 @@ func makeNode(dir string) error {
 	if err := mount("proc", "/proc", "proc", syscall.MS_NOSUID|syscall.MS_NODEV|syscall.MS_NOEXEC, ""); err != nil {
 		return err
 	}
-	if err := mount("gpufrac-node", dir, "tmpfs", 0, "mode=0755"); err != nil {
+	if err := mount("node-e2e-run", "/run", "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "mode=0755"); err != nil {
 		return err
 	}
-	if err := mount("gpufrac-node-run", "/run", "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "mode=0755"); err != nil {
-		return err
-	}
+	// The overlays' upper layers and the masked settings, on the node's
+	// /run: out of the way of the work directory, which is under /tmp.
+	layers := filepath.Join("/run", "node-e2e-layers")
 	for i, d := range overlaid {
 		if !isDir(d) {
 			continue
 		}
-		layer := filepath.Join(dir, ".host", strconv.Itoa(i))
+		layer := filepath.Join(layers, strconv.Itoa(i))
 		upper, work := filepath.Join(layer, "upper"), filepath.Join(layer, "work")
 		if err := errors.Join(os.MkdirAll(upper, 0o755), os.MkdirAll(work, 0o755)); err != nil {
 			return err
 		}
-		if err := mount("gpufrac-node", d, "overlay", 0, fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", d, upper, work)); err != nil {
+		if err := mount("node-e2e", d, "overlay", 0, fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", d, upper, work)); err != nil {
 			return err
 		}
 	}
+	// The work directory: the host made its mount point, which the /tmp
+	// overlay shows.
+	if err := mount("node-e2e", dir, "tmpfs", 0, "mode=0755"); err != nil {
+		return err
+	}
 	for name, value := range kubeletTunables {
-		f := filepath.Join(dir, ".host", "sysctl", strings.ReplaceAll(name, "/", "."))
+		f := filepath.Join(layers, "sysctl", strings.ReplaceAll(name, "/", "."))
 		if err := errors.Join(os.MkdirAll(filepath.Dir(f), 0o755), os.WriteFile(f, []byte(strconv.Itoa(value)+"\n"), 0o644)); err != nil {
 			return err
 		}
