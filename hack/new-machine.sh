@@ -10,10 +10,15 @@
 #   NEW_MACHINE_DIR=dir   where the clone and its caches go (default: a new
 #                         directory under /var/tmp). Give the same one again
 #                         for a second run on the same "machine": warm caches,
-#                         bin/ kept.
+#                         bin/ kept, the clone moved to this commit.
 #   NEW_MACHINE_PURGE=1   first remove the Debian packages make test installs
 #                         (chromium, runc, busybox-static, the CNI plugins,
-#                         iptables), so that their install is tested too.
+#                         iptables), so that their install is tested too; dpkg
+#                         refuses if another package needs one of them.
+#
+# The environment is emptied but for PATH, TERM and a proxy's variables
+# (http_proxy, https_proxy, no_proxy, GOPROXY, GONOSUMDB, GOPRIVATE), which
+# a new machine behind a proxy would have too.
 #
 # It prints each run's time and keeps a log (make.log) in the directory.
 # docs/development.md says how this was used and what it measured.
@@ -26,13 +31,17 @@ fi
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 if [ "${NEW_MACHINE_PURGE:-}" = 1 ]; then
-	echo "new-machine: removing Debian's chromium runc busybox-static containernetworking-plugins iptables"
-	DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq chromium runc busybox-static containernetworking-plugins iptables >/dev/null
+	installed=$(for p in chromium runc busybox-static containernetworking-plugins iptables; do dpkg -s "$p" >/dev/null 2>&1 && echo "$p"; done)
+	if [ -n "$installed" ]; then
+		echo "new-machine: removing Debian's" $installed
+		dpkg --purge $installed >/dev/null
+	fi
 fi
 if [ ! -d "$dir/gpufrac" ]; then
 	git clone --quiet --no-hardlinks "$repo" "$dir/gpufrac"
-	git -C "$dir/gpufrac" checkout --quiet "$(git -C "$repo" rev-parse HEAD)"
 fi
+git -C "$dir/gpufrac" fetch --quiet "$repo" HEAD
+git -C "$dir/gpufrac" checkout --quiet --detach FETCH_HEAD
 mkdir -p "$dir/home" "$dir/gocache" "$dir/gomodcache" "$dir/gopath"
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(test)
@@ -41,8 +50,13 @@ start=$(date +%s)
 set +e
 (
 	cd "$dir/gpufrac"
-	# Only what a new user's shell has: PATH, and Go's and make's defaults.
-	exec env -i PATH="$PATH" HOME="$dir/home" TERM="${TERM:-dumb}" \
+	# Only what a new user's shell has: PATH, a proxy's settings, and Go's
+	# and make's defaults.
+	keep=()
+	for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY GOPROXY GONOSUMDB GOPRIVATE; do
+		[ -z "${!v:-}" ] || keep+=("$v=${!v}")
+	done
+	exec env -i PATH="$PATH" HOME="$dir/home" TERM="${TERM:-dumb}" "${keep[@]}" \
 		GOCACHE="$dir/gocache" GOMODCACHE="$dir/gomodcache" GOPATH="$dir/gopath" \
 		make "${targets[@]}"
 ) 2>&1 | tee "$dir/make.log"

@@ -10,13 +10,15 @@ interval=${PROGRESS_INTERVAL:-30}
 start=$SECONDS
 parent=$$
 (
-	while sleep "$interval"; do
+	# sleep's output is not make's: a sleep left when the ticker is killed
+	# must not hold make's output open.
+	while sleep "$interval" >/dev/null 2>&1; do
 		kill -0 "$parent" 2>/dev/null || exit 0
 		# The compiler's command line names its package after -p.
 		pkgs=$(ps -eo args= 2>/dev/null | sed -n 's|^[^ ]*/compile .* -p \([^ ]*\) .*|\1|p' | sort -u | head -3 | paste -sd ' ' -)
 		elapsed=$((SECONDS - start))
 		doing="compiling $pkgs"
-		[ -n "$pkgs" ] || doing="no package compiling now (downloading modules, linking or running tests)"
+		[ -n "$pkgs" ] || doing="no package compiling now (downloading modules, linking, vetting or testing)"
 		printf '    ... %s: %dm%02ds so far; %s\n' "$label" $((elapsed / 60)) $((elapsed % 60)) "$doing"
 	done
 ) &

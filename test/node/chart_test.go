@@ -609,7 +609,7 @@ func TestChartPodsAreReady(t *testing.T) {
 
 // containerProcess is the first process of a running container: the
 // lowest PID whose cgroup names the container's ID (this test runs in the
-// host's PID namespace).
+// node's PID namespace).
 func containerProcess(t *testing.T, id string) int {
 	t.Helper()
 	dirs, _ := os.ReadDir("/proc")

@@ -121,6 +121,6 @@ func (n *node) agentCgroup() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	cg := filepath.Join(mount, "gpufrac-node-e2e-agent")
+	cg := filepath.Join(mount, nodeCgroup, "agent")
 	return cg, os.MkdirAll(cg, 0o755)
 }

@@ -65,14 +65,12 @@ const (
 	// route, and nothing the node does goes out.
 	nodeInterface = "gfhost0"
 	nodeAddress   = "10.214.0.1"
-	// agentCgroupName is the hostnode agent's cgroup (agentCgroup), one
-	// of what a run makes on the host.
-	agentCgroupName = "gpufrac-node-e2e-agent"
+	// nodeCgroup is the node's cgroup in every hierarchy, which the host
+	// side makes before the run and removes after: the kubelet's
+	// cgroupRoot (its pods are in <nodeCgroup>/kubepods, never in another
+	// kubelet's /kubepods), and the host-process agent's cgroup's parent.
+	nodeCgroup = "gpufrac-node-e2e"
 )
-
-// nodeCgroups are the top-level cgroups a run makes on the host: the
-// kubelet's pods (cgroupfs driver) and the host-process agent's own.
-var nodeCgroups = []string{"kubepods", agentCgroupName}
 
 // kubeletTunables are the kernel settings the kubelet sets unless they
 // already have its values (setupKernelTunables in
@@ -89,17 +87,21 @@ var kubeletTunables = map[string]int{
 
 // overlaid are the host directories a node writes into (temporary files,
 // such as the control plane's certificates; the chart's host paths, the
-// kubelet's device-plugin directory, the driver's library place): the node
-// sees them as they are (this test binary is under /tmp), and its writes
-// stay in it.
-var overlaid = []string{"/tmp", "/etc", "/opt", "/var/lib", "/usr/lib/x86_64-linux-gnu"}
+// kubelet's device-plugin directory and its /var/log/containers links,
+// whatever its podLogsDir; the driver's library place): the node sees them
+// as they are (this test binary is under /tmp), and its writes stay in it.
+var overlaid = []string{"/tmp", "/etc", "/opt", "/var/lib", "/var/log", "/usr/lib/x86_64-linux-gnu"}
 
 // onHost runs the node test in a node of its own and checks that the host
 // is as before. It is the test binary's first stage.
 func onHost() int {
-	if pids := kubepodsPIDs(); len(pids) > 0 {
-		fmt.Fprintf(os.Stderr, "node e2e: processes %v are in pod cgroups (%v): another kubelet's pods; the node test needs them to itself (its kubelet names the same cgroups)\n", pids, kubepodsRoots)
-		return 1
+	// One node test at a time: they share nodeCgroup.
+	if lock, err := os.Open("/sys/fs/cgroup"); err == nil {
+		defer func() { _ = lock.Close() }()
+		if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); errors.Is(err, syscall.EWOULDBLOCK) {
+			fmt.Fprintln(os.Stderr, "node e2e: another node test runs on this machine (it holds a lock on /sys/fs/cgroup): run one at a time")
+			return 1
+		}
 	}
 	if err := clearEarlierRun(); err != nil {
 		fmt.Fprintln(os.Stderr, "node e2e: what an earlier run left:", err)
@@ -111,6 +113,9 @@ func onHost() int {
 		return 1
 	}
 	dir, err := os.MkdirTemp("/tmp", "gfn")
+	if err == nil {
+		err = makeNodeCgroups()
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "node e2e:", err)
 		return 1
@@ -124,8 +129,8 @@ func onHost() int {
 	// mount and network of the node. Its cgroups remain: they are the
 	// host's.
 	errs := []error{os.Remove(dir)}
-	for _, cg := range cgroupsOfTheNode() {
-		errs = append(errs, removeCgroup(cg))
+	for _, h := range cgroupHierarchies() {
+		errs = append(errs, removeCgroup(filepath.Join(h, nodeCgroup)))
 	}
 	after, err := hoststate.Take(hoststate.Options{})
 	if err = errors.Join(append(errs, err)...); err != nil {
@@ -145,9 +150,11 @@ func onHost() int {
 // its empty cgroups and its work directory's mount point.
 func clearEarlierRun() error {
 	var errs []error
-	for _, cg := range cgroupsOfTheNode() {
-		fmt.Fprintf(os.Stderr, "node e2e: removing the cgroup %s, left by an earlier run\n", cg)
-		errs = append(errs, removeCgroup(cg))
+	for _, h := range cgroupHierarchies() {
+		if cg := filepath.Join(h, nodeCgroup); isDir(cg) {
+			fmt.Fprintf(os.Stderr, "node e2e: removing the cgroup %s, left by an earlier run\n", cg)
+			errs = append(errs, removeCgroup(cg))
+		}
 	}
 	stale, _ := filepath.Glob("/tmp/gfn*")
 	for _, d := range stale {
@@ -158,22 +165,44 @@ func clearEarlierRun() error {
 	return errors.Join(errs...)
 }
 
-// cgroupsOfTheNode are nodeCgroups where they are, in every hierarchy.
-func cgroupsOfTheNode() []string {
-	hierarchies, _ := filepath.Glob("/sys/fs/cgroup/*/cgroup.procs")
-	roots := []string{"/sys/fs/cgroup"}
-	for _, h := range hierarchies {
-		roots = append(roots, filepath.Dir(h))
+// cgroupHierarchies are the host's cgroup hierarchies: /sys/fs/cgroup on
+// a unified host; each controller's (and the unified one) on a hybrid host.
+func cgroupHierarchies() []string {
+	const root = "/sys/fs/cgroup"
+	if _, err := os.Stat(filepath.Join(root, "cgroup.procs")); err == nil {
+		return []string{root}
 	}
-	var cgroups []string
-	for _, root := range roots {
-		for _, name := range nodeCgroups {
-			if cg := filepath.Join(root, name); isDir(cg) {
-				cgroups = append(cgroups, cg)
+	entries, _ := os.ReadDir(root)
+	var hierarchies []string
+	for _, e := range entries {
+		// A directory with cgroup.procs, not a link such as cpu,cpuacct.
+		if h := filepath.Join(root, e.Name()); e.IsDir() && isDir(h) {
+			if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
+				hierarchies = append(hierarchies, h)
 			}
 		}
 	}
-	return cgroups
+	return hierarchies
+}
+
+// makeNodeCgroups makes nodeCgroup in every hierarchy; in a cgroup v1
+// cpuset hierarchy with the root's CPUs and memory nodes, which a new
+// cpuset needs before a process can join it.
+func makeNodeCgroups() error {
+	for _, h := range cgroupHierarchies() {
+		cg := filepath.Join(h, nodeCgroup)
+		if err := os.Mkdir(cg, 0o755); err != nil {
+			return fmt.Errorf("make the node's cgroup: %w", err)
+		}
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if v, err := os.ReadFile(filepath.Join(h, f)); err == nil && filepath.Base(h) == "cpuset" {
+				if err := os.WriteFile(filepath.Join(cg, f), v, 0o644); err != nil {
+					return fmt.Errorf("make the node's cgroup: %s: %w", f, err)
+				}
+			}
+		}
+	}
+	return nil
 }
 
 func isDir(p string) bool {
@@ -209,9 +238,15 @@ func removeCgroup(root string) error {
 	return nil
 }
 
+// forwarded are the signals the host side and the node's init pass on to
+// the test: an interrupt, a stop, and go test's SIGQUIT at its timeout, so
+// that the test itself prints its goroutines, and the host side, which
+// keeps running, still checks the host.
+var forwarded = []os.Signal{syscall.SIGINT, syscall.SIGTERM, syscall.SIGQUIT}
+
 // runStage runs this test binary again, with its arguments, as stage in
 // new namespaces (flags), and returns its exit code. It ends with this
-// process (Pdeathsig), and SIGINT and SIGTERM are passed on to it.
+// process (Pdeathsig), and the forwarded signals are passed on to it.
 func runStage(stage, dir string, flags uintptr) (int, error) {
 	// Pdeathsig follows the thread that started the child.
 	runtime.LockOSThread()
@@ -220,12 +255,16 @@ func runStage(stage, dir string, flags uintptr) (int, error) {
 	cmd.Args[0] = os.Args[0]
 	cmd.Env = append(os.Environ(), stageEnv+"="+stage, dirEnv+"="+dir)
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	// The runtime's check that the parent is alive after setting
+	// Pdeathsig reads the parent as PID 0 in the new PID namespace and
+	// signals the child; the kernel drops that, as it drops any signal
+	// from inside a namespace to its first process that has no handler.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return 1, err
 	}
 	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	signal.Notify(sig, forwarded...)
 	defer signal.Stop(sig)
 	go func() {
 		for s := range sig {
@@ -267,7 +306,7 @@ func nodeInit() int {
 		return 1
 	}
 	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	signal.Notify(sig, forwarded...)
 	go func() {
 		for s := range sig {
 			_ = cmd.Process.Signal(s)
@@ -320,7 +359,7 @@ func makeNode(dir string) error {
 	layers := filepath.Join("/run", "node-e2e-layers")
 	for i, d := range overlaid {
 		if !isDir(d) {
-			continue
+			return fmt.Errorf("%s is not a directory on this host: the node would write into the host where it makes it (make it, empty, and run again)", d)
 		}
 		layer := filepath.Join(layers, strconv.Itoa(i))
 		upper, work := filepath.Join(layer, "upper"), filepath.Join(layer, "work")

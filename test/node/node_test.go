@@ -17,8 +17,9 @@
 //     cgroup.controllers lists dmem, since this kernel has neither dmem nor
 //     misc (and this machine boots cgroup v1 hybrid).
 //
-// The agent runs as in its DaemonSet: in the host's PID namespace, but in
-// a cgroup namespace of its own. Each scenario asserts what the container
+// The agent runs as in its DaemonSet: in the node's PID namespace (what
+// hostPID is on a node; the node has its own, isolate_test.go), but in a
+// cgroup namespace of its own. Each scenario asserts what the container
 // itself saw (the probe's JSON line in its log) and what the fake driver
 // recorded for its real cgroup. `make node-e2e` builds the parts and runs
 // it (-tags nodee2e), as root.
@@ -102,6 +103,7 @@ func run(m *testing.M, startNode func() (*node, error)) int {
 	}
 	if code != 0 && n != nil {
 		n.dumpLogs()
+		n.saveLogs()
 	}
 	if n != nil {
 		if err := n.stop(); err != nil {
@@ -417,14 +419,16 @@ func (n *node) startKubelet() error {
 	}
 	port, healthz := ports[0], ports[1]
 	// failCgroupV1: this machine is cgroup v1 (hybrid); cgroupfs, not
-	// systemd, manages the cgroups. Authentication and authorization are
-	// open on loopback only: the kubelet serves nothing else here. No
-	// eviction thresholds or allocatable enforcement: the test machine's
-	// disk and memory are not the node's to manage.
+	// systemd, manages the cgroups, under the node's own (cgroupRoot,
+	// made by the host side: isolate_test.go). Authentication and
+	// authorization are open on loopback only: the kubelet serves nothing
+	// else here. No eviction thresholds or allocatable enforcement: the
+	// test machine's disk and memory are not the node's to manage.
 	config := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
+cgroupRoot: /%s
 containerRuntimeEndpoint: unix://%s
 failSwapOn: false
 authentication:
@@ -447,7 +451,7 @@ enforceNodeAllocatable: []
 localStorageCapacityIsolation: false
 resolvConf: ""
 podPidsLimit: -1
-`, n.containerdSocket(), port, healthz, n.path("pod-logs"), n.path("volume-plugins"))
+`, nodeCgroup, n.containerdSocket(), port, healthz, n.path("pod-logs"), n.path("volume-plugins"))
 	if err := os.WriteFile(n.path("kubelet.yaml"), []byte(config), 0o644); err != nil {
 		return err
 	}
@@ -773,12 +777,14 @@ func (n *node) killMatching(s string) {
 	}
 }
 
-// kubepodsRoots are the kubelet's pod cgroups (cgroupfs driver): in the
-// unified hierarchy, and in v1's pids hierarchy on a hybrid host. onHost
-// refuses to run where another kubelet's pods are, so what is in them is
-// this node's. Read in the node's PID namespace, they list only the node's
-// processes (a process it cannot see reads as 0, and is left out).
-var kubepodsRoots = []string{"/sys/fs/cgroup/kubepods", "/sys/fs/cgroup/unified/kubepods", "/sys/fs/cgroup/pids/kubepods"}
+// kubepodsRoots are the kubelet's pod cgroups (cgroupfs driver, under its
+// cgroupRoot nodeCgroup): in the unified hierarchy, and in v1's pids
+// hierarchy on a hybrid host. Read in the node's PID namespace, they list
+// only the node's processes (one it cannot see reads as 0, and is left
+// out).
+var kubepodsRoots = []string{
+	"/sys/fs/cgroup/" + nodeCgroup + "/kubepods", "/sys/fs/cgroup/unified/" + nodeCgroup + "/kubepods", "/sys/fs/cgroup/pids/" + nodeCgroup + "/kubepods",
+}
 
 func kubepodsPIDs() []int {
 	var pids []int
@@ -852,6 +858,28 @@ func (n *node) leftovers() []string {
 		}
 	}
 	return left
+}
+
+// saveLogs copies every log of a failed run to _output/node-e2e in the
+// repository, which outlives the node's work directory (a tmpfs of the
+// node's own, gone with it).
+func (n *node) saveLogs() {
+	out := filepath.Join(n.repo, "_output", "node-e2e")
+	_ = os.RemoveAll(out)
+	for _, d := range []string{"logs", "pod-logs", filepath.Join("cluster", "logs")} {
+		dst := filepath.Join(out, d)
+		if _, err := os.Stat(n.path(d)); err != nil {
+			continue // the chart's node has no gpufrac up
+		}
+		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+			fmt.Fprintln(os.Stderr, "node e2e: save the logs:", err)
+			return
+		}
+		if out, err := exec.Command("cp", "-a", n.path(d), dst).CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "node e2e: save the logs: %v: %s\n", err, out)
+		}
+	}
+	fmt.Fprintln(os.Stderr, "node e2e: every log of this run is in", out)
 }
 
 // dumpLogs prints the last lines of each component's log.

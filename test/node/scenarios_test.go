@@ -226,8 +226,8 @@ func checkLimits(t *testing.T, pod *corev1.Pod, a api.Assignment, r report) {
 		if r.Cgroup != "/" && c.Cgroup != filepath.Join(mount, r.Cgroup) {
 			t.Errorf("limits set on %s; the container is in %s under %s", c.Cgroup, r.Cgroup, mount)
 		}
-		// The probe itself runs in that cgroup (host PIDs: this test runs
-		// in the host's PID namespace).
+		// The probe itself runs in that cgroup (the node's PIDs: this test
+		// runs in the node's PID namespace).
 		procs, err := os.ReadFile(filepath.Join(c.Cgroup, "cgroup.procs"))
 		if err != nil {
 			t.Errorf("cgroup %s: %v", c.Cgroup, err)

@@ -38,14 +38,28 @@ type Snapshot struct {
 	IPTables []string
 	// Mounts are "mount point fstype source" per line of mountinfo.
 	Mounts []string
-	// Run is every path under /run, with "/" after a directory.
+	// Run is every path under /run to runDepth, with "/" after a
+	// directory.
 	Run []string
 	// Sysctls are the values of Sysctls, by name.
 	Sysctls map[string]string
 	// Cgroups are the top-level cgroups of each hierarchy, as
 	// "hierarchy/name".
 	Cgroups []string
+	// SubtreeControl is the cgroup v2 root's cgroup.subtree_control: the
+	// controllers a kubelet enables for its cgroups.
+	SubtreeControl string
 }
+
+// runDepth is how deep Run looks: a node's parts write their own
+// directories and files directly under /run (containerd/, netns/,
+// xtables.lock) and one level down (netns/cni-…). Deeper, and under the
+// sessions' and systemd's own directories, a machine changes by itself.
+const runDepth = 2
+
+// runOwn are /run's directories whose content the machine changes by
+// itself (logins, systemd's units): only their names are compared.
+var runOwn = []string{"user", "systemd"}
 
 // Options says where to read; the zero value reads this machine.
 type Options struct {
@@ -86,7 +100,7 @@ func Take(o Options) (Snapshot, error) {
 	if s.Mounts, err = ParseMountinfo(string(mountinfo)); err != nil {
 		return s, err
 	}
-	if s.Run, err = walk(o.Run); err != nil {
+	if s.Run, err = walk(o.Run, runDepth, runOwn); err != nil {
 		return s, err
 	}
 	s.Sysctls = map[string]string{}
@@ -97,8 +111,16 @@ func Take(o Options) (Snapshot, error) {
 		}
 		s.Sysctls[name] = strings.TrimSpace(string(raw))
 	}
-	s.Cgroups, err = topCgroups(o.CgroupRoot)
-	return s, err
+	if s.Cgroups, err = topCgroups(o.CgroupRoot); err != nil {
+		return s, err
+	}
+	for _, unified := range []string{o.CgroupRoot, filepath.Join(o.CgroupRoot, "unified")} {
+		if raw, err := os.ReadFile(filepath.Join(unified, "cgroup.subtree_control")); err == nil {
+			s.SubtreeControl = strings.TrimSpace(string(raw))
+			break
+		}
+	}
+	return s, nil
 }
 
 // NormalizeIPTables keeps what must be the same before and after: the
@@ -136,13 +158,15 @@ func ParseMountinfo(mountinfo string) ([]string, error) {
 	return mounts, sc.Err()
 }
 
-// walk lists every path under root, relative to it; directories end in
-// "/". A path that goes while it is walked is left out.
-func walk(root string) ([]string, error) {
+// walk lists the paths under root to depth levels, relative to it;
+// directories end in "/", and the content of those named in own is left
+// out. A path that goes while it is walked, or that root may not read
+// (another user's FUSE mount), is left out.
+func walk(root string, depth int, own []string) ([]string, error) {
 	var paths []string
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
+			if errors.Is(err, fs.ErrNotExist) || errors.Is(err, fs.ErrPermission) {
 				return nil
 			}
 			return err
@@ -152,7 +176,11 @@ func walk(root string) ([]string, error) {
 		}
 		rel, _ := filepath.Rel(root, p)
 		if d.IsDir() {
-			rel += "/"
+			paths = append(paths, rel+"/")
+			if strings.Count(rel, "/")+1 >= depth || slices.Contains(own, rel) {
+				return fs.SkipDir
+			}
+			return nil
 		}
 		paths = append(paths, rel)
 		return nil
@@ -202,6 +230,9 @@ func Diff(before, after Snapshot) []string {
 	d = append(d, diffSets("mount", before.Mounts, after.Mounts)...)
 	d = append(d, diffSets("/run entry", before.Run, after.Run)...)
 	d = append(d, diffSets("cgroup", before.Cgroups, after.Cgroups)...)
+	if before.SubtreeControl != after.SubtreeControl {
+		d = append(d, fmt.Sprintf("cgroup v2 root's subtree_control: %q before, %q after", before.SubtreeControl, after.SubtreeControl))
+	}
 	for _, name := range slices.Sorted(maps.Keys(before.Sysctls)) {
 		if b, a := before.Sysctls[name], after.Sysctls[name]; b != a {
 			d = append(d, fmt.Sprintf("sysctl %s: %s before, %s after", strings.ReplaceAll(name, "/", "."), b, a))

@@ -41,6 +41,7 @@ func TestDiffNamesWhatChangedAndNothingElse(t *testing.T) {
 		Sysctls:  map[string]string{"kernel/panic": "1", "vm/overcommit_memory": "0"},
 		Cgroups:  []string{"memory/process_api"},
 	}
+	before.SubtreeControl = "hugetlb"
 	same := before
 	same.IPTables = NormalizeIPTables(saveBefore[0:len(saveBefore)-1] + "\n# a comment\n")
 	if d := Diff(before, same); len(d) != 0 {
@@ -52,6 +53,8 @@ func TestDiffNamesWhatChangedAndNothingElse(t *testing.T) {
 		Run:      []string{"lock/", "netns/", "netns/cni-1", "systemd/"},
 		Sysctls:  map[string]string{"kernel/panic": "10", "vm/overcommit_memory": "0"},
 		Cgroups:  []string{"memory/kubepods", "memory/process_api"},
+		// A kubelet enables the controllers it needs at the v2 root.
+		SubtreeControl: "cpu memory pids hugetlb",
 	}
 	want := []string{
 		"iptables rule added: -A INPUT -j KUBE-FIREWALL",
@@ -61,6 +64,7 @@ func TestDiffNamesWhatChangedAndNothingElse(t *testing.T) {
 		"/run entry added: netns/",
 		"/run entry added: netns/cni-1",
 		"cgroup added: memory/kubepods",
+		`cgroup v2 root's subtree_control: "hugetlb" before, "cpu memory pids hugetlb" after`,
 		"sysctl kernel.panic: 1 before, 10 after",
 	}
 	if d := cmp.Diff(want, Diff(before, after)); d != "" {
@@ -94,7 +98,7 @@ func TestParseMountinfo(t *testing.T) {
 
 func TestWalkAndCgroups(t *testing.T) {
 	run := t.TempDir()
-	for _, d := range []string{"netns", "user/0"} {
+	for _, d := range []string{"netns", "user/0", "containerd/io.containerd.runtime.v2.task/k8s.io", "systemd/units"} {
 		if err := os.MkdirAll(filepath.Join(run, d), 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -102,11 +106,13 @@ func TestWalkAndCgroups(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(run, "netns", "cni-1"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	got, err := walk(run)
+	got, err := walk(run, 2, []string{"user", "systemd"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d := cmp.Diff([]string{"netns/", "netns/cni-1", "user/", "user/0/"}, got); d != "" {
+	// Two levels; the sessions' and systemd's directories by name only.
+	want := []string{"containerd/", "containerd/io.containerd.runtime.v2.task/", "netns/", "netns/cni-1", "systemd/", "user/"}
+	if d := cmp.Diff(want, got); d != "" {
 		t.Errorf("walk (-want +got):\n%s", d)
 	}
 
