@@ -46,7 +46,7 @@ preflight: ## check the Go version and cgo's C compiler before anything long sta
 
 .PHONY: build
 build: preflight ## build bin/gpufrac
-	$(call announce,"bin/gpufrac: gpufrac with kube-scheduler$(,) client-go$(,) controller-runtime and go-nvml (first time: about 5.5 min on 2 cores$(,) module download included; seconds once cached)")
+	$(call announce,"bin/gpufrac: gpufrac with kube-scheduler$(,) client-go$(,) controller-runtime and go-nvml (first time: 5 to 9 min on 2 cores$(,) module download included; seconds once cached)")
 	$(PROGRESS) bin/gpufrac $(GO) build -o $(BIN)/gpufrac ./cmd/gpufrac
 
 .PHONY: shim
@@ -61,7 +61,7 @@ APP_VERSION := $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*$$/\1/p' $(CHART)/Ch
 IMAGE_REF   ?= ghcr.io/gpufrac/gpufrac:$(APP_VERSION)
 IMAGE_DIR   ?= $(BIN)/image
 image: preflight ## build gpufrac's image (amd64) as an OCI layout and archive in bin/image, without a container engine
-	$(call announce,"$(IMAGE_REF): gpufrac$(,) its view library and the C library$(,) as an OCI archive (first time: about 8 min on 2 cores$(,) a -trimpath build of every package; then seconds)")
+	$(call announce,"$(IMAGE_REF): gpufrac$(,) its view library and the C library$(,) as an OCI archive (first time: about 8.5 min on 2 cores$(,) a -trimpath build of every package; then seconds)")
 	rm -rf $(IMAGE_DIR)/build && mkdir -p $(IMAGE_DIR)/build
 	$(PROGRESS) "the image's gpufrac" $(GO) build -trimpath -ldflags='-s -w -buildid=' -o $(IMAGE_DIR)/build/gpufrac ./cmd/gpufrac
 	$(GO) run ./shim/cmd/build-shim $(IMAGE_DIR)/build/shim >/dev/null
@@ -108,7 +108,7 @@ test: preflight verify unit node-e2e image-check chart-e2e ## the whole suite: f
 TRACE_TESTS := ^(TestFidelityToThePublishedStudy|TestQualityOurPolicyBeatsFGD)$$
 
 unit: $(KUBE_STAMP) $(KWOK) $(KUBECTL) $(HELM) chromium ## every test: with the race detector, then the trace replays without it
-	$(call announce,"go test -race ./...: compiles every package again with the race detector (first time: about 7 min)$(,) then runs the suite (about 3 min)")
+	$(call announce,"go test -race ./...: compiles every package again with the race detector (first time: 7 to 12 min)$(,) then runs the suite (about 7 min)")
 	$(PROGRESS) "go test -race" $(GO) test -race -count=1 -skip '$(TRACE_TESTS)' ./...
 	$(call announce,"the trace replays against the published study$(,) without the race detector (about 1.5 min)")
 	$(GO) test -count=1 -run '$(TRACE_TESTS)' ./pkg/sim
@@ -131,7 +131,7 @@ NODE_PACKAGES := runc busybox-static containernetworking-plugins iproute2 iptabl
 
 .PHONY: node-e2e
 node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) ## a real node (kubelet, containerd, runc; GPU, driver and MPS stand-ins) joined to gpufrac up: pods started through it (also in make test; root)
-	$(call announce,"the real node: kubelet + containerd + runc with the node agent as NRI plugin and the hook under runc (about 2 min)")
+	$(call announce,"the real node: kubelet + containerd + runc with the node agent as NRI plugin and the hook under runc$(,) in namespaces of their own (about 2.5 min)")
 	$(GO) test -tags nodee2e -count=1 -v -timeout 20m ./test/node/
 
 .PHONY: chart-e2e
@@ -142,7 +142,7 @@ node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGE
 KUBE_PROXY    := $(KUBE_BIN)/kube-proxy
 NVIDIA_RUNTIME := $(NODE_BIN)/nvidia-container-runtime
 chart-e2e: build image $(KUBE_STAMP) $(KUBELET) $(KUBE_PROXY) $(HELM) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) $(NVIDIA_RUNTIME) ## helm install on the real node: the image, every part a real pod, kube-proxy; scenarios, privileges, upgrade, uninstall (also in make test; root)
-	$(call announce,"the chart on the real node: helm install of the image$(,) scenarios through it$(,) helm uninstall (about 3 min)")
+	$(call announce,"the chart on the real node: helm install of the image$(,) scenarios through it$(,) helm uninstall$(,) in the node's own namespaces (about 7 min)")
 	$(GO) test -tags charte2e -count=1 -v -timeout 20m ./test/node/
 
 $(KUBE_PROXY): go.mod go.sum | preflight
@@ -168,7 +168,7 @@ $(KUBELET): go.mod go.sum | preflight
 	@touch $@
 
 $(NODE_STAMP): hack/node/go.mod hack/node/go.sum hack/node/mkimage/main.go | preflight
-	$(call announce,"bin/node: containerd v2.4.2$(,) containerd-shim-runc-v2$(,) ctr and mkimage (hack/node: a module of its own; first time: about 1.5 min)")
+	$(call announce,"bin/node: containerd v2.4.2$(,) containerd-shim-runc-v2$(,) ctr and mkimage (hack/node: a module of its own; first time: about 2 min)")
 	cd hack/node && ../../$(PROGRESS) bin/node $(GO) build -o $(NODE_BIN)/ tool ./mkimage
 	@touch $@
 
@@ -187,7 +187,7 @@ $(NODE_IMAGES): $(NODE_STAMP) test/node/probe/main.go | node-packages
 kube-binaries: $(KUBE_STAMP) ## build kube-apiserver, kube-controller-manager and etcd from source into bin/kube
 
 $(KUBE_STAMP): go.mod go.sum | preflight
-	$(call announce,"bin/kube: kube-apiserver$(,) kube-controller-manager $(KUBE_VERSION) and etcd v3.7.0 from source (first time: about 4 min after bin/gpufrac$(,) whose Kubernetes packages they reuse; kept until go.mod changes)")
+	$(call announce,"bin/kube: kube-apiserver$(,) kube-controller-manager $(KUBE_VERSION) and etcd v3.7.0 from source (first time: 4 to 9 min after bin/gpufrac$(,) whose Kubernetes packages they reuse; kept until go.mod changes)")
 	$(PROGRESS) bin/kube $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(KUBE_BIN)/ k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager go.etcd.io/etcd/server/v3
 	mv -f $(KUBE_BIN)/server $(KUBE_BIN)/etcd
 	@touch $@
@@ -248,14 +248,14 @@ fmt-check:
 
 .PHONY: vet
 vet:
-	$(call announce,"go vet ./...: compiles every package and its tests (first time: about 1.5 min)")
+	$(call announce,"go vet ./...: compiles every package and its tests (first time: about 1.5 min after make demo$(,) 10 min with nothing built)")
 	$(PROGRESS) "go vet" $(GO) vet -tags nodee2e ./...
 	$(GO) vet -tags charte2e ./test/node/...
 	cd hack/node && $(GO) vet ./...
 
 .PHONY: lint
 lint: $(GOLANGCI_LINT) ## golangci-lint, built from hack/tools at a pinned version
-	$(call announce,"golangci-lint run ./... (first time: about 1.5 min; its own cache keeps later runs short)")
+	$(call announce,"golangci-lint run ./... (first time: 1.5 to 4.5 min; its own cache keeps later runs short)")
 	$(GOLANGCI_LINT) run ./...
 	$(GOLANGCI_LINT) run --build-tags charte2e ./test/node/...
 
@@ -312,7 +312,7 @@ bench-node: build $(KUBE_STAMP) ## node agent: CreateContainer adjustment ns/op,
 tools: $(GOLANGCI_LINT) $(BENCHSTAT) ## build the pinned developer tools into bin/
 
 $(GOLANGCI_LINT) $(BENCHSTAT): $(TOOLS)/go.mod $(TOOLS)/go.sum | preflight
-	$(call announce,"bin/golangci-lint and bin/benchstat at pinned versions (hack/tools: a module of its own$(,) its dependencies are far from ours; first time: about 2 min)")
+	$(call announce,"bin/golangci-lint and bin/benchstat at pinned versions (hack/tools: a module of its own$(,) its dependencies are far from ours; first time: 2 to 4 min)")
 	cd $(TOOLS) && $(GO) build -o $(BIN)/ tool
 	@touch $(GOLANGCI_LINT) $(BENCHSTAT)
 
