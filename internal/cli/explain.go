@@ -10,7 +10,9 @@ import (
 	nriapi "github.com/containerd/nri/pkg/api"
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/manifest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -41,9 +43,13 @@ func newExplainCommand() *cobra.Command {
 yaml, with the scheduler's annotations) and prints, per container and init
 container, exactly what gpufrac's node agent would do when the runtime creates
 it: the environment it sets and removes, the mounts, the createRuntime hook,
-the MPS namespace — or why it refuses the container. It runs the very decision
-the agent's NRI plugin runs (injection.Decide), with the node's settings given
-as flags and the GPU inventory of a go-nvml mock machine.
+the MPS namespace and what is done before it starts — or why it refuses the
+container. It runs the very judgement the agent's NRI plugin runs at creation
+and in its audit (injection.Judge), with the node's settings given as flags
+and the GPU inventory of a go-nvml mock machine. What only the node knows is
+taken as follows: the GPUs the device plugin allocates a container are
+<allocated-1>..<allocated-N> for its nvidia.com/gpu limit, no other running
+container consumes its DRA shares, and no resize happened since it was placed.
 
 For each container it prints a header line, then what is done:
   <namespace>/<name> container <c>: RUN | FAIL-OPEN | REFUSE[: reason]
@@ -68,6 +74,10 @@ no Pod.`,
 	f.Int64Var(&o.cfg.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "the node agent's --gpu-memory-reserve-mib")
 	f.StringVar(&o.simulateGPUs, "simulate-gpus", "dgxh100", "the mock machine whose GPUs the node has: "+strings.Join(inventory.Machines, ", "))
 	f.Int64Var(&o.gpuMemoryMiB, "gpu-memory-mib", 0, "memory per GPU, MiB, instead of the mock machine's")
+	f.BoolVar(&o.cfg.RestrictVisibility, "restrict-gpu-visibility", true, "the node agent's --restrict-gpu-visibility")
+	f.StringSliceVar(&o.cfg.VisibilityExempt, "gpu-visibility-exempt-namespaces", nil, "the node agent's --gpu-visibility-exempt-namespaces")
+	f.BoolVar(&o.cfg.ExclusiveProcess, "exclusive-process", true, "the node agent's --exclusive-process")
+	f.BoolVar(&o.cfg.AllowRootMPSClients, "allow-root-mps-clients", false, "the node agent's --allow-root-mps-clients")
 	return cmd
 }
 
@@ -173,7 +183,7 @@ func explainPod(out io.Writer, obj manifest.Object, cfg injection.Config) int {
 	if ns == "" {
 		ns = "default"
 	}
-	pod := injection.Pod{UID: string(obj.Meta.UID), Annotations: obj.Template.Annotations}
+	pod := injection.Pod{UID: string(obj.Meta.UID), Namespace: ns, Annotations: obj.Template.Annotations}
 	if pod.UID == "" {
 		pod.UID = "<pod-uid>"
 	}
@@ -184,7 +194,7 @@ func explainPod(out io.Writer, obj manifest.Object, cfg injection.Config) int {
 		if i < len(obj.Template.Spec.InitContainers) {
 			kind = "init container"
 		}
-		d := injection.Decide(pod, c.Name, containerEnv(c), cfg)
+		d := injection.Judge(containerFacts(pod, obj.Template.Spec, c, cfg), cfg)
 		head := fmt.Sprintf("%s/%s %s %s", ns, obj.Name, kind, c.Name)
 		switch d.Verdict {
 		case injection.Refuse:
@@ -204,6 +214,11 @@ func explainPod(out io.Writer, obj manifest.Object, cfg injection.Config) int {
 func printDecision(out io.Writer, d injection.Decision) {
 	if d.Adjustment == nil {
 		fmt.Fprintln(out, "  nothing changed: the pod asks for no GPU fraction")
+		for _, e := range d.Effects {
+			if e.Kind == injection.EffectClaimShares {
+				fmt.Fprintf(out, "  dra: the container is the one consumer of %s\n", strings.Join(e.Shares, ","))
+			}
+		}
 		return
 	}
 	if a := d.Assignment; a != nil {
@@ -239,8 +254,18 @@ func printDecision(out io.Writer, d injection.Decision) {
 	for _, h := range d.Adjustment.GetHooks().GetCreateRuntime() {
 		fmt.Fprintf(out, "  hook createRuntime: %s env %s\n", strings.Join(h.Args, " "), strings.Join(h.Env, " "))
 	}
-	if d.MPSNamespace != "" {
-		fmt.Fprintf(out, "  mps: namespace %s, active-thread ceiling %d%%, set before the container starts\n", d.MPSNamespace, d.Assignment.ActiveThreadPercentage())
+	if d.Policed != "" {
+		fmt.Fprintf(out, "  visibility: %s\n", d.Policed)
+	}
+	for _, e := range d.Effects {
+		switch e.Kind {
+		case injection.EffectMPSNamespace:
+			fmt.Fprintf(out, "  mps: namespace %s, active-thread ceiling %d%%, set before the container starts\n", e.Namespace, e.Threads)
+		case injection.EffectExclusive:
+			fmt.Fprintf(out, "  compute mode: %s kept in EXCLUSIVE_PROCESS before the container starts\n", strings.Join(e.Devices, ","))
+		case injection.EffectClaimShares:
+			fmt.Fprintf(out, "  dra: the container is the one consumer of %s\n", strings.Join(e.Shares, ","))
+		}
 	}
 	for _, n := range d.Notes {
 		fmt.Fprintf(out, "  note: %s\n", n)
@@ -258,4 +283,29 @@ func containerEnv(c corev1.Container) []string {
 		}
 	}
 	return env
+}
+
+// containerFacts are the facts the node judges container c by, as far as
+// a manifest tells them: its literal environment, its user (runAsUser;
+// unknown where neither the container nor the pod says), its user
+// namespace (hostUsers: false), and, where the node polices it, its grant
+// as the device plugin would allocate it (placeholders, one per
+// nvidia.com/gpu of its limits).
+func containerFacts(pod injection.Pod, spec corev1.PodSpec, c corev1.Container, cfg injection.Config) injection.Container {
+	fact := injection.Container{Pod: pod, Name: c.Name, Env: containerEnv(c), UserNamespace: spec.HostUsers != nil && !*spec.HostUsers}
+	if sc := c.SecurityContext; sc != nil && sc.RunAsUser != nil {
+		uid := uint32(*sc.RunAsUser)
+		fact.UID = &uid
+	} else if psc := spec.SecurityContext; psc != nil && psc.RunAsUser != nil {
+		uid := uint32(*psc.RunAsUser)
+		fact.UID = &uid
+	}
+	if injection.NeedsGrant(fact, cfg) {
+		fact.Grant.Read = true
+		n := c.Resources.Limits.Name(api.ResourceGPU, resource.DecimalSI).Value()
+		for i := range n {
+			fact.Grant.IDs = append(fact.Grant.IDs, fmt.Sprintf("<allocated-%d>", i+1))
+		}
+	}
+	return fact
 }

@@ -78,7 +78,11 @@ type Options struct {
 	// MemoryLimits is --memory-limits: auto or one of nodeapi.Backends.
 	MemoryLimits string
 	// Injection is the node's injection configuration; its Backend is
-	// chosen by the agent from MemoryLimits and the driver.
+	// chosen by the agent from MemoryLimits and the driver. Its
+	// ExclusiveProcess keeps the GPUs the node shares through MPS in
+	// EXCLUSIVE_PROCESS (package exclusive), so that no process outside MPS
+	// gets a context on them; its RestrictVisibility makes every container
+	// of the node see only the GPUs granted to it.
 	Injection    injection.Config
 	HealthAddr   string
 	ResyncPeriod time.Duration
@@ -88,18 +92,6 @@ type Options struct {
 	MetricsAuth health.Authorizer
 	// DRA configures the second front door.
 	DRA DRAOptions
-	// ExclusiveProcess keeps the GPUs the node shares through MPS in
-	// EXCLUSIVE_PROCESS (package exclusive), so that no process outside
-	// MPS gets a context on them.
-	ExclusiveProcess bool
-	// RestrictGPUVisibility makes every container of the node see only the
-	// GPUs granted to it (its gpufrac share, the device plugin's
-	// allocation, its DRA shares): an image's NVIDIA_VISIBLE_DEVICES=all
-	// on a pod that asked for no GPU becomes void. Real nodes only.
-	RestrictGPUVisibility bool
-	// GPUVisibilityExempt are namespaces RestrictGPUVisibility leaves
-	// alone (nriplugin.Options.VisibilityExempt).
-	GPUVisibilityExempt []string
 }
 
 // DRAOptions configure the node's DRA driver (pkg/node/dra).
@@ -122,7 +114,8 @@ type Agent struct {
 	opts   Options
 	client kubernetes.Interface
 	// env is the node the agent runs on, real or simulated (environment.go).
-	env       *environment
+	env       environment
+	boot      string // the host's boot ID, recorded with each lease
 	annotator *reservation.Annotator
 	plugin    *nriplugin.Plugin // set by Run, under mu: Ready may read it before
 	recorder  record.EventRecorder
@@ -133,7 +126,7 @@ type Agent struct {
 	// what to do: the node then takes no fractions.
 	stateErr error
 	// exclusive keeps the shared GPUs' compute mode; nil when
-	// Options.ExclusiveProcess is off.
+	// Injection.ExclusiveProcess is off.
 	exclusive *exclusive.Keeper
 
 	driver *dra.Driver
@@ -184,7 +177,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := os.MkdirAll(a.opts.StateDir, 0o750); err != nil {
 		return fmt.Errorf("state directory %s: %w", a.opts.StateDir, err)
 	}
-
 	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: a.client.CoreV1().Events("")})
 	defer broadcaster.Shutdown()
@@ -196,21 +188,56 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	defer env.stop()
 	a.env = env
-	a.annotator = &reservation.Annotator{Client: a.client, Node: a.opts.NodeName, Namespace: a.opts.ReservationNamespace, Source: env.devices}
-	// A state file that cannot be read is not a crash loop: the agent
-	// keeps running, refuses fractions (it cannot release or account for
-	// what the file records) and says why through the node's readiness,
-	// until an admin has looked at the file and restarted it.
+	a.annotator = &reservation.Annotator{Client: a.client, Node: a.opts.NodeName, Namespace: a.opts.ReservationNamespace, Source: env.devices()}
+	if err := a.openState(ctx); err != nil {
+		return err
+	}
+	// The node's pods, listed before the NRI plugin's first audit (see
+	// enforce): a resized pod's containers are judged by its memory now.
+	pods := a.watchPods(ctx)
+	a.startPlugin(pods)
+	if a.opts.DRA.Enabled {
+		stop, err := a.startDRA(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	wg := a.serve(ctx, pods)
+	a.markStarting(logger)
+	ticker := time.NewTicker(a.opts.ResyncPeriod)
+	defer ticker.Stop()
+	for {
+		a.resync(ctx)
+		select {
+		case <-ctx.Done():
+			a.markStopped(logger)
+			wg.Wait()
+			a.plugin.WaitForEvictions()
+			return nil
+		case <-ticker.C:
+		}
+	}
+}
+
+// openState reads the agent's state files: the GPU memory leases, the MPS
+// namespaces a previous agent created, the compute modes it changed. A
+// state file that cannot be read is not a crash loop: the agent keeps
+// running, refuses fractions (it cannot release or account for what the
+// file records) and says why through the node's readiness, until an admin
+// has looked at the file and restarted it.
+func (a *Agent) openState(ctx context.Context) error {
+	logger := klog.FromContext(ctx)
 	leases, err := enforce.OpenLeases(filepath.Join(a.opts.StateDir, "leases.json"))
 	if err != nil {
 		logger.Error(err, "Cannot read the agent's state; the node takes no fractions until it is fixed")
 		a.stateErr = errors.Join(a.stateErr, err)
 	}
 	a.leases = leases
-	boot := enforce.BootID(a.opts.ProcRoot)
+	a.boot = enforce.BootID(a.opts.ProcRoot)
 	if leases != nil {
 		// What a reboot or a removed cgroup cleared is not released again.
-		dropped, err := leases.Prune(boot, func(cgroup string) bool {
+		dropped, err := leases.Prune(a.boot, func(cgroup string) bool {
 			_, err := os.Stat(cgroup)
 			return !errors.Is(err, os.ErrNotExist)
 		})
@@ -236,77 +263,51 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		a.mps = m
 	}
+	if a.opts.Injection.ExclusiveProcess {
+		a.exclusive = exclusive.Open(a.env.gpus(), filepath.Join(a.opts.StateDir, exclusive.StateFile))
+	}
+	return nil
+}
+
+// startPlugin makes the NRI plugin. Until the first resync says which
+// backend the driver allows, the backend is unset and fractional
+// containers are refused.
+func (a *Agent) startPlugin(pods *podWatch) {
 	var ensureExclusive func([]string) error
-	if a.opts.ExclusiveProcess {
-		a.exclusive = exclusive.Open(env.nvml, filepath.Join(a.opts.StateDir, exclusive.StateFile))
+	if a.exclusive != nil {
 		ensureExclusive = a.exclusive.Ensure
 	}
-	// Until the first resync says which backend the driver allows, the
-	// backend is unset and fractional containers are refused.
-	var grants func(context.Context, nriplugin.PodRef, string, []string) ([]string, error)
-	if a.opts.RestrictGPUVisibility && env.containerDevices != nil {
-		grants = a.grants
-	}
-	// The node's pods, listed before the NRI plugin's first audit (see
-	// enforce): a resized pod's containers are judged by its memory now.
-	pods := a.watchPods(ctx)
-	a.mu.Lock()
-	a.pods = pods
-	a.mu.Unlock()
 	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
-		NVML: env.nvml, ProcRoot: a.opts.ProcRoot, Leases: leases, BootID: boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
-		EnsureExclusive: ensureExclusive, Grants: grants, VisibilityExempt: a.opts.GPUVisibilityExempt})
+		NVML: a.env.gpus(), ProcRoot: a.opts.ProcRoot, Leases: a.leases, BootID: a.boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
+		EnsureExclusive: ensureExclusive, Grants: a.grants})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
-	a.plugin = plugin
+	a.pods, a.plugin = pods, plugin
 	a.mu.Unlock()
+}
 
-	if a.opts.DRA.Enabled {
-		stop, err := a.startDRA(ctx)
-		if err != nil {
-			return err
-		}
-		defer stop()
-	}
-
+// serve runs the agent's servers until ctx ends: the NRI plugin, the
+// health and metrics endpoints, and the resizes of the node's pods.
+func (a *Agent) serve(ctx context.Context, pods *podWatch) *sync.WaitGroup {
+	logger := klog.FromContext(ctx)
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { defer wg.Done(); a.plugin.Serve(ctx, env.nriSocket, time.Second, 30*time.Second) }()
+	wg.Go(func() { a.plugin.Serve(ctx, a.env.nriSocket(), time.Second, 30*time.Second) })
 	if a.opts.HealthAddr != "" {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			if err := health.Serve(ctx, a.opts.HealthAddr, a.Ready, nil); err != nil {
 				logger.Error(err, "Health endpoint failed")
 			}
-		}()
+		})
 	}
 	if a.opts.MetricsAddr != "" {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			handler := promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{})
 			if err := health.ServeMetrics(ctx, a.opts.MetricsAddr, handler, a.opts.MetricsAuth); err != nil {
 				logger.Error(err, "Metrics endpoint failed")
 			}
-		}()
+		})
 	}
-
-	wg.Add(1)
-	go func() { defer wg.Done(); a.runResizes(ctx, pods) }()
-	a.markStarting(logger)
-	ticker := time.NewTicker(a.opts.ResyncPeriod)
-	defer ticker.Stop()
-	for {
-		a.resync(ctx)
-		select {
-		case <-ctx.Done():
-			a.markStopped(logger)
-			wg.Wait()
-			a.plugin.WaitForEvictions()
-			return nil
-		case <-ticker.C:
-		}
-	}
+	wg.Go(func() { a.runResizes(ctx, pods) })
+	return &wg
 }
 
 // grants is what a container outside any gpufrac share was granted of
@@ -353,15 +354,16 @@ func (a *Agent) standingGPUs(inv inventory.Inventory, invErr error) int {
 // GPUs are held for shares.
 func (a *Agent) startDRA(ctx context.Context) (func(), error) {
 	o := a.opts.DRA
-	o.PluginDir = cmp.Or(o.PluginDir, a.env.draPluginDir)
-	o.RegistrarDir = cmp.Or(o.RegistrarDir, a.env.draRegistrarDir)
-	o.CDIDir = cmp.Or(o.CDIDir, a.env.cdiDir)
+	pluginDir, registrarDir, cdiDir := a.env.draDirs()
+	o.PluginDir = cmp.Or(o.PluginDir, pluginDir)
+	o.RegistrarDir = cmp.Or(o.RegistrarDir, registrarDir)
+	o.CDIDir = cmp.Or(o.CDIDir, cdiDir)
 	for _, dir := range []string{o.PluginDir, o.RegistrarDir, o.CDIDir} {
 		if err := os.MkdirAll(dir, 0o750); err != nil {
 			return nil, fmt.Errorf("DRA driver directory %s: %w", dir, err)
 		}
 	}
-	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, NoContainers: !a.env.containers, Node: func() (inventory.Inventory, injection.Config) {
+	a.driver = &dra.Driver{NodeName: a.opts.NodeName, CDIDir: o.CDIDir, MPS: a.mps, NoContainers: a.env.offersUnenforceable(), Node: func() (inventory.Inventory, injection.Config) {
 		a.mu.Lock()
 		defer a.mu.Unlock()
 		return a.draInv, a.draCfg

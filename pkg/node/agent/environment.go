@@ -16,6 +16,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
+	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
 
@@ -28,69 +29,95 @@ const (
 	DefaultCDIDir          = "/var/run/cdi"
 )
 
-// environment is where the agent's node comes from, chosen once at start:
-// a real node (NVML, the kubelet's PodResources and directories, the
+// environment is the node the agent runs on, chosen once at start: a
+// real node (NVML, the kubelet's PodResources and directories, the
 // container runtime's NRI socket) or a simulated one (realNode,
-// simulatedNode). Nothing else in the agent asks which it runs on.
-type environment struct {
-	// nvml is the GPUs' management library.
-	nvml nvml.Interface
+// simulatedNode). Each answers in its own way; nothing else in the agent
+// asks which it runs on.
+type environment interface {
+	// gpus is the GPUs' management library.
+	gpus() nvml.Interface
 	// devices tells which GPU the device plugin gave each reservation pod.
-	devices reservation.Source
+	devices() reservation.Source
 	// containerDevices are the NVIDIA devices the device plugin allocated
-	// to a container; nil where no container runs.
-	containerDevices func(ctx context.Context, namespace, pod, container string) ([]string, error)
+	// to a container (none where no container runs).
+	containerDevices(ctx context.Context, namespace, pod, container string) ([]string, error)
 	// allocatedGPUs are the NVIDIA devices the device plugin allocated to
-	// any pod of the node (reservation pods of any scheduler included);
-	// nil where no container runs.
-	allocatedGPUs func(ctx context.Context) (map[string]bool, error)
+	// any pod of the node, reservation pods of any scheduler included
+	// (none where no container runs: no tenant is then found unheld).
+	allocatedGPUs(ctx context.Context) (map[string]bool, error)
 	// nriSocket is the NRI endpoint the plugin registers with.
-	nriSocket string
-	// draPluginDir, draRegistrarDir, cdiDir are the DRA driver's
-	// directories unless flags name others.
-	draPluginDir, draRegistrarDir, cdiDir string
-	// containers is false where no container ever runs: the DRA driver
-	// then prepares claims it could not enforce (nothing would use them).
-	containers bool
+	nriSocket() string
+	// draDirs are the DRA driver's plugin, registrar and CDI directories
+	// unless flags name others.
+	draDirs() (plugin, registrar, cdi string)
 	// checkCgroup says why the driver's per-cgroup limits cannot work
-	// here; nil where no container runs.
-	checkCgroup func() error
+	// here (nil where no container runs: nothing needs them).
+	checkCgroup() error
 	// withoutMPS is what the agent has of MPS when it runs no daemon:
 	// want (the driver's protocol) where no container runs, an error
 	// otherwise.
-	withoutMPS func(want nodeapi.MPS) (nodeapi.MPS, error)
+	withoutMPS(want nodeapi.MPS) (nodeapi.MPS, error)
+	// holdResize holds pod uid's running container to its resized memory
+	// (held: it is now), and says how.
+	holdResize(p *nriplugin.Plugin, uid, container string, to api.Memory) (held bool, how string, err error)
+	// offersUnenforceable: the DRA driver publishes its devices for the
+	// scheduler even while nothing could enforce a share (where no
+	// container ever runs, nothing would use one); preparing a claim
+	// still fails closed.
+	offersUnenforceable() bool
 	// stop releases what the environment opened.
-	stop func()
+	stop()
 }
 
 // newEnvironment opens the node the options name: simulated with
 // --simulate-gpus, real otherwise.
-func newEnvironment(ctx context.Context, opts Options) (*environment, error) {
+func newEnvironment(ctx context.Context, opts Options) (environment, error) {
 	if opts.SimulateGPUs != "" {
-		return simulatedNode(ctx, opts)
+		return simulatedNodeEnv(ctx, opts)
 	}
-	return realNode(opts)
+	return realNodeEnv(opts)
 }
 
 // realNode is a node with GPUs, a kubelet and a container runtime.
-func realNode(opts Options) (*environment, error) {
+type realNode struct {
+	opts   Options
+	lib    nvml.Interface
+	source *reservation.Kubelet
+}
+
+func newRealNode(opts Options) (*realNode, error) {
 	source, err := reservation.DialKubelet(opts.PodResourcesSocket)
 	if err != nil {
 		return nil, err
 	}
-	return &environment{
-		nvml: nvml.New(), devices: source, containerDevices: source.ContainerDevices, allocatedGPUs: func(ctx context.Context) (map[string]bool, error) {
-			return source.Allocated(ctx, append([]string{opts.ReservationNamespace}, opts.ForeignReservationNamespaces...)...)
-		}, nriSocket: opts.NRISocket,
-		draPluginDir: DefaultDRAPluginDir, draRegistrarDir: DefaultDRARegistrarDir, cdiDir: DefaultCDIDir,
-		containers:  true,
-		checkCgroup: func() error { return enforce.CheckCgroup(opts.CgroupRoot) },
-		withoutMPS: func(nodeapi.MPS) (nodeapi.MPS, error) {
-			return nodeapi.MPSNone, errors.New("the node agent has no MPS directory (--mps-pipe-dir)")
-		},
-		stop: func() { _ = source.Close() },
-	}, nil
+	return &realNode{opts: opts, lib: nvml.New(), source: source}, nil
 }
+
+func realNodeEnv(opts Options) (environment, error) { return newRealNode(opts) }
+
+func (n *realNode) gpus() nvml.Interface        { return n.lib }
+func (n *realNode) devices() reservation.Source { return n.source }
+func (n *realNode) containerDevices(ctx context.Context, namespace, pod, container string) ([]string, error) {
+	return n.source.ContainerDevices(ctx, namespace, pod, container)
+}
+func (n *realNode) allocatedGPUs(ctx context.Context) (map[string]bool, error) {
+	return n.source.Allocated(ctx, append([]string{n.opts.ReservationNamespace}, n.opts.ForeignReservationNamespaces...)...)
+}
+func (n *realNode) nriSocket() string { return n.opts.NRISocket }
+func (n *realNode) draDirs() (string, string, string) {
+	return DefaultDRAPluginDir, DefaultDRARegistrarDir, DefaultCDIDir
+}
+func (n *realNode) checkCgroup() error { return enforce.CheckCgroup(n.opts.CgroupRoot) }
+func (n *realNode) withoutMPS(nodeapi.MPS) (nodeapi.MPS, error) {
+	return nodeapi.MPSNone, errors.New("the node agent has no MPS directory (--mps-pipe-dir)")
+}
+func (n *realNode) holdResize(p *nriplugin.Plugin, uid, container string, to api.Memory) (bool, string, error) {
+	held, err := p.Resize(uid, container, to)
+	return held, "the running container is held to it (not restarted)", err
+}
+func (n *realNode) offersUnenforceable() bool { return false }
+func (n *realNode) stop()                     { _ = n.source.Close() }
 
 // simulatedNode is a node of a local cluster: GPUs from a go-nvml mock
 // machine, the agent itself playing the device plugin for reservation
@@ -99,7 +126,14 @@ func realNode(opts Options) (*environment, error) {
 // directory: the agents of a local cluster on one host must not share one
 // socket (they raced to bind it, and one failed) nor write into the host's
 // kubelet's.
-func simulatedNode(ctx context.Context, opts Options) (*environment, error) {
+type simulatedNode struct {
+	lib     nvml.Interface
+	sim     *reservation.Simulated
+	dir     string
+	runtime *adaptation.Adaptation
+}
+
+func newSimulatedNode(ctx context.Context, opts Options) (*simulatedNode, error) {
 	lib, err := inventory.Simulated(opts.SimulateGPUs)
 	if err != nil {
 		return nil, err
@@ -112,21 +146,39 @@ func simulatedNode(ctx context.Context, opts Options) (*environment, error) {
 	for _, g := range inv.GPUs {
 		sim.GPUs = append(sim.GPUs, g.UUID)
 	}
-	socket := filepath.Join(opts.StateDir, "nri.sock")
-	runtime, err := startSimulatedRuntime(socket, opts.StateDir)
+	n := &simulatedNode{lib: lib, sim: sim, dir: opts.StateDir}
+	n.runtime, err = startSimulatedRuntime(n.nriSocket(), opts.StateDir)
 	if err != nil {
 		return nil, err
 	}
 	klog.FromContext(ctx).Info("Simulating: GPUs from a go-nvml mock machine, reservation pods get GPUs from the agent itself, and the NRI plugin registers with an in-process NRI runtime endpoint (no containers run here)",
-		"machine", opts.SimulateGPUs, "gpus", len(inv.GPUs), "nriSocket", socket)
-	return &environment{
-		nvml: lib, devices: sim, nriSocket: socket,
-		draPluginDir: filepath.Join(opts.StateDir, "dra-plugin"), draRegistrarDir: filepath.Join(opts.StateDir, "dra-registry"),
-		cdiDir:     filepath.Join(opts.StateDir, "cdi"),
-		withoutMPS: func(want nodeapi.MPS) (nodeapi.MPS, error) { return want, nil },
-		stop:       runtime.Stop,
-	}, nil
+		"machine", opts.SimulateGPUs, "gpus", len(inv.GPUs), "nriSocket", n.nriSocket())
+	return n, nil
 }
+
+func simulatedNodeEnv(ctx context.Context, opts Options) (environment, error) {
+	return newSimulatedNode(ctx, opts)
+}
+
+func (n *simulatedNode) gpus() nvml.Interface        { return n.lib }
+func (n *simulatedNode) devices() reservation.Source { return n.sim }
+func (n *simulatedNode) containerDevices(context.Context, string, string, string) ([]string, error) {
+	return nil, nil
+}
+func (n *simulatedNode) allocatedGPUs(context.Context) (map[string]bool, error) { return nil, nil }
+func (n *simulatedNode) nriSocket() string                                      { return filepath.Join(n.dir, "nri.sock") }
+func (n *simulatedNode) draDirs() (string, string, string) {
+	return filepath.Join(n.dir, "dra-plugin"), filepath.Join(n.dir, "dra-registry"), filepath.Join(n.dir, "cdi")
+}
+func (n *simulatedNode) checkCgroup() error { return nil }
+func (n *simulatedNode) withoutMPS(want nodeapi.MPS) (nodeapi.MPS, error) {
+	return want, nil
+}
+func (n *simulatedNode) holdResize(*nriplugin.Plugin, string, string, api.Memory) (bool, string, error) {
+	return true, "a simulated node runs no container: recorded as applied", nil
+}
+func (n *simulatedNode) offersUnenforceable() bool { return true }
+func (n *simulatedNode) stop()                     { n.runtime.Stop() }
 
 // startSimulatedRuntime serves the runtime side of NRI (containerd's own
 // adaptation library) where no container runtime exists.

@@ -131,11 +131,12 @@ func reserveFor(opts Options, product string) int64 {
 	return opts.Injection.GPUMemoryReserveMiB
 }
 
-// observe reads the node: its GPUs, the Node object, the MPS daemon and
-// the cgroups. An error is the Node object's: nothing can be published.
+// observe reads the node, and writes nothing: its GPUs, the Node object,
+// the MPS daemon and the cgroups. An error is the Node object's: nothing
+// can be published.
 func (a *Agent) observe(ctx context.Context) (*corev1.Node, hardware, error) {
 	hw := hardware{stateErr: a.stateErr}
-	hw.inv, hw.invErr = inventory.Read(a.env.nvml)
+	hw.inv, hw.invErr = inventory.Read(a.env.gpus())
 	if hw.invErr != nil {
 		klog.FromContext(ctx).Error(hw.invErr, "Cannot read the GPUs; the node is not ready for GPU fractions")
 	}
@@ -145,17 +146,23 @@ func (a *Agent) observe(ctx context.Context) (*corev1.Node, hardware, error) {
 	}
 	hw.labels = node.Labels
 	hw.mps, hw.mpsErr = a.checkMPS(ctx, hw.inv, hw.invErr)
-	if a.env.checkCgroup != nil {
-		hw.cgroupErr = a.env.checkCgroup()
-	}
-	if hw.invErr == nil {
-		// Which GPUs the reservation pods hold, and so which are shared.
-		if _, err := a.annotator.Sync(ctx); err != nil {
-			klog.FromContext(ctx).Error(err, "Cannot annotate reservation pods")
-		}
-		hw.computeModeErr = a.syncComputeModes(ctx)
-	}
+	hw.cgroupErr = a.env.checkCgroup()
 	return node, hw, nil
+}
+
+// holdShares writes what the node holds for shares, from what observe
+// read: each reservation pod is told its GPU (and so which GPUs are
+// shared), and those GPUs are kept in EXCLUSIVE_PROCESS. It returns why a
+// shared GPU is not exclusive. Nothing is written while the GPUs are
+// unread.
+func (a *Agent) holdShares(ctx context.Context, hw hardware) error {
+	if hw.invErr != nil {
+		return nil
+	}
+	if _, err := a.annotator.Sync(ctx); err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot annotate reservation pods")
+	}
+	return a.syncComputeModes(ctx)
 }
 
 // syncComputeModes puts the GPUs the reservation pods hold in
@@ -201,8 +208,8 @@ func sharedGPUs(held map[string]bool, tenants []nriplugin.Tenant, audited bool) 
 	return shared
 }
 
-// resync observes the node, decides what it is, and has every subscriber
-// apply that.
+// resync observes the node, holds the shared GPUs, decides what the node
+// is, and has every subscriber apply that.
 func (a *Agent) resync(ctx context.Context) {
 	logger := klog.FromContext(ctx)
 	node, hw, err := a.observe(ctx)
@@ -211,6 +218,7 @@ func (a *Agent) resync(ctx context.Context) {
 		a.setPublished(false)
 		return
 	}
+	hw.computeModeErr = a.holdShares(ctx, hw)
 	cfg := decide(hw, a.opts, a.standingGPUs(hw.inv, hw.invErr), a.plugin.Registered())
 	a.enforce(cfg)
 	if cfg.Publish.BackendErr != nil {
@@ -297,7 +305,7 @@ func (a *Agent) reconcileContainers(ctx context.Context, mpsUp bool) {
 // GPU, so their share would be silently moved. The audit reports the same
 // (DeviceWithoutReservation).
 func (a *Agent) stopTenantsOnUnheldGPUs(ctx context.Context) {
-	if a.env.allocatedGPUs == nil || !a.plugin.Audited() {
+	if !a.plugin.Audited() {
 		return
 	}
 	logger := klog.FromContext(ctx)
@@ -374,10 +382,10 @@ func (a *Agent) record(hw hardware, cfg NodeConfig, ready bool) {
 	a.metrics.Node(hw.inv, cfg.Publish.Backend, ready)
 	a.metrics.Tenants(a.plugin.Tenants())
 	if a.leases != nil {
-		a.metrics.Containers(a.env.nvml, a.leases.All())
+		a.metrics.Containers(a.env.gpus(), a.leases.All())
 	}
 	if hw.invErr == nil {
-		a.metrics.GPUUse(a.env.nvml, hw.inv)
+		a.metrics.GPUUse(a.env.gpus(), hw.inv)
 	}
 }
 

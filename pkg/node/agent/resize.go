@@ -132,12 +132,7 @@ func (a *Agent) applyResize(ctx context.Context, pod *corev1.Pod) {
 	}
 	r, _ := api.ResizeOf(pod.Annotations, as[0])
 	to := r.Allocated
-	held, how := true, "the running container is held to it (not restarted)"
-	if a.env.containers {
-		held, err = a.plugin.Resize(string(pod.UID), r.Container, to)
-	} else {
-		how = "a simulated node runs no container: recorded as applied"
-	}
+	held, how, err := a.env.holdResize(a.plugin, string(pod.UID), r.Container, to)
 	logger := klog.FromContext(ctx).WithValues("pod", klog.KObj(pod), "container", r.Container)
 	if err != nil {
 		if c, ok := api.PodResizeCondition(pod, api.ConditionResizeInProgress); ok && c.Status == corev1.ConditionTrue && c.Reason == api.ReasonResizeError {

@@ -91,12 +91,22 @@ type Config struct {
 	// every tenant's context gone) the daemon obeys for root and refused
 	// for an unprivileged uid (measured on an H200, docs/gpu-proof).
 	AllowRootMPSClients bool
+	// RestrictVisibility makes every container outside a gpufrac share
+	// see only the GPUs granted to it (Police), except in the namespaces
+	// of VisibilityExempt: the node's GPU software, which must see every
+	// GPU. Only admins create pods there.
+	RestrictVisibility bool
+	VisibilityExempt   []string
+	// ExclusiveProcess keeps a fractional container's GPUs in
+	// EXCLUSIVE_PROCESS (EffectExclusive) before it starts.
+	ExclusiveProcess bool
 }
 
 // Pod is what the injection needs of a pod: its UID (which names the MPS
 // namespaces of its containers) and its annotations.
 type Pod struct {
 	UID         string
+	Namespace   string
 	Annotations map[string]string
 }
 
@@ -137,6 +147,16 @@ type Decision struct {
 	Notes []string
 	// Reason is why the container is refused or failed open.
 	Reason error
+	// By names the check that refused the container or failed it open
+	// (judge.go's checks, or an Effect's kind); "" when it runs.
+	By string
+	// Policed says what the visibility check changed of a container
+	// outside any gpufrac share that names GPUs it was not granted; "" for
+	// nothing.
+	Policed string
+	// Effects are what the caller does, in order, before the container
+	// starts (Judge sets them for a container that runs).
+	Effects []Effect
 }
 
 // Decide computes the decision for container (its name and current

@@ -109,23 +109,17 @@ type Options struct {
 	DrainTimeout time.Duration
 	// ObserveHook, when set, receives how long each NRI hook took.
 	ObserveHook func(hook string, d time.Duration)
-	// EnsureExclusive, when set, puts a fractional container's GPUs in
-	// EXCLUSIVE_PROCESS before it starts (the resync does it too, but a
+	// EnsureExclusive puts a fractional container's GPUs in
+	// EXCLUSIVE_PROCESS before it starts, where the node keeps them so
+	// (injection.Config.ExclusiveProcess; the resync does it too, but a
 	// container may come first); its error refuses the container.
 	EnsureExclusive func(uuids []string) error
-	// Grants, when set, tells which GPUs a container outside any gpufrac
-	// share was granted (the device plugin's allocation, its DRA shares,
-	// from cdiDevices as the kubelet named them): every such container
-	// is made to see exactly those (injection.Police). Its error refuses
-	// a container that names GPUs: what it may see is unknown.
+	// Grants tells which GPUs a container outside any gpufrac share was
+	// granted (the device plugin's allocation, its DRA shares, from
+	// cdiDevices as the kubelet named them), where the node polices what
+	// containers see (injection.Config.RestrictVisibility). Its error
+	// refuses a container that names GPUs: what it may see is unknown.
 	Grants func(ctx context.Context, pod PodRef, container string, cdiDevices []string) ([]string, error)
-	// VisibilityExempt are namespaces whose containers outside any share
-	// keep the GPUs they name: the node's GPU software, which must see
-	// every GPU (NVIDIA's device plugin, DCGM, GPU Feature Discovery, and
-	// gpufrac's own agent and MPS daemon, whose pod the agent would
-	// otherwise evict, and itself with it, as long as it runs). Only
-	// admins create pods there.
-	VisibilityExempt []string
 }
 
 // Plugin implements the NRI hooks the node agent needs.
@@ -265,51 +259,48 @@ func (p *Plugin) Configure(ctx context.Context, _, runtime, version string) (stu
 	return 0, nil // the stub subscribes to the events this type implements
 }
 
-// CreateContainer injects the container's GPU share, or refuses it, as
-// injection.Decide says (the function `gpufrac explain` prints): plan,
-// then create the container's MPS namespace, then record it. Whatever
-// fails on the way refuses the container (or, failing open, starts it
-// without a GPU) through the one path at the end.
+// CreateContainer judges the container once (injection.Judge, what
+// `gpufrac explain` prints and the audit applies too), carries out the
+// decision's effects before the container starts, and answers the
+// runtime: its adjustment, or its refusal. Whatever fails on the way
+// refuses the container (or, failing open, starts it without a GPU).
 func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
 	defer p.observe("CreateContainer", time.Now())
 	cfg := *p.injection.Load()
-	current, _ := p.podOf(pod)
-	d := injection.Decide(current, ctr.GetName(), ctr.GetEnv(), cfg)
-	if d.MPSNamespace != "" {
-		if err := p.ensureNamespace(ctx, pod, ctr, d); err != nil {
-			// Started without its namespace, its compute ceiling would be
-			// missing: refused, or on a fail-open node no GPU.
-			d = injection.Unenforceable(cfg, err)
+	d := injection.Judge(p.gather(ctx, pod, ctr, cfg), cfg)
+	for _, e := range d.Effects {
+		if err := p.carryOut(ctx, pod, ctr, e); err != nil {
+			d = d.Failed(e, fmt.Errorf("container %q: %w", ctr.GetName(), err), cfg)
+			break
 		}
 	}
-	if d.Verdict == injection.Run && (d.Assignment != nil || usesShare(ctr)) {
-		if err := injection.CheckMPSClientUser(uidOf(ctr), hasUserNamespace(ctr), cfg); err != nil {
-			d = injection.Unenforceable(cfg, fmt.Errorf("container %q: %w", ctr.GetName(), err))
+	return p.answer(ctx, pod, ctr, d, cfg)
+}
+
+// carryOut does one effect of a container's decision.
+func (p *Plugin) carryOut(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, e injection.Effect) error {
+	switch e.Kind {
+	case injection.EffectMPSNamespace:
+		return p.ensureNamespace(ctx, pod, ctr, e)
+	case injection.EffectExclusive:
+		if p.opts.EnsureExclusive == nil {
+			return errors.New("the node keeps its shared GPUs in EXCLUSIVE_PROCESS, and this plugin cannot set a compute mode")
 		}
+		return p.opts.EnsureExclusive(e.Devices)
+	case injection.EffectClaimShares:
+		return p.shares.claim(shareUserOf(pod, ctr), e.Shares)
 	}
-	if d.Verdict == injection.Run && usesShare(ctr) {
-		if err := p.shares.claim(pod, ctr); err != nil {
-			d = injection.Decision{Verdict: injection.Refuse, Reason: fmt.Errorf("container %q: %w", ctr.GetName(), err)}
-		}
-	}
-	if d.Verdict == injection.Run && d.Assignment != nil && p.opts.EnsureExclusive != nil {
-		if err := p.opts.EnsureExclusive(d.Assignment.Devices); err != nil {
-			// In another mode, a process of any container could take
-			// the GPU's memory outside MPS: refused, or no GPU.
-			d = injection.Unenforceable(cfg, err)
-		}
-	}
+	return fmt.Errorf("no way to carry out %q", e.Kind)
+}
+
+// answer records and reports what became of a container at creation, and
+// gives the runtime its adjustment or refusal.
+func (p *Plugin) answer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, d injection.Decision, cfg injection.Config) (*nriapi.ContainerAdjustment, []*nriapi.ContainerUpdate, error) {
 	ref, logger := refOf(pod), klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-	if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
-		adj, note, err := p.police(ctx, ref, ctr)
-		if err != nil {
-			d = injection.Decision{Verdict: injection.Refuse, Reason: err}
-		} else if adj != nil {
-			logger.Info("The container names GPUs it was not granted; it sees only its grant", "change", note)
-			if p.opts.Reporter != nil {
-				p.opts.Reporter.Policed(ref, ctr.GetName(), note)
-			}
-			d.Adjustment = adj
+	if d.Policed != "" {
+		logger.Info("The container names GPUs it was not granted; it sees only its grant", "change", d.Policed)
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Policed(ref, ctr.GetName(), d.Policed)
 		}
 	}
 	switch d.Verdict {
@@ -345,225 +336,11 @@ func (p *Plugin) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 	return nil, nil, fmt.Errorf("gpufrac: pod %s/%s container %q: %w", pod.GetNamespace(), pod.GetName(), ctr.GetName(), d.Reason)
 }
 
-// shareUsers records which running container consumes each gpufrac DRA
-// share (by its CDI device name): a share's limits go on each consumer's
-// cgroup, and the allocator counted it once, so a second consumer at the
-// same time would double it. The same container restarting, or another
-// one after the first stopped (an init container, then the main one), is
-// one consumer at a time.
-type shareUsers struct {
-	mu sync.Mutex
-	m  map[string]shareUser // CDI device name →
-}
-
-type shareUser struct{ id, podUID, pod, container string }
-
-// claim records ctr as the consumer of its shares, or says which running
-// container consumes one already.
-func (s *shareUsers) claim(pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.m == nil {
-		s.m = map[string]shareUser{}
-	}
-	me := shareUser{id: ctr.GetId(), podUID: pod.GetUid(), pod: pod.GetNamespace() + "/" + pod.GetName(), container: ctr.GetName()}
-	var names []string
-	for _, d := range ctr.GetCDIDevices() {
-		if !strings.HasPrefix(d.GetName(), api.DRADriver+"/share=") {
-			continue
-		}
-		if u, ok := s.m[d.GetName()]; ok && u.id != me.id && (u.podUID != me.podUID || u.container != me.container) {
-			return fmt.Errorf("its gpufrac share %s is consumed already by container %q of pod %s, and a share is enforced on one container at a time (its limits would apply twice): give each container a claim of its own", d.GetName(), u.container, u.pod)
-		}
-		names = append(names, d.GetName())
-	}
-	for _, n := range names {
-		s.m[n] = me
-	}
-	return nil
-}
-
-// release forgets the shares a stopped container consumed.
-func (s *shareUsers) release(id string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for n, u := range s.m {
-		if u.id == id {
-			delete(s.m, n)
-		}
-	}
-}
-
-// usesShare says whether the kubelet handed the container a gpufrac DRA
-// share: its CDI edits make it an MPS client as an annotated fraction is.
-func usesShare(ctr *nriapi.Container) bool {
-	for _, d := range ctr.GetCDIDevices() {
-		if strings.HasPrefix(d.GetName(), api.DRADriver+"/share=") {
-			return true
-		}
-	}
-	return false
-}
-
-// uidOf is the container process's uid, nil where the runtime does not
-// say (NRI before 0.10, containerd 1.7).
-func uidOf(ctr *nriapi.Container) *uint32 {
-	if u := ctr.GetUser(); u != nil {
-		uid := u.GetUid()
-		return &uid
-	}
-	return nil
-}
-
-func hasUserNamespace(ctr *nriapi.Container) bool {
-	for _, ns := range ctr.GetLinux().GetNamespaces() {
-		if ns.GetType() == "user" {
-			return true
-		}
-	}
-	return false
-}
-
-// police is injection.Police for a container outside any gpufrac share:
-// nil when it names no GPU beyond its grant. The grant is read only for a
-// container that names GPUs at all (most name none).
-func (p *Plugin) police(ctx context.Context, pod PodRef, ctr *nriapi.Container) (*nriapi.ContainerAdjustment, string, error) {
-	if p.opts.Grants == nil || slices.Contains(p.opts.VisibilityExempt, pod.Namespace) {
-		return nil, "", nil
-	}
-	if adj, _, err := injection.Police(ctr.GetEnv(), ctr.GetMounts(), nil); adj == nil && err == nil {
-		return nil, "", nil
-	}
-	var cdi []string
-	for _, d := range ctr.GetCDIDevices() {
-		cdi = append(cdi, d.GetName())
-	}
-	granted, err := p.opts.Grants(ctx, pod, ctr.GetName(), cdi)
-	if err != nil {
-		return nil, "", fmt.Errorf("the container names GPUs (%s=%q) and %w: %w",
-			nodeapi.EnvVisibleDevices, envValue(ctr.GetEnv(), nodeapi.EnvVisibleDevices), errGrantUnknown, err)
-	}
-	return injection.Police(ctr.GetEnv(), ctr.GetMounts(), granted)
-}
-
-// errGrantUnknown is police's error when what a container was granted
-// cannot be read (not what it names).
-var errGrantUnknown = errors.New("which ones it was granted cannot be read")
-
 func withNotes(detail string, notes []string) string {
 	if len(notes) == 0 {
 		return detail
 	}
 	return detail + "; " + strings.Join(notes, "; ")
-}
-
-// PostStartContainer verifies, for the driver backend, that the limits the
-// hook set are in force on the started container's cgroup, and records
-// the lease to release at stop. A container whose limits are not in force
-// is evicted so it restarts enforced (fail closed); a node that fails open
-// reports it and lets it run.
-func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	defer p.observe("PostStartContainer", time.Now())
-	cfg := p.injection.Load()
-	tenant, ok := p.tenants.get(ctr.GetId())
-	if !ok {
-		// Not seen at creation: a runtime whose NRI has no failure policy
-		// (containerd 1.7) starts a container whose CreateContainer timed
-		// out without its adjustment. Judged now as the audit would (not
-		// before the node's backend is known: see Synchronize).
-		if cfg.Backend == nodeapi.BackendUnset {
-			return nil
-		}
-		if _, reason := p.judge(ctx, pod, ctr); reason != "" {
-			klog.FromContext(ctx).Info("Stopping a container that started without what the node injects", "pod", pod.GetNamespace()+"/"+pod.GetName(),
-				"container", ctr.GetName(), "reason", reason)
-			p.evict(ctx, refOf(pod), ctr.GetName(), reason)
-		}
-		return nil
-	}
-	if cfg.Backend != nodeapi.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
-		return nil
-	}
-	if tenant.State != StateInjected {
-		return nil // refused, or failed open
-	}
-	a := tenant.assignment
-	logger := klog.FromContext(ctx).WithValues("pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-	limits := enforce.Limits{Container: a.Container, Devices: a.Devices, RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)}
-	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
-	if err == nil {
-		lease := enforce.Lease{Pod: pod.GetNamespace() + "/" + pod.GetName(), Container: a.Container, Cgroup: cgroup,
-			Devices: a.Devices, RequestMiB: limits.RequestMiB, LimitMiB: limits.LimitMiB, Boot: p.opts.BootID}
-		if perr := p.opts.Leases.Put(ctr.GetId(), lease); perr != nil {
-			logger.Error(perr, "Cannot record the GPU memory lease; its soft limit may not be released at stop")
-		}
-		err = enforce.Verify(p.opts.NVML, cgroup, limits)
-	}
-	p.verified(ctx, ctr.GetId(), cgroup, err)
-	return nil
-}
-
-// maxVerifyTries bounds how many times a started container's limits may
-// fail to be read back (NVML errors, not a mismatch): the first at start,
-// the rest at the agent's resyncs. A transient NVML error must not evict a
-// healthy pod; one that persists cannot be told from missing limits.
-const maxVerifyTries = 3
-
-// verified records the outcome of reading a started container's limits
-// back: enforced; a mismatch (or an unknown cgroup) is unenforced at once;
-// a failed read is retried by Reverify until maxVerifyTries.
-func (p *Plugin) verified(ctx context.Context, id, cgroup string, err error) {
-	tenant, ok := p.tenants.get(id)
-	if !ok {
-		return
-	}
-	logger := klog.FromContext(ctx).WithValues("pod", tenant.Pod.Namespace+"/"+tenant.Pod.Name, "container", tenant.Container)
-	a := tenant.assignment
-	if err == nil {
-		p.tenants.update(id, func(t *Tenant) { t.State, t.cgroup = StateEnforced, cgroup })
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.Enforced(tenant.Pod, tenant.Container, withNotes(fmt.Sprintf("driver memory limits verified on cgroup %s: request %dMi, limit %dMi on %s",
-				cgroup, a.RequestMiB, a.LimitMiB, strings.Join(a.Devices, ",")), tenant.notes))
-		}
-		return
-	}
-	tries := tenant.verifyTries + 1
-	if cgroup != "" && !errors.Is(err, enforce.ErrLimitsDiffer) && tries < maxVerifyTries {
-		logger.Info("Cannot read the container's GPU memory limits back yet; retrying at the next resync", "try", tries, "reason", err.Error())
-		p.tenants.update(id, func(t *Tenant) { t.State, t.cgroup, t.verifyTries = StateUnverified, cgroup, tries })
-		return
-	}
-	p.tenants.update(id, func(t *Tenant) { t.State, t.cgroup, t.verifyTries = StateUnenforced, cgroup, tries })
-	reason := "GPU memory limits not in force after start: " + err.Error()
-	if !errors.Is(err, enforce.ErrLimitsDiffer) && cgroup != "" {
-		reason = fmt.Sprintf("GPU memory limits could not be read back in %d tries: %v", tries, err)
-	}
-	if p.opts.FailOpen {
-		logger.Info("GPU memory limits not in force; the node fails open, so the container keeps running", "reason", reason)
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.Unenforced(tenant.Pod, tenant.Container, reason)
-		}
-		return
-	}
-	logger.Info("Evicting a pod whose GPU memory limits are not in force", "reason", reason)
-	p.evict(ctx, tenant.Pod, tenant.Container, reason)
-}
-
-// Reverify reads back, off any NRI request, the limits of started
-// containers whose first read-back failed (StateUnverified).
-func (p *Plugin) Reverify(ctx context.Context) {
-	if p.opts.NVML == nil {
-		return
-	}
-	for id, t := range p.tenants.ids() {
-		if t.State != StateUnverified {
-			continue
-		}
-		a := t.assignment
-		err := enforce.Verify(p.opts.NVML, t.cgroup, enforce.Limits{Container: a.Container, Devices: a.Devices,
-			RequestMiB: uint64(a.RequestMiB), LimitMiB: uint64(a.LimitMiB)})
-		p.verified(ctx, id, t.cgroup, err)
-	}
 }
 
 // StopContainer releases the stopped container's soft limit before its
@@ -601,267 +378,6 @@ func (p *Plugin) RemoveContainer(ctx context.Context, pod *nriapi.PodSandbox, ct
 		klog.FromContext(ctx).Error(err, "Cannot delete the removed container's MPS namespace; the next reconciliation retries", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	}
 	return nil
-}
-
-// drain terminates the container's MPS clients: those routed to its
-// namespace, and those whose cgroup is the container's (time-slicing
-// clients of the main socket).
-func (p *Plugin) drain(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, namespace string) {
-	cgroup := ""
-	if ctr.GetPid() > 0 {
-		cgroup, _ = enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
-	}
-	ref, name, logger := pod.GetNamespace()+"/"+pod.GetName(), ctr.GetName(), klog.FromContext(ctx)
-	deadline := p.opts.DrainTimeout
-	if deadline <= 0 {
-		deadline = DefaultDrainTimeout
-	}
-	// Off the NRI request: terminating a client waits for its work to
-	// drain, which can take longer than the request may.
-	p.background.Add(1)
-	go func() {
-		defer p.background.Done()
-		ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), logger), deadline)
-		defer cancel()
-		left, err := p.opts.MPS.Drain(ctx, func(c mps.Client) bool {
-			if namespace != "" && c.Namespace == namespace {
-				return true
-			}
-			if cgroup == "" {
-				return false
-			}
-			cg, err := enforce.CgroupOf(p.opts.ProcRoot, c.PID)
-			return err == nil && cg == cgroup
-		})
-		if err != nil {
-			logger.Error(err, "Cannot terminate the stopped container's MPS clients", "pod", ref, "container", name, "left", left)
-		}
-		if len(left) == 0 {
-			return
-		}
-		// A client that does not finish terminating is how a wedged shared
-		// server shows (KAI's node operator, measured on r615, with the
-		// same 30 s): its other clients fail or hang while the control
-		// daemon still answers. The daemon is replaced, and the pods on it
-		// are evicted once the new one runs (RetryEvictions).
-		why := fmt.Sprintf("MPS clients %v of stopped container %s %s did not finish terminating within %s", left, ref, name, deadline)
-		logger.Info("The shared MPS server looks wedged; asking for the daemon's replacement", "reason", why)
-		if rerr := p.opts.MPS.RequestReplace(why); rerr != nil {
-			logger.Error(rerr, "Cannot ask for the wedged MPS daemon's replacement")
-		}
-	}()
-}
-
-// DefaultDrainTimeout is how long a stopped container's MPS clients may
-// take to terminate before the shared server is taken as wedged.
-const DefaultDrainTimeout = 30 * time.Second
-
-// mpsHookBudget bounds the MPS work of one NRI request: creating a
-// namespace, draining clients, deleting a namespace. NRI's default request
-// timeout is 2 s, after which (with the plugin's failure policy) the
-// request fails; this leaves the rest of the hook time to finish.
-const mpsHookBudget = 1500 * time.Millisecond
-
-func (p *Plugin) release(ctx context.Context, pod PodRef, id, name string) {
-	if p.opts.NVML == nil || p.opts.Leases == nil {
-		return
-	}
-	logger := klog.FromContext(ctx)
-	lease, ok, err := p.opts.Leases.Take(id)
-	if err != nil {
-		logger.Error(err, "Cannot update the GPU memory leases")
-	}
-	if !ok {
-		return
-	}
-	if err := enforce.Release(p.opts.NVML, lease.Cgroup, lease.Devices); err != nil {
-		logger.Error(err, "Cannot release a stopped container's GPU soft limit", "pod", lease.Pod, "container", name)
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.ReleaseFailed(pod, name, err)
-		}
-	}
-}
-
-// releaseVanished releases the leases of containers the runtime no longer
-// runs (they stopped while the agent was away); their MPS namespaces go at
-// the agent's next reconciliation, off the NRI request. An
-// empty list from the runtime is not taken as "nothing runs": state is
-// then kept.
-func (p *Plugin) releaseVanished(ctx context.Context, pods map[string]*nriapi.PodSandbox, ctrs []*nriapi.Container) {
-	if len(ctrs) == 0 {
-		return
-	}
-	if p.opts.Leases == nil {
-		return
-	}
-	running := map[string]bool{}
-	for _, c := range ctrs {
-		if c.GetState() != nriapi.ContainerState_CONTAINER_STOPPED {
-			running[c.GetId()] = true
-		}
-	}
-	for _, id := range p.opts.Leases.IDs() {
-		if !running[id] {
-			p.release(ctx, PodRef{}, id, id)
-		}
-	}
-}
-
-// podOf is the pod as the plugin decides on it: its sandbox's annotations,
-// with the memory a resize has allocated since (Options.Resized), so that a
-// container created after a resize (a restart) gets the memory the pod has
-// now, not the memory it was placed with. resized says so.
-func (p *Plugin) podOf(pod *nriapi.PodSandbox) (_ injection.Pod, resized bool) {
-	annotations := pod.GetAnnotations()
-	if p.opts.Resized != nil {
-		if c, m, ok := p.opts.Resized(pod.GetNamespace(), pod.GetName(), pod.GetUid()); ok {
-			annotations, resized = api.WithMemory(annotations, c, m), true
-		}
-	}
-	return injection.Pod{UID: pod.GetUid(), Annotations: annotations}, resized
-}
-
-// ensureNamespace creates an sm-sharing container's MPS namespace, with
-// its thread ceiling, before the container's first client can attach.
-func (p *Plugin) ensureNamespace(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, d injection.Decision) error {
-	container := d.Assignment.Container
-	if p.opts.MPS == nil {
-		return fmt.Errorf("container %q: sm-sharing needs MPS namespaces, and this node agent keeps none", container)
-	}
-	ctx, cancel := context.WithTimeout(ctx, mpsHookBudget)
-	defer cancel()
-	ns := mps.Namespace{Name: d.MPSNamespace, Threads: d.Assignment.ActiveThreadPercentage(),
-		Pod: pod.GetNamespace() + "/" + pod.GetName(), PodUID: pod.GetUid(), Container: container, ContainerID: ctr.GetId()}
-	if err := p.opts.MPS.Ensure(ctx, ns); err != nil {
-		return fmt.Errorf("container %q: %w", container, err)
-	}
-	return nil
-}
-
-// ReconcileMPS makes the MPS daemon's namespaces those of the running
-// containers (live): claimed ones a restarted daemon dropped are created
-// again with their ceilings (for the containers' restarts until their pods
-// are evicted, see RetryEvictions), unclaimed ones are deleted.
-func (p *Plugin) ReconcileMPS(ctx context.Context, live func(name string) bool) {
-	if p.opts.MPS == nil {
-		return
-	}
-	r, err := p.opts.MPS.Reconcile(ctx, live)
-	if err != nil {
-		klog.FromContext(ctx).Error(err, "Cannot reconcile the MPS namespaces; retrying at the next resync")
-	}
-	if len(r.Recreated) > 0 || len(r.Deleted) > 0 {
-		klog.FromContext(ctx).Info("Reconciled the MPS namespaces", "recreated", len(r.Recreated), "deleted", r.Deleted)
-	}
-}
-
-// RetryEvictions evicts, off any NRI request, the pods that must not keep
-// running and are not yet on their way out: those whose containers run
-// unenforced (a failed eviction is retried here), and, mpsStarted being
-// when the node's MPS daemon started, those whose containers were created
-// before it. Those containers' mounts name an older daemon's sockets and
-// directories, so a CUDA process they start next would not reach MPS at
-// all: no memacct, no ceiling, no pinned limit. Their pods are told why,
-// and come back on the new daemon. A container whose creation time the
-// runtime did not give is not taken as stale.
-func (p *Plugin) RetryEvictions(ctx context.Context, mpsStarted time.Time) {
-	for id, t := range p.tenants.ids() {
-		if t.evicted {
-			continue
-		}
-		stale := !mpsStarted.IsZero() && !t.started.IsZero() && t.started.Before(mpsStarted)
-		switch {
-		case stale:
-			detail := fmt.Sprintf("the node's MPS daemon started at %s, after the container (created %s); its MPS mounts name the old daemon",
-				mpsStarted.UTC().Format(time.RFC3339), t.started.UTC().Format(time.RFC3339))
-			if !t.mpsReported && p.opts.Reporter != nil {
-				p.opts.Reporter.MPSRestarted(t.Pod, t.Container, detail)
-			}
-			p.tenants.update(id, func(t *Tenant) { t.mpsReported = true })
-			p.evict(ctx, t.Pod, t.Container, "the node's MPS daemon was replaced under it: "+detail)
-		case t.State == StateUnenforced && !p.opts.FailOpen:
-			p.evict(ctx, t.Pod, t.Container, "it runs without its GPU-fraction enforcement")
-		}
-	}
-}
-
-// evict asks for the pod's eviction in the background, with a deadline of
-// its own (not the NRI request's), unless one is under way; on success its
-// containers are marked evicted and the pod is told, on failure
-// RetryEvictions tries again.
-func (p *Plugin) evict(ctx context.Context, pod PodRef, container, reason string) {
-	p.evictMu.Lock()
-	if p.evicting == nil {
-		p.evicting = map[string]bool{}
-	}
-	if p.evicting[pod.UID] {
-		p.evictMu.Unlock()
-		return
-	}
-	p.evicting[pod.UID] = true
-	p.evictMu.Unlock()
-	logger := klog.FromContext(ctx)
-	p.evictions.Add(1)
-	go func() {
-		defer p.evictions.Done()
-		defer func() {
-			p.evictMu.Lock()
-			delete(p.evicting, pod.UID)
-			p.evictMu.Unlock()
-		}()
-		ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), logger), 30*time.Second)
-		defer cancel()
-		if p.opts.Evictor != nil {
-			if err := p.opts.Evictor.Evict(ctx, pod, reason); err != nil {
-				logger.Error(err, "Eviction failed; retrying at the next resync", "pod", pod.Namespace+"/"+pod.Name, "reason", reason)
-				return
-			}
-		}
-		for id, t := range p.tenants.ids() {
-			if t.Pod.UID == pod.UID {
-				p.tenants.update(id, func(t *Tenant) { t.evicted = true })
-			}
-		}
-		if p.opts.Reporter != nil {
-			p.opts.Reporter.Evicted(pod, container, reason)
-		}
-	}()
-}
-
-// Stop removes a pod that must not keep running, off the caller's
-// request (the agent's resync), with the reason for its Event.
-func (p *Plugin) Stop(ctx context.Context, pod PodRef, container, reason string) {
-	for _, t := range p.tenants.ids() {
-		if t.Pod.UID == pod.UID && t.evicted {
-			return // on its way out already
-		}
-	}
-	p.evict(ctx, pod, container, reason)
-}
-
-// WaitForEvictions waits until the evictions and client drains asked for
-// so far were tried.
-func (p *Plugin) WaitForEvictions() {
-	p.background.Wait()
-	p.evictions.Wait()
-}
-
-// LiveNamespaces are the MPS namespaces of the containers the plugin
-// knows run.
-func (p *Plugin) LiveNamespaces() map[string]bool {
-	live := map[string]bool{}
-	for _, t := range p.tenants.list() {
-		if t.Namespace != "" {
-			live[t.Namespace] = true
-		}
-	}
-	return live
-}
-
-// decide is injection.Decide for a container the runtime reports.
-func (p *Plugin) decide(pod *nriapi.PodSandbox, ctr *nriapi.Container) (injection.Decision, bool) {
-	current, resized := p.podOf(pod)
-	return injection.Decide(current, ctr.GetName(), ctr.GetEnv(), *p.injection.Load()), resized
 }
 
 // Synchronize audits the containers that run already when the plugin
@@ -913,34 +429,27 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 	}
 	evicted := map[string]bool{}
 	live := map[string]bool{}
-	backend := string(p.injection.Load().Backend)
+	cfg := *p.injection.Load()
 	for _, ctr := range ctrs {
 		pod := byID[ctr.GetPodSandboxId()]
 		if pod == nil || evicted[pod.GetId()] || ctr.GetState() != nriapi.ContainerState_CONTAINER_RUNNING {
 			continue
 		}
 		live[ctr.GetId()] = true
-		d, reason := p.judge(ctx, pod, ctr)
-		if reason == "" && usesShare(ctr) {
-			// A restarted agent learns who consumes each share; a second
-			// consumer found running goes.
-			if err := p.shares.claim(pod, ctr); err != nil {
-				reason = "running as a second consumer of a share: " + err.Error()
+		d, r, reason := p.judgeRunning(ctx, pod, ctr, cfg)
+		if reason == "" {
+			// A restarted agent learns who consumes each share (a second
+			// consumer found running was judged above).
+			for _, e := range d.Effects {
+				if e.Kind == injection.EffectClaimShares {
+					if err := p.shares.claim(shareUserOf(pod, ctr), e.Shares); err != nil {
+						reason = "running as a second consumer of a share: " + err.Error()
+					}
+				}
 			}
 		}
 		if d.Assignment != nil {
-			var created time.Time
-			if ns := ctr.GetCreatedAt(); ns > 0 {
-				created = time.Unix(0, ns)
-			}
-			t := tenantOf(pod, d, backend, StateEnforced, created)
-			if reason == "" {
-				reason = p.heldTo(ctx, &t, pod, ctr)
-			}
-			if reason != "" {
-				t.State = StateUnenforced
-			}
-			p.tenants.set(ctr.GetId(), t)
+			p.tenants.set(ctr.GetId(), runningTenant(pod, ctr, d, r, string(cfg.Backend), reason))
 		}
 		if reason == "" {
 			continue
@@ -954,98 +463,4 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 		p.tenants.retain(live)
 	}
 	p.releaseVanished(ctx, byID, ctrs)
-}
-
-// heldTo learns, on the driver backend, a running container's cgroup (a
-// resize changes its limits there) and, for a resized pod, what the driver
-// holds it to, which may be the memory of before the resize (not applied
-// yet, or refused) or after: t's memory becomes that. A resized pod's
-// container the driver holds to nothing is unenforced: the reason says so.
-func (p *Plugin) heldTo(ctx context.Context, t *Tenant, pod *nriapi.PodSandbox, ctr *nriapi.Container) string {
-	if t.Backend != string(nodeapi.BackendDriver) || p.opts.NVML == nil || ctr.GetPid() <= 0 {
-		return ""
-	}
-	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
-	if err != nil {
-		return ""
-	}
-	t.cgroup = cgroup
-	if _, resized := p.podOf(pod); !resized {
-		return ""
-	}
-	held, err := enforce.Held(p.opts.NVML, cgroup, t.Devices)
-	if errors.Is(err, enforce.ErrLimitsDiffer) {
-		return "a resized container's GPU memory limits are not in force: " + err.Error()
-	}
-	if err != nil {
-		// A read that failed says nothing of the limits: the container
-		// keeps the memory it was created with on record, and the resize
-		// loop reads them again when it acts.
-		klog.FromContext(ctx).Error(err, "Cannot read a resized container's GPU memory limits back", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-		return ""
-	}
-	t.RequestMiB, t.LimitMiB = int64(held.RequestMiB), int64(held.LimitMiB)
-	t.assignment.RequestMiB, t.assignment.LimitMiB = t.RequestMiB, t.LimitMiB
-	return ""
-}
-
-// judge is what CreateContainer would have made of a container that runs
-// already (its decision now), and why it must not run as it does ("" when
-// it may): its fraction not in force, or GPUs it was not granted. A grant
-// that cannot be read now is judged later, not guessed.
-func (p *Plugin) judge(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (injection.Decision, string) {
-	d, resized := p.decide(pod, ctr)
-	// Only the driver backend's limits can be read back in place of the
-	// environment's memory (heldTo); a resize is refused elsewhere.
-	reason := missingEnforcement(d, ctr, resized && p.injection.Load().Backend == nodeapi.BackendDriver)
-	if d.Verdict == injection.Run && d.Assignment == nil && d.Adjustment == nil {
-		adj, note, err := p.police(ctx, refOf(pod), ctr)
-		switch {
-		case errors.Is(err, errGrantUnknown):
-			klog.FromContext(ctx).Error(err, "Cannot check a running container's GPUs against its grant", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
-		case err != nil:
-			reason = "running with GPUs it was not granted: " + err.Error()
-		case adj != nil:
-			reason = "running with GPUs it was not granted: " + note
-		}
-	}
-	return d, reason
-}
-
-// missingEnforcement compares a running container's environment with what
-// CreateContainer would have injected (d); "" means it is enforced (or needs
-// nothing, or failed open as the node allows).
-//
-// A resized pod's container may have been created before the resize, with
-// the memory of then in its environment (a process's environment does not
-// change): its memory is not judged by its environment, but by what the
-// driver holds it to (audit).
-func missingEnforcement(d injection.Decision, ctr *nriapi.Container, resized bool) string {
-	if d.Verdict == injection.Refuse {
-		return "running although its GPU fraction cannot be enforced: " + d.Reason.Error()
-	}
-	if d.Adjustment == nil {
-		return ""
-	}
-	// The container's environment must already be what the injection
-	// would make it, for the variables that carry the limits.
-	want := injection.ApplyEnv(ctr.GetEnv(), d.Adjustment)
-	for _, key := range []string{nodeapi.EnvVisibleDevices, nodeapi.EnvMemoryRequest, nodeapi.EnvMemoryLimit, nodeapi.EnvMPSThreads, nodeapi.EnvMPSPipeDirectory} {
-		if resized && (key == nodeapi.EnvMemoryRequest || key == nodeapi.EnvMemoryLimit) {
-			continue
-		}
-		if got := envValue(ctr.GetEnv(), key); got != want[key] {
-			return fmt.Sprintf("%s is %q, want %q", key, got, want[key])
-		}
-	}
-	return ""
-}
-
-func envValue(env []string, key string) string {
-	for _, kv := range env {
-		if k, v, ok := strings.Cut(kv, "="); ok && k == key {
-			return v
-		}
-	}
-	return ""
 }

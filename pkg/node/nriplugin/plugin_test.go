@@ -252,7 +252,9 @@ func TestEveryContainerSeesOnlyItsGrant(t *testing.T) {
 	var asked []string
 	var grantErr error
 	grants := map[string][]string{"ml/trainer/main": {"GPU-b"}, "ml/share/main": {"GPU-c"}}
-	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, VisibilityExempt: []string{"gpufrac-system", "gpu-operator"},
+	c := cfg
+	c.RestrictVisibility, c.VisibilityExempt = true, []string{"gpufrac-system", "gpu-operator"}
+	startPlugin(t, rt, Options{Injection: c, Reporter: rec, Evictor: rec,
 		Grants: func(_ context.Context, pod PodRef, c string, cdi []string) ([]string, error) {
 			asked = append(asked, pod.Namespace+"/"+pod.Name+"/"+c)
 			if pod.Name == "share" && (len(cdi) != 1 || cdi[0] != "gpu.gpufrac.io/share=uid-1-gpu") {
@@ -409,7 +411,9 @@ func TestFractionsNeedAnExclusiveGPU(t *testing.T) {
 	var asked [][]string
 	refuse := errors.New("GPU GPU-a is not in EXCLUSIVE_PROCESS (NVML cannot set it from Default: ERROR_NO_PERMISSION)")
 	var answer error
-	startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, EnsureExclusive: func(uuids []string) error {
+	c := cfg
+	c.ExclusiveProcess = true
+	startPlugin(t, rt, Options{Injection: c, Reporter: rec, Evictor: rec, EnsureExclusive: func(uuids []string) error {
 		asked = append(asked, uuids)
 		return answer
 	}})
@@ -519,7 +523,9 @@ func TestSynchronizeStopsContainersSeeingUngrantedGPUs(t *testing.T) {
 	}
 	rt := startRuntime(t, pods, ctrs)
 	rec := &recorder{}
-	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec,
+	c := cfg
+	c.RestrictVisibility = true
+	p := startPlugin(t, rt, Options{Injection: c, Reporter: rec, Evictor: rec,
 		Grants: func(_ context.Context, pod PodRef, _ string, _ []string) ([]string, error) {
 			if pod.Name == "trainer" {
 				return []string{"GPU-b"}, nil

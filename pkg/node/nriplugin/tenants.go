@@ -150,6 +150,27 @@ func tenantOf(sandbox *nriapi.PodSandbox, d injection.Decision, backend, state s
 		Mode: a.Mode, Backend: backend, State: state, Namespace: d.MPSNamespace, Groups: groups, assignment: a, notes: d.Notes, started: started}
 }
 
+// runningTenant is the tenant record of a container the audit found
+// running: created when the runtime says, with the memory the driver
+// holds it to where a resize changed it (r), unenforced when it must go
+// (reason).
+func runningTenant(pod *nriapi.PodSandbox, ctr *nriapi.Container, d injection.Decision, r running, backend, reason string) Tenant {
+	var created time.Time
+	if ns := ctr.GetCreatedAt(); ns > 0 {
+		created = time.Unix(0, ns)
+	}
+	t := tenantOf(pod, d, backend, StateEnforced, created)
+	t.cgroup = r.cgroup
+	if r.held != nil {
+		t.RequestMiB, t.LimitMiB = int64(r.held.RequestMiB), int64(r.held.LimitMiB)
+		t.assignment.RequestMiB, t.assignment.LimitMiB = t.RequestMiB, t.LimitMiB
+	}
+	if reason != "" {
+		t.State = StateUnenforced
+	}
+	return t
+}
+
 // forPod is the tenant of a pod's container, with its container ID.
 func (t *tenants) forPod(uid, container string) (string, Tenant, bool) {
 	t.mu.Lock()

@@ -1,0 +1,103 @@
+package nriplugin
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"k8s.io/klog/v2"
+)
+
+// Evictions: a pod that must not keep running is deleted, off any NRI
+// request, one eviction per pod at a time.
+
+// RetryEvictions evicts, off any NRI request, the pods that must not keep
+// running and are not yet on their way out: those whose containers run
+// unenforced (a failed eviction is retried here), and, mpsStarted being
+// when the node's MPS daemon started, those whose containers were created
+// before it. Those containers' mounts name an older daemon's sockets and
+// directories, so a CUDA process they start next would not reach MPS at
+// all: no memacct, no ceiling, no pinned limit. Their pods are told why,
+// and come back on the new daemon. A container whose creation time the
+// runtime did not give is not taken as stale.
+func (p *Plugin) RetryEvictions(ctx context.Context, mpsStarted time.Time) {
+	for id, t := range p.tenants.ids() {
+		if t.evicted {
+			continue
+		}
+		stale := !mpsStarted.IsZero() && !t.started.IsZero() && t.started.Before(mpsStarted)
+		switch {
+		case stale:
+			detail := fmt.Sprintf("the node's MPS daemon started at %s, after the container (created %s); its MPS mounts name the old daemon",
+				mpsStarted.UTC().Format(time.RFC3339), t.started.UTC().Format(time.RFC3339))
+			if !t.mpsReported && p.opts.Reporter != nil {
+				p.opts.Reporter.MPSRestarted(t.Pod, t.Container, detail)
+			}
+			p.tenants.update(id, func(t *Tenant) { t.mpsReported = true })
+			p.evict(ctx, t.Pod, t.Container, "the node's MPS daemon was replaced under it: "+detail)
+		case t.State == StateUnenforced && !p.opts.FailOpen:
+			p.evict(ctx, t.Pod, t.Container, "it runs without its GPU-fraction enforcement")
+		}
+	}
+}
+
+// evict asks for the pod's eviction in the background, with a deadline of
+// its own (not the NRI request's), unless one is under way; on success its
+// containers are marked evicted and the pod is told, on failure
+// RetryEvictions tries again.
+func (p *Plugin) evict(ctx context.Context, pod PodRef, container, reason string) {
+	p.evictMu.Lock()
+	if p.evicting == nil {
+		p.evicting = map[string]bool{}
+	}
+	if p.evicting[pod.UID] {
+		p.evictMu.Unlock()
+		return
+	}
+	p.evicting[pod.UID] = true
+	p.evictMu.Unlock()
+	logger := klog.FromContext(ctx)
+	p.evictions.Add(1)
+	go func() {
+		defer p.evictions.Done()
+		defer func() {
+			p.evictMu.Lock()
+			delete(p.evicting, pod.UID)
+			p.evictMu.Unlock()
+		}()
+		ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), logger), 30*time.Second)
+		defer cancel()
+		if p.opts.Evictor != nil {
+			if err := p.opts.Evictor.Evict(ctx, pod, reason); err != nil {
+				logger.Error(err, "Eviction failed; retrying at the next resync", "pod", pod.Namespace+"/"+pod.Name, "reason", reason)
+				return
+			}
+		}
+		for id, t := range p.tenants.ids() {
+			if t.Pod.UID == pod.UID {
+				p.tenants.update(id, func(t *Tenant) { t.evicted = true })
+			}
+		}
+		if p.opts.Reporter != nil {
+			p.opts.Reporter.Evicted(pod, container, reason)
+		}
+	}()
+}
+
+// Stop removes a pod that must not keep running, off the caller's
+// request (the agent's resync), with the reason for its Event.
+func (p *Plugin) Stop(ctx context.Context, pod PodRef, container, reason string) {
+	for _, t := range p.tenants.ids() {
+		if t.Pod.UID == pod.UID && t.evicted {
+			return // on its way out already
+		}
+	}
+	p.evict(ctx, pod, container, reason)
+}
+
+// WaitForEvictions waits until the evictions and client drains asked for
+// so far were tried.
+func (p *Plugin) WaitForEvictions() {
+	p.background.Wait()
+	p.evictions.Wait()
+}
