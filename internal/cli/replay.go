@@ -14,8 +14,8 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
-	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 	"github.com/gpufrac/gpufrac/pkg/sim"
 )
@@ -124,7 +124,7 @@ func runReplay(cmd *cobra.Command, o replayOptions) error {
 	}
 	var root, self string
 	if !o.simOnly {
-		if root, err = testenv.RepoRoot(); err != nil {
+		if root, err = checkout.Root(); err != nil {
 			return fmt.Errorf("gpufrac replay runs from a gpufrac checkout (it runs gpufrac up, which uses deploy/ and bin/): %w", err)
 		}
 		if self, err = os.Executable(); err != nil {

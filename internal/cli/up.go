@@ -11,8 +11,8 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
-	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
 
@@ -47,7 +47,8 @@ so ResourceClaims for GPU shares work beside annotated pods, on the same GPUs.
 With --demo it applies every object of examples/ (Deployments and a DRA claim
 included), waits for their pods to be placed, adds a claim on a GPU an
 annotated pod already shares, prints the cluster view and an invalid pod's
-refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpufrac/kubeconfig.`,
+refusal, then stops (or stays up with --keep). The kubeconfig is written to the
+state directory (--dir; by default ~/.local/state/gpufrac/kubeconfig).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) (rerr error) {
 			if standing < -1 {
@@ -59,7 +60,7 @@ refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpu
 			if err := inventory.CheckMachine(machine); err != nil {
 				return fmt.Errorf("--gpus: %w", err)
 			}
-			root, err := testenv.RepoRoot()
+			root, err := checkout.Root()
 			if err != nil {
 				return fmt.Errorf("gpufrac up runs from a gpufrac checkout (it uses deploy/ and bin/): %w", err)
 			}
@@ -68,7 +69,9 @@ refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpu
 				return err
 			}
 			if dir == "" {
-				dir = filepath.Join(root, ".gpufrac")
+				if dir, err = localcluster.DefaultDir(); err != nil {
+					return err
+				}
 			}
 			// A closed terminal or pipe must not kill this process before
 			// it has stopped the ones it started.
@@ -116,7 +119,7 @@ refusal, then stops (or stays up with --keep). The kubeconfig is written to .gpu
 	f.StringVar(&machine, "gpus", "dgxh100"+inventory.DriverLimitsSuffix, "each node's GPUs, a go-nvml mock machine: "+inventory.MachineHelp()+" (the default: H100s on the CUDA 13.4 driver gpufrac is for; dgxh100 for an older one, with MPS pinned-memory limits)")
 	f.BoolVar(&demo, "demo", false, "apply every object of examples/, show the placements and a refusal, then stop")
 	f.BoolVar(&keep, "keep", false, "with --demo: stay up afterwards")
-	f.StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	f.StringVar(&dir, "dir", "", "state directory (default: $XDG_STATE_HOME/gpufrac, or ~/.local/state/gpufrac)")
 	f.StringVar(&dashboard, "dashboard", "127.0.0.1:8080", "address of the dashboard (a free loopback port if taken)")
 	f.IntVar(&standing, "dra-standing-gpus", -1, "GPUs per node held for shares and offered to DRA claims (driver gpu.gpufrac.io) beside annotation pods: -1 for all, 0 for no DRA (whole-GPU pods can use only the others)")
 	return cmd
@@ -130,11 +133,10 @@ func newDownCommand() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if dir == "" {
-				root, err := testenv.RepoRoot()
-				if err != nil {
+				var err error
+				if dir, err = localcluster.DefaultDir(); err != nil {
 					return err
 				}
-				dir = filepath.Join(root, ".gpufrac")
 			}
 			report, err := localcluster.Stop(dir, localcluster.StopGrace)
 			out := cmd.OutOrStdout()
@@ -151,7 +153,7 @@ func newDownCommand() *cobra.Command {
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: $XDG_STATE_HOME/gpufrac, or ~/.local/state/gpufrac)")
 	return cmd
 }
 
@@ -178,11 +180,10 @@ func newWaitCommand() *cobra.Command {
 				return fmt.Errorf("--timeout %v: must be positive", timeout)
 			}
 			if dir == "" {
-				root, err := testenv.RepoRoot()
-				if err != nil {
+				var err error
+				if dir, err = localcluster.DefaultDir(); err != nil {
 					return err
 				}
-				dir = filepath.Join(root, ".gpufrac")
 			}
 			if err := localcluster.WaitReady(cmd.Context(), dir, timeout); err != nil {
 				return err
@@ -191,7 +192,7 @@ func newWaitCommand() *cobra.Command {
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: .gpufrac in the checkout)")
+	cmd.Flags().StringVar(&dir, "dir", "", "state directory (default: $XDG_STATE_HOME/gpufrac, or ~/.local/state/gpufrac)")
 	cmd.Flags().DurationVar(&timeout, "timeout", 15*time.Minute, "how long to wait; the first up builds kube-apiserver and KWOK (minutes)")
 	return cmd
 }

@@ -19,7 +19,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -34,11 +33,11 @@ import (
 	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/textlogger"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/yaml"
 
-	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/internal/checkout"
+	"github.com/gpufrac/gpufrac/internal/controlplane"
 	"github.com/gpufrac/gpufrac/pkg/admission"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -89,18 +88,17 @@ type NodeShape struct {
 // Cluster is a running local cluster.
 type Cluster struct {
 	opts  Options
-	env   *envtest.Environment
+	cp    *controlplane.ControlPlane
 	Admin kubernetes.Interface
 	// AdminConfig is Admin's connection, for clients of other kinds.
 	AdminConfig *rest.Config
 	Kubeconfig  string
 	// DashboardURL is where the dashboard serves.
 	DashboardURL string
-	procs        []*process
-	// controlPlane are etcd and kube-apiserver, which envtest runs.
-	controlPlane []Proc
-	stopHook     context.CancelFunc
-	hookDone     chan error
+	// procs are the processes it runs, etcd and kube-apiserver first.
+	procs    []*process
+	stopHook context.CancelFunc
+	hookDone chan error
 }
 
 type process struct {
@@ -171,7 +169,7 @@ func Up(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err := c.ensureTools(); err != nil {
 		return nil, err
 	}
-	if err := c.step("control plane: etcd and kube-apiserver (RBAC, admission)", c.startControlPlane); err != nil {
+	if err := c.step("control plane: etcd and kube-apiserver (RBAC, admission)", func() error { return c.startControlPlane(ctx) }); err != nil {
 		return nil, err
 	}
 	if err := c.step("admission webhook (generated CA, both configurations registered)", func() error { return c.startWebhook(ctx) }); err != nil {
@@ -239,7 +237,7 @@ func (c *Cluster) kwokBinary() string { return filepath.Join(c.opts.Root, "bin",
 // KWOK from source (through the Go module proxy, into bin/) when one is
 // missing; afterwards they are reused as they are.
 func (c *Cluster) ensureTools() error {
-	kubeDir, kubeErr := testenv.AssetsDir()
+	kubeDir, kubeErr := checkout.KubeBinaries()
 	if kubeErr == nil {
 		_, kubeErr = os.Stat(filepath.Join(kubeDir, "kube-controller-manager"))
 	}
@@ -263,42 +261,48 @@ func (c *Cluster) ensureTools() error {
 	})
 }
 
-func (c *Cluster) startControlPlane() error {
-	env, err := testenv.New()
+// startControlPlane runs etcd and kube-apiserver (package controlplane
+// says how) like every other component, and waits on their health
+// endpoints; the admin's kubeconfig is written for people.
+func (c *Cluster) startControlPlane(ctx context.Context) error {
+	kubeDir, err := checkout.KubeBinaries()
 	if err != nil {
 		return err
 	}
-	env.WebhookInstallOptions.Paths = []string{filepath.Join(c.opts.Root, "deploy", "webhook")}
-	// envtest keeps the pids of etcd and kube-apiserver to itself; they are
-	// found, for the pid file, as the children that appeared while it
-	// started, running the binaries it resolved (a test may run another
-	// cluster). Also when Start fails after starting them: Down must stop
-	// them all the same.
-	before := childPIDs(os.Getpid())
-	_, startErr := env.Start()
-	c.env = env
-	var bins []string
-	for _, bin := range []string{env.ControlPlane.Etcd.Path, env.ControlPlane.GetAPIServer().Path} {
-		if resolved, err := filepath.EvalSymlinks(bin); err == nil {
-			bin = resolved
-		}
-		if abs, err := filepath.Abs(bin); err == nil {
-			bin = abs
-		}
-		bins = append(bins, bin)
+	cp, err := controlplane.New(filepath.Join(c.opts.Dir, "control-plane"), FreePort)
+	if err != nil {
+		return err
 	}
-	for _, p := range childrenRunning(os.Getpid(), bins...) {
-		if !slices.Contains(before, p.PID) {
-			c.controlPlane = append(c.controlPlane, p)
-		}
+	c.cp = cp
+	if err := c.startBinary(filepath.Join(kubeDir, "etcd"), "etcd", cp.EtcdArgs()...); err != nil {
+		return err
 	}
-	if startErr != nil {
-		return startErr
+	probe := &http.Client{Timeout: 2 * time.Second}
+	if err := c.waitServing(ctx, "etcd", probe, cp.EtcdHealthURL(), func(status int, body []byte) bool {
+		return status == http.StatusOK && strings.Contains(string(body), `"health":"true"`)
+	}); err != nil {
+		return err
 	}
-	if len(c.controlPlane) != 2 {
-		return fmt.Errorf("found %v of etcd and kube-apiserver (%s) started, want one each", c.controlPlane, strings.Join(bins, ", "))
+	if err := c.startBinary(filepath.Join(kubeDir, "kube-apiserver"), "kube-apiserver", cp.APIServerArgs()...); err != nil {
+		return err
 	}
-	kc, err := testenv.KubeConfig(env, "gpufrac-admin", "system:masters")
+	cfg, err := cp.Config("gpufrac-admin", "system:masters")
+	if err != nil {
+		return err
+	}
+	if probe, err = rest.HTTPClientFor(cfg); err != nil {
+		return err
+	}
+	if err := c.waitServing(ctx, "kube-apiserver", probe, cp.ReadyURL(), func(status int, body []byte) bool {
+		return status == http.StatusOK && string(body) == "ok"
+	}); err != nil {
+		return err
+	}
+	if c.Admin, err = kubernetes.NewForConfig(cfg); err != nil {
+		return err
+	}
+	c.AdminConfig = cfg
+	kc, err := cp.KubeConfig("gpufrac-admin", "system:masters")
 	if err != nil {
 		return err
 	}
@@ -306,19 +310,21 @@ func (c *Cluster) startControlPlane() error {
 	if err := os.WriteFile(c.Kubeconfig, kc, 0o600); err != nil {
 		return err
 	}
-	admin, cfg, err := testenv.User(env, "gpufrac-admin", "system:masters")
-	c.Admin, c.AdminConfig = admin, cfg
-	return err
+	// Namespaced objects go to "default" (the demo's among them), which
+	// the API server makes just after it is ready.
+	return wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := c.Admin.CoreV1().Namespaces().Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, nil
+	})
 }
 
 func (c *Cluster) startWebhook(ctx context.Context) error {
-	o := c.env.WebhookInstallOptions
 	// The webhook reads as its own service account, with deploy/webhook's
 	// RBAC: the nodes' GPU memory and the claims it charges to quota.
 	if err := ApplyRBAC(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", "webhook", "server.yaml")); err != nil {
 		return err
 	}
-	_, cfg, err := testenv.User(c.env, webhookUser, serviceAccountGroups...)
+	cfg, err := c.cp.Config(webhookUser, serviceAccountGroups...)
 	if err != nil {
 		return err
 	}
@@ -330,8 +336,21 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 	if !toolscache.WaitForCacheSync(ctx.Done(), synced) {
 		return fmt.Errorf("admission webhook: the nodes were not read: %w", ctx.Err())
 	}
+	// Served here, on a loopback port, with a certificate of the cluster's
+	// CA, which both configurations name as their bundle.
+	port, err := FreePort()
+	if err != nil {
+		return err
+	}
+	certDir := filepath.Join(c.opts.Dir, "webhook")
+	if err := writeServingCert(c.cp.CA, certDir); err != nil {
+		return err
+	}
+	if err := installWebhooks(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", "webhook", "configurations.yaml"), fmt.Sprintf("https://127.0.0.1:%d", port), c.cp.CA.PEM); err != nil {
+		return err
+	}
 	srv := admission.NewServer(admission.ServerOptions{
-		Host: o.LocalServingHost, Port: o.LocalServingPort, CertDir: o.LocalServingCertDir,
+		Host: "127.0.0.1", Port: port, CertDir: certDir,
 		// KAI's scheduler is trusted too: the local cluster plays KAI's
 		// side in the interop scenarios (a pod KAI admits and binds).
 		Identity: admission.Identity{Users: []string{schedulerUser}, NodeAgents: []string{agentUser}, Schedulers: []string{"gpufrac", "kai-scheduler"}}, SchedulerName: "gpufrac",
@@ -373,7 +392,7 @@ var serviceAccountGroups = []string{"system:serviceaccounts", "system:serviceacc
 // kubeconfigFor writes a kubeconfig for a component's identity: a client
 // certificate for user in groups, and nothing more.
 func (c *Cluster) kubeconfigFor(name, user string, groups ...string) (string, error) {
-	kc, err := testenv.KubeConfig(c.env, user, groups...)
+	kc, err := c.cp.KubeConfig(user, groups...)
 	if err != nil {
 		return "", err
 	}
@@ -543,7 +562,7 @@ var controllerManagerRBAC []byte
 // into bin/kube) and waits until each of its controllers has started:
 // until its /healthz/<controller> check answers.
 func (c *Cluster) startControllerManager(ctx context.Context) error {
-	kubeDir, err := testenv.AssetsDir()
+	kubeDir, err := checkout.KubeBinaries()
 	if err != nil {
 		return err
 	}
@@ -808,30 +827,24 @@ func (c *Cluster) Down() {
 
 // Shutdown stops everything in reverse order: the dashboard,
 // kube-controller-manager, the scheduler, KWOK and the node agents
-// (SIGTERM, then SIGKILL after 10 s), the webhook, then kube-apiserver and
-// etcd (envtest: SIGTERM, SIGKILL after 20 s). A component that died or
-// was replaced meanwhile is simply gone. Whatever still runs afterwards is
-// killed; the error names what not even that stopped, and the pid file is
-// then kept for `gpufrac down`.
+// together, then the webhook, kube-apiserver and etcd (stopped under a
+// live kube-apiserver, etcd would leave it retrying until its own grace
+// ends); each SIGTERM, then SIGKILL after 10 s. A component that died or
+// was replaced meanwhile is simply gone. The error names what not even
+// SIGKILL stopped, and the pid file is then kept for `gpufrac down`.
 func (c *Cluster) Shutdown() error {
-	for i := len(c.procs) - 1; i >= 0; i-- {
-		p := c.procs[i]
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	// One deadline for all: told to stop together, they get 10 s together.
-	deadline := time.After(10 * time.Second)
+	var components, apiserver, etcd []*process
 	for _, p := range c.procs {
-		// Their exit status says nothing here: they were told to stop.
-		select {
-		case err := <-p.done:
-			_ = err
-		case <-deadline:
-			_ = p.cmd.Process.Kill()
-			err := <-p.done
-			_ = err
+		switch p.name {
+		case "kube-apiserver":
+			apiserver = append(apiserver, p)
+		case "etcd":
+			etcd = append(etcd, p)
+		default:
+			components = append(components, p)
 		}
 	}
-	c.procs = nil
+	stopProcesses(components)
 	if c.stopHook != nil {
 		c.stopHook()
 		if err := <-c.hookDone; err != nil {
@@ -839,28 +852,38 @@ func (c *Cluster) Shutdown() error {
 		}
 		c.stopHook = nil
 	}
-	if c.env != nil {
-		// A timeout here is envtest's SIGKILL, not a process left: that is
-		// checked below.
-		if err := c.env.Stop(); err != nil {
-			fmt.Fprintf(c.opts.Progress, "  control plane: %v\n", err)
-		}
-		c.env = nil
-	}
-	// envtest's Stop gives up on a process after its timeout; this does not.
-	terminate(c.controlPlane, time.Second)
+	stopProcesses(apiserver)
+	stopProcesses(etcd)
 	var left []string
-	for _, p := range c.controlPlane {
-		if p.Running() {
-			left = append(left, p.String())
+	for _, p := range c.procs {
+		if proc, ok := procOf(p.cmd.Process.Pid, p.name); ok && proc.Running() {
+			left = append(left, proc.String())
 		}
 	}
-	c.controlPlane = nil
+	c.procs = nil
 	if len(left) > 0 {
 		return fmt.Errorf("could not stop %s: still running after SIGKILL", strings.Join(left, ", "))
 	}
 	_ = os.Remove(filepath.Join(c.opts.Dir, pidFile))
 	return nil
+}
+
+// stopProcesses stops procs together: SIGTERM, and SIGKILL for those
+// still running after 10 s (one deadline for all).
+func stopProcesses(procs []*process) {
+	for _, p := range procs {
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	deadline := time.After(10 * time.Second)
+	for _, p := range procs {
+		// Their exit status says nothing here: they were told to stop.
+		select {
+		case <-p.done:
+		case <-deadline:
+			_ = p.cmd.Process.Kill()
+			<-p.done
+		}
+	}
 }
 
 // setPolicy sets the GPUFractions plugin's policy in a

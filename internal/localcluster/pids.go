@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -16,8 +15,8 @@ import (
 )
 
 // StopGrace is how long `gpufrac down` lets up stop in order before it
-// kills it: up gives its components 10 s, then envtest gives kube-apiserver
-// and etcd 20 s each.
+// kills it: up gives its components 10 s, then kube-apiserver and etcd
+// 10 s each.
 const StopGrace = 60 * time.Second
 
 // pidFile is where `gpufrac up` records the processes it runs, for
@@ -70,37 +69,19 @@ func procOf(pid int, name string) (Proc, bool) {
 	return Proc{PID: pid, Start: start, Name: name}, ok
 }
 
-// childPIDs lists the processes whose parent is pid.
-func childPIDs(pid int) []int {
-	var out []int
-	dirs, _ := os.ReadDir("/proc")
-	for _, d := range dirs {
-		child, err := strconv.Atoi(d.Name())
-		if err != nil {
-			continue
-		}
-		status, err := os.ReadFile(filepath.Join("/proc", d.Name(), "status"))
-		if err == nil && strings.Contains(string(status), "\nPPid:\t"+strconv.Itoa(pid)+"\n") {
-			out = append(out, child)
-		}
+// DefaultDir is where a local cluster keeps its state unless told
+// otherwise: the user's state directory ($XDG_STATE_HOME/gpufrac, by
+// default ~/.local/state/gpufrac), so that `gpufrac down` and `gpufrac
+// wait` find the cluster from any directory, as `gpufrac up` left it.
+func DefaultDir() (string, error) {
+	if dir := os.Getenv("XDG_STATE_HOME"); filepath.IsAbs(dir) {
+		return filepath.Join(dir, "gpufrac"), nil
 	}
-	return out
-}
-
-// childrenRunning lists the processes whose parent is pid and whose
-// executable is one of bins (by path), named after the executable.
-func childrenRunning(pid int, bins ...string) []Proc {
-	var out []Proc
-	for _, child := range childPIDs(pid) {
-		exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", child))
-		if err != nil || !slices.Contains(bins, exe) {
-			continue
-		}
-		if p, ok := procOf(child, filepath.Base(exe)); ok {
-			out = append(out, p)
-		}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		return "", fmt.Errorf("no state directory for the local cluster (give one with --dir): %w", err)
 	}
-	return out
+	return filepath.Join(home, ".local", "state", "gpufrac"), nil
 }
 
 // The pid file's first line says whether up is still starting or ready.
@@ -120,7 +101,7 @@ func (c *Cluster) writePIDs(ready bool) error {
 	if !ok {
 		return errors.New("cannot read this process's own /proc entry")
 	}
-	procs := append([]Proc{self}, c.controlPlane...)
+	procs := []Proc{self}
 	for _, p := range c.procs {
 		if q, ok := procOf(p.cmd.Process.Pid, p.name); ok {
 			procs = append(procs, q)

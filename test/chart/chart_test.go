@@ -44,6 +44,7 @@ import (
 	schedscheme "k8s.io/kubernetes/pkg/scheduler/apis/config/scheme"
 	schedvalidation "k8s.io/kubernetes/pkg/scheduler/apis/config/validation"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
@@ -58,7 +59,7 @@ const (
 // and returns the objects, or helm's error output.
 func render(t *testing.T, args ...string) ([]*unstructured.Unstructured, error) {
 	t.Helper()
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +108,7 @@ func decode(t *testing.T, raw []byte) []*unstructured.Unstructured {
 
 func readManifests(t *testing.T, files ...string) []*unstructured.Unstructured {
 	t.Helper()
-	root, _ := testenv.RepoRoot()
+	root, _ := checkout.Root()
 	var objs []*unstructured.Unstructured
 	for _, f := range files {
 		raw, err := os.ReadFile(filepath.Join(root, "deploy", f))

@@ -16,7 +16,7 @@ import (
 	"github.com/chromedp/chromedp"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 )
@@ -70,7 +70,7 @@ func TestDashboardInABrowser(t *testing.T) {
 	browser := chromium(t)
 	c, _ := up(t, 2)
 	ctx := context.Background()
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,9 +26,9 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/yaml"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/cli"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
-	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/admission"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
@@ -41,7 +41,7 @@ import (
 // returns the cluster and its state directory.
 func up(t *testing.T, nodes int) (*localcluster.Cluster, string) {
 	t.Helper()
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +137,7 @@ func TestEndToEnd(t *testing.T) {
 	ctx := context.Background()
 
 	t.Run("examples land as SPEC §2 says", func(t *testing.T) {
-		root, _ := testenv.RepoRoot()
+		root, _ := checkout.Root()
 		if err := c.Demo(ctx, filepath.Join(root, "examples"), io.Discard); err != nil {
 			t.Fatal(err)
 		}

@@ -23,6 +23,7 @@ import (
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/admission"
@@ -83,7 +84,7 @@ func runWithEnv(m *testing.M) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		return 0, err
 	}

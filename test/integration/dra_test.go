@@ -28,7 +28,7 @@ import (
 	"sigs.k8s.io/yaml"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
-	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
 	"github.com/gpufrac/gpufrac/pkg/ledgers"
@@ -44,7 +44,7 @@ import (
 // deviceClass applies the shipped DeviceClass.
 func deviceClass(t *testing.T) {
 	t.Helper()
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}

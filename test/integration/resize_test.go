@@ -20,7 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/gpufrac/gpufrac/internal/testenv"
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
@@ -204,7 +204,7 @@ func TestResizeRunningShare(t *testing.T) {
 		t.Errorf("gpufrac audit does not show the deferred resize:\n%s", out)
 	}
 	// What a kubectl user sees.
-	kubeDir, err := testenv.AssetsDir()
+	kubeDir, err := checkout.KubeBinaries()
 	if err != nil {
 		t.Fatal(err)
 	}

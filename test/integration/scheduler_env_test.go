@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"sigs.k8s.io/yaml"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -47,7 +48,7 @@ var (
 func gpufracBinary(t testing.TB) string {
 	t.Helper()
 	binaryOnce.Do(func() {
-		root, err := testenv.RepoRoot()
+		root, err := checkout.Root()
 		if err != nil {
 			binaryErr = err
 			return
@@ -101,7 +102,7 @@ func setUpScheduler() (*schedEnv, error) {
 			return nil, err
 		}
 	}
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		return nil, err
 	}
@@ -258,7 +259,7 @@ type schedulerProcess struct {
 // and plugin args of the test's.
 func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any) *schedulerProcess {
 	t.Helper()
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,8 +19,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
-	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
@@ -279,11 +279,11 @@ func TestUpIsReadyForClaimsWhenItSaysSo(t *testing.T) {
 // set-up block, run against a `gpufrac up` cluster with the kubectl built
 // alongside kube-apiserver, and say what the README says they say.
 func TestReadmeTour(t *testing.T) {
-	root, err := testenv.RepoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
-	kubeDir, err := testenv.AssetsDir()
+	kubeDir, err := checkout.KubeBinaries()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -53,8 +53,8 @@ import (
 	cri "k8s.io/cri-api/pkg/apis/runtime/v1"
 	dp "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
-	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
@@ -172,7 +172,7 @@ func (n *node) podResourcesSocket() string {
 // newNode checks what every node needs, and need (paths in the
 // repository), and makes its work directory.
 func newNode(need ...string) (*node, error) {
-	repo, err := testenv.RepoRoot()
+	repo, err := checkout.Root()
 	if err != nil {
 		return nil, err
 	}

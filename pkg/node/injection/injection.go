@@ -448,11 +448,6 @@ func injectInto(e edits, a api.Assignment, namespace string, env []string, cfg C
 			nodeapi.EnvHookDevices + "=" + strings.Join(a.Devices, ","),
 			nodeapi.EnvHookRequestMiB + "=" + request,
 			nodeapi.EnvHookLimitMiB + "=" + limit,
-			// runc runs the hook on the host with no HOME: controller-runtime,
-			// linked into the binary for gpufrac up, makes a cache directory
-			// when any gpufrac command starts (in the host's /tmp, and it
-			// panics where that is not writable). Beside the hook instead.
-			"XDG_CACHE_HOME=" + filepath.Join(filepath.Dir(cfg.HookPath), ".cache"),
 		})
 	}
 }

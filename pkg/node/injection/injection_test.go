@@ -58,7 +58,7 @@ func TestAdjust(t *testing.T) {
 				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=40448M", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib:/usr/lib/app:/opt/gpufrac-not",
 				"CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps", "HOME": "/root",
 			},
-			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB=40448", "GPUFRAC_MEMORY_LIMIT_MIB=40448", "XDG_CACHE_HOME=/opt/gpufrac/bin/.cache"},
+			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a", "GPUFRAC_MEMORY_REQUEST_MIB=40448", "GPUFRAC_MEMORY_LIMIT_MIB=40448"},
 			wantMount: []string{mainSocket, shim},
 		},
 		{
@@ -71,7 +71,7 @@ func TestAdjust(t *testing.T) {
 				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M,1=8192M", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib",
 				"CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps",
 			},
-			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a,GPU-b", "GPUFRAC_MEMORY_REQUEST_MIB=4096", "GPUFRAC_MEMORY_LIMIT_MIB=8192", "XDG_CACHE_HOME=/opt/gpufrac/bin/.cache"},
+			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-a,GPU-b", "GPUFRAC_MEMORY_REQUEST_MIB=4096", "GPUFRAC_MEMORY_LIMIT_MIB=8192"},
 			wantMount: []string{mainSocket, shim},
 		},
 		{
@@ -86,7 +86,7 @@ func TestAdjust(t *testing.T) {
 				"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib:/usr/lib/app:/opt/gpufrac-not",
 				"HOME": "/root",
 			},
-			wantHook:  []string{"GPUFRAC_CONTAINER=llm.v2", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=10240", "GPUFRAC_MEMORY_LIMIT_MIB=10240", "XDG_CACHE_HOME=/opt/gpufrac/bin/.cache"},
+			wantHook:  []string{"GPUFRAC_CONTAINER=llm.v2", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=10240", "GPUFRAC_MEMORY_LIMIT_MIB=10240"},
 			wantMount: []string{"/run/gpufrac/mps/pipe/gpufrac/" + nodeapi.NamespaceName("uid-1", "llm.v2") + " -> /run/nvidia/mps", shim},
 		},
 		{
@@ -99,7 +99,7 @@ func TestAdjust(t *testing.T) {
 				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1024M", "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps",
 				"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1", "LD_LIBRARY_PATH": "/usr/local/gpufrac/lib",
 			},
-			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=1024", "GPUFRAC_MEMORY_LIMIT_MIB=1024", "XDG_CACHE_HOME=/opt/gpufrac/bin/.cache"},
+			wantHook:  []string{"GPUFRAC_CONTAINER=main", "GPUFRAC_DEVICES=GPU-c", "GPUFRAC_MEMORY_REQUEST_MIB=1024", "GPUFRAC_MEMORY_LIMIT_MIB=1024"},
 			wantMount: []string{"/run/gpufrac/mps/pipe/gpufrac/" + nodeapi.NamespaceName("uid-1", "main") + " -> /run/nvidia/mps", shim},
 		},
 		{

@@ -1,0 +1,98 @@
+package localcluster
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/yaml"
+
+	"github.com/gpufrac/gpufrac/internal/controlplane"
+)
+
+// writeServingCert writes the webhook's serving certificate for the
+// loopback (tls.crt, tls.key: what its server reads) into dir.
+func writeServingCert(ca *controlplane.CA, dir string) error {
+	cert, key, err := ca.Serving("gpufrac-webhook")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tls.crt"), cert, 0o600); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "tls.key"), key, 0o600)
+}
+
+// installWebhooks registers deploy/webhook's configurations (path) as
+// they are, but for where they call: the webhook served at url (each
+// webhook's path kept), trusted through caBundle, instead of the Service
+// of an installed gpufrac.
+func installWebhooks(ctx context.Context, admin kubernetes.Interface, path, url string, caBundle []byte) error {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	r := utilyaml.NewYAMLReader(bufioReader(data))
+	local := func(cc *admissionregistrationv1.WebhookClientConfig) {
+		u := url
+		if cc.Service != nil && cc.Service.Path != nil {
+			u += *cc.Service.Path
+		}
+		cc.Service, cc.URL, cc.CABundle = nil, &u, caBundle
+	}
+	for {
+		doc, err := r.Read()
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return fmt.Errorf("%s: %w", path, err)
+		}
+		var meta metav1.TypeMeta
+		if err := yaml.Unmarshal(doc, &meta); err != nil {
+			return fmt.Errorf("%s: %w", path, err)
+		}
+		switch meta.Kind {
+		case "MutatingWebhookConfiguration":
+			var cfg admissionregistrationv1.MutatingWebhookConfiguration
+			if err := yaml.UnmarshalStrict(doc, &cfg); err != nil {
+				return fmt.Errorf("%s: %w", path, err)
+			}
+			for i := range cfg.Webhooks {
+				local(&cfg.Webhooks[i].ClientConfig)
+			}
+			_, err = admin.AdmissionregistrationV1().MutatingWebhookConfigurations().Create(ctx, &cfg, metav1.CreateOptions{})
+		case "ValidatingWebhookConfiguration":
+			var cfg admissionregistrationv1.ValidatingWebhookConfiguration
+			if err := yaml.UnmarshalStrict(doc, &cfg); err != nil {
+				return fmt.Errorf("%s: %w", path, err)
+			}
+			for i := range cfg.Webhooks {
+				local(&cfg.Webhooks[i].ClientConfig)
+			}
+			_, err = admin.AdmissionregistrationV1().ValidatingWebhookConfigurations().Create(ctx, &cfg, metav1.CreateOptions{})
+		case "":
+			continue // a document of comments only
+		default:
+			return fmt.Errorf("%s: a %s among the webhook configurations", path, meta.Kind)
+		}
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("%s: %w", path, err)
+		}
+	}
+}
+
+func bufioReader(data []byte) *bufio.Reader { return bufio.NewReader(bytes.NewReader(data)) }
