@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"gomodules.xyz/jsonpatch/v2"
 	corev1 "k8s.io/api/core/v1"
@@ -53,51 +54,27 @@ func (c Charger) Charge(ctx context.Context, pod *corev1.Pod) (mib int64, charge
 	if c.Off {
 		return 0, false, nil
 	}
-	reqs, perr := api.Parse(pod)
-	if perr == nil && len(reqs) > 0 {
-		charged = true
-		largest := int64(0)
-		if c.LargestGPUMiB != nil {
-			largest = c.LargestGPUMiB()
-		}
-		for _, r := range reqs {
-			m, err := r.ChargeMiB(largest)
-			if err != nil {
-				return 0, false, err
+	largest := int64(0)
+	if c.LargestGPUMiB != nil {
+		largest = c.LargestGPUMiB()
+	}
+	var claims api.ClaimLookup
+	if c.Claims != nil {
+		claims = func(pc corev1.PodResourceClaim) (*resourceapi.ResourceClaimSpec, bool, error) {
+			switch {
+			case pc.ResourceClaimName != nil:
+				return c.Claims.ClaimSpec(ctx, pod.Namespace, *pc.ResourceClaimName, false)
+			case pc.ResourceClaimTemplateName != nil:
+				return c.Claims.ClaimSpec(ctx, pod.Namespace, *pc.ResourceClaimTemplateName, true)
 			}
-			mib += m
+			return nil, false, nil // the API server refuses such a pod
 		}
 	}
-	if len(pod.Spec.ResourceClaims) == 0 || c.Claims == nil {
-		return mib, charged, nil
+	u, err := api.PodUsage(pod, largest, claims, func(class string) (int64, error) { return c.Claims.ClassLimitMiB(ctx, class) })
+	if err != nil {
+		return 0, false, err
 	}
-	classLimit := func(class string) (int64, error) { return c.Claims.ClassLimitMiB(ctx, class) }
-	for _, pc := range pod.Spec.ResourceClaims {
-		name, template := "", false
-		switch {
-		case pc.ResourceClaimName != nil:
-			name = *pc.ResourceClaimName
-		case pc.ResourceClaimTemplateName != nil:
-			name, template = *pc.ResourceClaimTemplateName, true
-		default:
-			continue // the API server refuses such a pod
-		}
-		spec, found, err := c.Claims.ClaimSpec(ctx, pod.Namespace, name, template)
-		if err != nil {
-			return 0, false, err
-		}
-		if !found {
-			charged = true // 0 for this claim: see above
-			continue
-		}
-		m, err := api.ClaimChargeMiB(*spec, classLimit)
-		if err != nil {
-			return 0, false, fmt.Errorf("pod claim %q: %w", pc.Name, err)
-		}
-		charged = charged || m > 0
-		mib += m
-	}
-	return mib, charged, nil
+	return u.MiB(), u.Charged, nil
 }
 
 // chargePatches writes mib as the pod's only charge: on the container
@@ -107,7 +84,7 @@ func (c Charger) Charge(ctx context.Context, pod *corev1.Pod) (mib int64, charge
 // exactly what the webhook sized and never what the pod's author wrote.
 func chargePatches(pod *corev1.Pod, mib int64) []jsonpatch.JsonPatchOperation {
 	target := chargedContainer(pod)
-	name := "gpufrac.io~1gpu-memory" // JSON pointer: "/" is "~1"
+	name := strings.ReplaceAll(string(api.ResourceGPUMemory), "/", "~1") // JSON pointer: "/" is "~1"
 	q := api.ChargeQuantity(mib)
 	var patches []jsonpatch.JsonPatchOperation
 	set := func(base string, list corev1.ResourceList) {

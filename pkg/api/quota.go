@@ -46,13 +46,100 @@ func (r Request) ChargeMiB(largestGPUMiB int64) (int64, error) {
 		limit = r.Memory
 	}
 	if !limit.IsFraction() {
-		return limit.MiB * int64(max(r.Devices, 1)), nil
+		return HeldMiB(limit.MiB, r.Devices), nil
 	}
 	if largestGPUMiB <= 0 {
 		return 0, fmt.Errorf("container %q asks for a share of a GPU (%s), but no node reports its GPUs' memory yet (label %s), so the share cannot be charged to the namespace's GPU memory quota: ask with gpu-memory, or create the pod once GPU nodes have joined",
 			r.Container, limit, LabelGPUMemory)
 	}
-	return limit.Fraction.Of(largestGPUMiB) * int64(max(r.Devices, 1)), nil
+	return HeldMiB(limit.Fraction.Of(largestGPUMiB), r.Devices), nil
+}
+
+// HeldMiB is the most GPU memory a share holds, as quota charges it: its
+// hard limit on each of its GPUs, times its GPUs.
+func HeldMiB(limitMiB int64, devices int) int64 { return limitMiB * int64(max(devices, 1)) }
+
+// The quota evaluator: what a pod is charged to its namespace's GPU
+// memory quota, one definition for the webhook that writes the charge and
+// the scheduler that places (and resizes) within it, as Kubernetes' own
+// quota evaluators give admission and the quota controller one Usage. The
+// callers read the cluster; what is charged is decided here.
+
+// Usage is a pod's charge: its annotation share's, its claims of
+// gpufrac's driver's, and whether it is charged at all (it asks for a
+// share or names a claim).
+type Usage struct {
+	ShareMiB, ClaimsMiB int64
+	Charged             bool
+}
+
+// MiB is the whole charge.
+func (u Usage) MiB() int64 { return u.ShareMiB + u.ClaimsMiB }
+
+// ClaimLookup finds the spec of one of a pod's claims (for a template, at
+// admission, the spec the claim will have); found is false where there is
+// none yet, which is charged nothing: the scheduler never places a pod
+// whose shares hold more than its charge (ShareBudgetMiB).
+type ClaimLookup func(pc corev1.PodResourceClaim) (spec *resourceapi.ResourceClaimSpec, found bool, err error)
+
+// PodUsage is what the pod is charged: its annotation shares sized on the
+// largest GPU the cluster reports (ChargeMiB), and its claims
+// (ClaimsUsage).
+func PodUsage(pod *corev1.Pod, largestGPUMiB int64, claims ClaimLookup, classLimitMiB func(class string) (int64, error)) (Usage, error) {
+	u, err := ClaimsUsage(pod, claims, classLimitMiB)
+	if err != nil {
+		return Usage{}, err
+	}
+	reqs, perr := Parse(pod)
+	if perr != nil || len(reqs) == 0 {
+		return u, nil // refused by validation, or no share
+	}
+	u.Charged = true
+	for _, r := range reqs {
+		m, err := r.ChargeMiB(largestGPUMiB)
+		if err != nil {
+			return Usage{}, err
+		}
+		u.ShareMiB += m
+	}
+	return u, nil
+}
+
+// ClaimsUsage is what the pod's claims of gpufrac's driver are charged
+// (ClaimChargeMiB each, looked up by claims; nil: none read). Charged says
+// it names a claim that is gpufrac's, or not found yet.
+func ClaimsUsage(pod *corev1.Pod, claims ClaimLookup, classLimitMiB func(class string) (int64, error)) (Usage, error) {
+	var u Usage
+	if claims == nil {
+		return u, nil
+	}
+	for _, pc := range pod.Spec.ResourceClaims {
+		spec, found, err := claims(pc)
+		if err != nil {
+			return Usage{}, err
+		}
+		if !found {
+			u.Charged = true // 0 for this claim: see ClaimLookup
+			continue
+		}
+		m, err := ClaimChargeMiB(*spec, classLimitMiB)
+		if err != nil {
+			return Usage{}, fmt.Errorf("pod claim %q: %w", pc.Name, err)
+		}
+		u.Charged = u.Charged || m > 0
+		u.ClaimsMiB += m
+	}
+	return u, nil
+}
+
+// ShareBudgetMiB is what the pod's annotation share may hold (HeldMiB)
+// on the GPUs it is placed on or resized to: what it was charged when it
+// was created (ChargedMiB) less what its claims hold (claimsMiB, from
+// ClaimsUsage). charged is false for a pod created before gpufrac charged
+// quota; a budget below 0 means its claims hold more than it was charged.
+func ShareBudgetMiB(spec *corev1.PodSpec, claimsMiB int64) (budget int64, charged bool) {
+	mib, charged := ChargedMiB(spec)
+	return mib - claimsMiB, charged
 }
 
 // IsZero reports whether a is unset.
@@ -78,7 +165,7 @@ func ClaimChargeMiB(spec resourceapi.ResourceClaimSpec, classLimitMiB func(class
 		var mem int64
 		if capacity != nil {
 			if q, ok := capacity.Requests[DRACapacityMemory]; ok {
-				mem = max((q.Value()+1<<20-1)>>20, DRAMinMemoryMiB)
+				mem = max(ceilMiB(q.Value()), DRAMinMemoryMiB)
 			}
 		}
 		limit, err := claimLimit(name)
@@ -135,7 +222,7 @@ func ChargedMiB(spec *corev1.PodSpec) (mib int64, charged bool) {
 		if !ok {
 			q, ok = c.Resources.Limits[ResourceGPUMemory]
 		}
-		return (q.Value() + 1<<20 - 1) >> 20, ok
+		return ceilMiB(q.Value()), ok
 	}
 	var sum int64
 	for _, c := range spec.Containers {
@@ -148,6 +235,9 @@ func ChargedMiB(spec *corev1.PodSpec) (mib int64, charged bool) {
 	}
 	return sum, charged
 }
+
+// ceilMiB is bytes in MiB, rounded up.
+func ceilMiB(bytes int64) int64 { return (bytes + 1<<20 - 1) >> 20 }
 
 // ChargeQuantity is mib as the quantity the webhook writes (20Gi, 1500Mi).
 func ChargeQuantity(mib int64) resource.Quantity {

@@ -207,13 +207,24 @@ func (p *Plugin) syncClaims() error {
 }
 
 // claimsChargeMiB is the GPU memory the pod's claims of gpufrac's driver
-// ask for, as the webhook charged them (api.ClaimChargeMiB). A claim the
+// are charged (api.ClaimsUsage, as the webhook charged them). A claim the
 // DRA manager does not hold yet counts nothing: the DynamicResources
 // plugin keeps the pod pending until it exists, and the pod is tried again.
 func (p *Plugin) claimsChargeMiB(pod *corev1.Pod) (int64, error) {
 	dra := p.handle.SharedDRAManager()
 	if dra == nil || len(pod.Spec.ResourceClaims) == 0 {
 		return 0, nil
+	}
+	claims := func(pc corev1.PodResourceClaim) (*resourceapi.ResourceClaimSpec, bool, error) {
+		name, _, err := resourceclaim.Name(pod, &pc)
+		if err != nil || name == nil {
+			return nil, false, nil
+		}
+		claim, err := dra.ResourceClaims().Get(pod.Namespace, *name)
+		if err != nil {
+			return nil, false, nil
+		}
+		return &claim.Spec, true, nil
 	}
 	classLimit := func(class string) (int64, error) {
 		c, err := dra.DeviceClasses().Get(class)
@@ -222,23 +233,11 @@ func (p *Plugin) claimsChargeMiB(pod *corev1.Pod) (int64, error) {
 		}
 		return api.ClassLimitMiB(c)
 	}
-	var total int64
-	for i := range pod.Spec.ResourceClaims {
-		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
-		if err != nil || name == nil {
-			continue
-		}
-		claim, err := dra.ResourceClaims().Get(pod.Namespace, *name)
-		if err != nil {
-			continue
-		}
-		mib, err := api.ClaimChargeMiB(claim.Spec, classLimit)
-		if err != nil {
-			return 0, fmt.Errorf("claim %s/%s: %w", pod.Namespace, *name, err)
-		}
-		total += mib
+	u, err := api.ClaimsUsage(pod, claims, classLimit)
+	if err != nil {
+		return 0, fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
-	return total, nil
+	return u.ClaimsMiB, nil
 }
 
 // reserveClaims checks, after the DRA plugin's Reserve, that the pod's

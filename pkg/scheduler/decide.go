@@ -133,7 +133,7 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	if err != nil {
 		return Verdict{Reason: err.Error()}
 	}
-	if ask.Charged && resolved.LimitMiB*int64(max(r.Devices, 1)) > ask.ChargeMiB {
+	if ask.Charged && api.HeldMiB(resolved.LimitMiB, r.Devices) > ask.ChargeMiB {
 		return Verdict{Reason: fmt.Sprintf("the share would hold more GPU memory on this node's GPUs than the %s charged to its namespace's quota (%s) when the pod was created, against the largest GPU known then; ask with gpu-memory to be charged exactly",
 			api.FormatMiB(ask.ChargeMiB), api.ResourceGPUMemory)}
 	}

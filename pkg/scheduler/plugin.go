@@ -206,17 +206,16 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev
 	case len(reqs) > 0:
 		ask.Fraction = &reqs[0]
 	}
-	if ask.ChargeMiB, ask.Charged = api.ChargedMiB(&pod.Spec); ask.Charged {
+	if _, charged := api.ChargedMiB(&pod.Spec); charged {
 		claimsMiB, err := p.claimsChargeMiB(pod)
 		if err != nil {
 			return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, err.Error())
 		}
-		if claimsMiB > ask.ChargeMiB {
+		if ask.ChargeMiB, ask.Charged = api.ShareBudgetMiB(&pod.Spec, claimsMiB); ask.ChargeMiB < 0 {
 			return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
 				"the pod's claims of %s hold %s of GPU memory, more than the %s charged to its namespace's quota (%s) when the pod was created (a claim made after its pod is charged nothing): create the claim first, then the pod again",
-				api.DRADriver, api.FormatMiB(claimsMiB), api.FormatMiB(ask.ChargeMiB), api.ResourceGPUMemory))
+				api.DRADriver, api.FormatMiB(claimsMiB), api.FormatMiB(ask.ChargeMiB+claimsMiB), api.ResourceGPUMemory))
 		}
-		ask.ChargeMiB -= claimsMiB
 	}
 	policy, err := p.policy()
 	if err != nil {

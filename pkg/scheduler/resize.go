@@ -143,7 +143,7 @@ func (c *Cache) decideResize(pod *corev1.Pod, q quota) (v resizeVerdict, ok bool
 	if backend := api.MemoryEnforcement(ns.seen); !resizable(backend) {
 		return infeasible("node %s enforces GPU memory with %q, which cannot change a running container's limit (only gpufrac's driver backend can); recreate the pod with the new memory", ns.Name, backend)
 	}
-	if devices := int64(len(v.assignment.Devices)); q.bounded && r.Desired.LimitMiB > r.Allocated.LimitMiB && r.Desired.LimitMiB*devices > q.mib {
+	if devices := len(v.assignment.Devices); q.bounded && r.Desired.LimitMiB > r.Allocated.LimitMiB && api.HeldMiB(r.Desired.LimitMiB, devices) > q.mib {
 		return infeasible("a limit of %dMi on each of its %d GPU(s) is more than the %s charged to its namespace's GPU memory quota (%s) when the pod was created, which a running pod cannot be charged again; recreate the pod with the memory it needs",
 			r.Desired.LimitMiB, devices, api.FormatMiB(q.mib), api.ResourceGPUMemory)
 	}
@@ -210,12 +210,12 @@ func resizable(backend string) bool { return backend == "driver" }
 func (p *Plugin) resize(ctx context.Context, pod *corev1.Pod) error {
 	var q quota
 	if q.bounded = p.quotaBounds(pod.Namespace); q.bounded {
-		q.mib, _ = api.ChargedMiB(&pod.Spec) // none: 0, a pod created before gpufrac charged quota
 		claimsMiB, err := p.claimsChargeMiB(pod)
 		if err != nil {
 			return err
 		}
-		q.mib -= claimsMiB
+		// Uncharged (created before gpufrac charged quota): 0, no growth.
+		q.mib, _ = api.ShareBudgetMiB(&pod.Spec, claimsMiB)
 	}
 	v, ok := p.cache.decideResize(pod, q)
 	if !ok {
