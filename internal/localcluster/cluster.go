@@ -14,6 +14,7 @@ import (
 	_ "embed"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -459,7 +460,7 @@ func CreateNodeWith(ctx context.Context, client kubernetes.Interface, name strin
 	res = res.DeepCopy()
 	res[api.ResourceGPU] = *resource.NewQuantity(int64(gpus), resource.DecimalSI)
 	if _, ok := api.GPUMemoryMiB(labels); ok {
-		res[api.ResourceGPUMemory] = api.ChargeCapacity // as the node agent advertises it (publish.Apply)
+		maps.Copy(res, api.ChargeCapacityList()) // as the node agent advertises it (publish.Apply)
 	}
 	node.Status.Capacity, node.Status.Allocatable = res, res
 	node.Status.Conditions = append([]corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "Simulated",

@@ -95,7 +95,7 @@ func chargePatches(pod *corev1.Pod, mib int64) []jsonpatch.JsonPatchOperation {
 		patches = append(patches, jsonpatch.JsonPatchOperation{Operation: "add", Path: base + "/" + name, Value: q.String()})
 	}
 	drop := func(base string, list corev1.ResourceList) {
-		if _, ok := list[api.ResourceGPUMemory]; ok {
+		if api.Charges(list) {
 			patches = append(patches, jsonpatch.JsonPatchOperation{Operation: "remove", Path: base + "/" + name})
 		}
 	}

@@ -199,11 +199,11 @@ func (i Identity) guardUpdate(user string, scheduler bool, old, pod *corev1.Pod)
 func (i Identity) guardResize(user string, old, pod *corev1.Pod) error {
 	changed := changedKeys(old.Annotations, pod.Annotations)
 	for _, key := range changed {
-		if !api.IsResizeRecordKey(key) || (key == api.EnforcedAnnotation && slices.Contains(i.NodeAgents, user)) {
+		if !api.IsResizeRecordKey(key) || (api.IsEnforcedKey(key) && slices.Contains(i.NodeAgents, user)) {
 			continue
 		}
 		writer := "the scheduler (" + strings.Join(i.Users, ", ") + ")"
-		if key == api.EnforcedAnnotation {
+		if api.IsEnforcedKey(key) {
 			writer = "a node agent (" + strings.Join(i.NodeAgents, ", ") + ")"
 		}
 		return api.ErrorList{{Key: key, Value: describeChange(old.Annotations, pod.Annotations, key),

@@ -1,12 +1,14 @@
 package api
 
 import (
+	"flag"
 	"fmt"
 	"go/ast"
 	goparser "go/parser"
 	"go/token"
 	"io/fs"
 	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -18,35 +20,48 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// contractKey is one key of the contract between the scheduler side and
-// the node side, with the one function that writes it and the one that
+// contractKey is one key, condition or resource of the contract between
+// the components, with the one function that writes it and the one that
 // reads it.
 type contractKey struct {
-	name, key      string // the constant's name in this package, its value
-	object         string
+	name, key string // the constant's name in this package, its value
+	// what: annotation, label, condition or resource; object: whose.
+	what, object   string
 	writer, reader string
+	// user: a key a user writes too (the request, which Parse reads and
+	// admission resolves), so not held to the codec by the source scan.
+	user bool
 }
 
-// contract lists every key the two sides exchange beyond the user's own
-// request (which Parse reads and admission writes). The source scan below
-// holds every other package to these codecs.
+// contract lists every key, condition and resource the components
+// exchange. The source scan below holds every other package to these
+// codecs, and docs/architecture.md shows this list as its contract table
+// (TestArchitectureShowsTheContract).
 var contract = []contractKey{
-	{"SuffixDevices", SuffixDevices, "tenant pod (per container)", "Decision.Write (Assignment.Annotations)", "ParseAssignments"},
-	{"SuffixComputePortion", SuffixComputePortion, "tenant pod (per container)", "Decision.Write (Assignment.Annotations)", "ParseAssignments"},
-	{"GPUGroupsAnnotation", GPUGroupsAnnotation, "tenant pod", "Decision.Write", "DecisionGroups"},
-	{"ResolvedKeysAnnotation", ResolvedKeysAnnotation, "tenant pod", "Decision.Write", "Intent"},
-	{"GPUGroupLabel", GPUGroupLabel, "tenant pod, reservation pod", "Decision.Write, ReservationLabels", "ReservationOf"},
-	{"StandingLabel", StandingLabel, "reservation pod", "ReservationLabels", "ReservationOf"},
-	{"ReservedGPUAnnotation", ReservedGPUAnnotation, "reservation pod", "ReservedGPUWrite", "ReservationOf"},
-	{"SharesHeldAnnotation", SharesHeldAnnotation, "standing reservation pod", "SharesHeld.Write", "ReservationOf + ParseSharesHeld"},
-	{"LabelGPUCount", LabelGPUCount, "node", "NodeReport.Labels", "InventoryOf"},
-	{"LabelGPUMemory", LabelGPUMemory, "node", "NodeReport.Labels", "InventoryOf"},
-	{"LabelGPUProduct", LabelGPUProduct, "node", "NodeReport.Labels", "InventoryOf, InventoryLabelled, GPUProduct"},
-	{"LabelGPUMemoryReserve", LabelGPUMemoryReserve, "node", "NodeReport.Labels", "InventoryOf"},
-	{"LabelMemoryEnforcement", LabelMemoryEnforcement, "node", "NodeReport.Labels", "MemoryEnforcement"},
-	{"LabelStandingGPUs", LabelStandingGPUs, "node", "NodeReport.Labels", "StandingGPUs, StandingLabelled"},
-	{"LabelAgentHeartbeat", LabelAgentHeartbeat, "node", "NodeReport.Labels", "AgentSilent"},
-	{"ConditionFractioningReady", ConditionFractioningReady, "node condition", "publish.Compute (its one writer, pkg/node/publish)", "InventoryOf, FractioningCondition"},
+	{name: "SuffixDevices", key: ContainerKeyPrefix + "<c>" + SuffixDevices, what: "annotation", object: "tenant pod", writer: "scheduler: Decision.Write", reader: "node agent, audit, scheduler: ParseAssignments"},
+	{name: "SuffixComputePortion", key: ContainerKeyPrefix + "<c>" + SuffixComputePortion, what: "annotation", object: "tenant pod", writer: "scheduler: Decision.Write", reader: "node agent, audit, scheduler: ParseAssignments"},
+	{name: "SuffixMemoryRequest", key: ContainerKeyPrefix + "<c>" + SuffixMemoryRequest, what: "annotation", object: "tenant pod", writer: "user, webhook (resolved), scheduler: Decision.Write", reader: "Parse, ParseAssignments", user: true},
+	{name: "SuffixMemoryLimit", key: ContainerKeyPrefix + "<c>" + SuffixMemoryLimit, what: "annotation", object: "tenant pod", writer: "user, webhook (resolved), scheduler: Decision.Write", reader: "Parse, ParseAssignments", user: true},
+	{name: "SuffixComputeMode", key: ContainerKeyPrefix + "<c>" + SuffixComputeMode, what: "annotation", object: "tenant pod", writer: "user, webhook (resolved), scheduler: Decision.Write", reader: "Parse, ParseAssignments", user: true},
+	{name: "GPUGroupsAnnotation", key: GPUGroupsAnnotation, what: "annotation", object: "tenant pod", writer: "scheduler: Decision.Write", reader: "DecisionGroups"},
+	{name: "ResolvedKeysAnnotation", key: ResolvedKeysAnnotation, what: "annotation", object: "tenant pod", writer: "scheduler: Decision.Write", reader: "Intent"},
+	{name: "GPUGroupLabel", key: GPUGroupLabel, what: "label", object: "tenant pod, reservation pod", writer: "scheduler: Decision.Write, ReservationLabels", reader: "ReservationOf"},
+	{name: "StandingLabel", key: StandingLabel, what: "label", object: "reservation pod", writer: "scheduler: ReservationLabels", reader: "ReservationOf"},
+	{name: "ReservedGPUAnnotation", key: ReservedGPUAnnotation, what: "annotation", object: "reservation pod", writer: "node agent: ReservedGPUWrite", reader: "scheduler, audit: ReservationOf"},
+	{name: "SharesHeldAnnotation", key: SharesHeldAnnotation, what: "annotation", object: "standing reservation pod", writer: "scheduler: SharesHeld.Write", reader: "node agent (DRA): ReservationOf, ParseSharesHeld"},
+	{name: "ResizedFromAnnotation", key: ResizedFromAnnotation, what: "annotation", object: "resized tenant pod", writer: "scheduler: ResizeDecision (ResizeStatusPatch)", reader: "node agent, audit: ResizeOf, Resized"},
+	{name: "EnforcedAnnotation", key: EnforcedAnnotation, what: "annotation", object: "resized tenant pod", writer: "node agent: EnforcedWrite (ResizeStatusPatch)", reader: "scheduler, audit: ResizeOf; webhook: IsEnforcedKey"},
+	{name: "ConditionResizePending", key: ConditionResizePending, what: "condition", object: "resized tenant pod", writer: "scheduler: ResizeCondition", reader: "PodResizeCondition"},
+	{name: "ConditionResizeInProgress", key: ConditionResizeInProgress, what: "condition", object: "resized tenant pod", writer: "scheduler, node agent: ResizeCondition", reader: "PodResizeCondition"},
+	{name: "ResourceGPUMemory", key: string(ResourceGPUMemory), what: "resource", object: "tenant pod (quota charge), node", writer: "webhook: PodUsage, ChargeQuantity; node agent: ChargeCapacityList", reader: "quota, scheduler: ChargedMiB, ShareBudgetMiB; webhook: Charges"},
+	{name: "LabelGPUCount", key: LabelGPUCount, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "InventoryOf"},
+	{name: "LabelGPUMemory", key: LabelGPUMemory, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "InventoryOf"},
+	{name: "LabelGPUProduct", key: LabelGPUProduct, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "InventoryOf, InventoryLabelled, GPUProduct"},
+	{name: "LabelGPUMemoryReserve", key: LabelGPUMemoryReserve, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "InventoryOf"},
+	{name: "LabelMemoryEnforcement", key: LabelMemoryEnforcement, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "MemoryEnforcement"},
+	{name: "LabelStandingGPUs", key: LabelStandingGPUs, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "StandingGPUs, StandingLabelled"},
+	{name: "LabelAgentHeartbeat", key: LabelAgentHeartbeat, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "AgentSilent"},
+	{name: "ConditionFractioningReady", key: ConditionFractioningReady, what: "condition", object: "node", writer: "node agent: publish.Compute", reader: "InventoryOf, FractioningCondition"},
 }
 
 // No package but this one reads or writes a contract key by hand: outside
@@ -55,7 +70,7 @@ var contract = []contractKey{
 func TestContractKeysHaveOneCodec(t *testing.T) {
 	names := map[string]bool{}
 	for _, k := range contract {
-		names[k.name] = true
+		names[k.name] = !k.user
 	}
 	root, err := filepath.Abs(filepath.Join("..", ".."))
 	if err != nil {
@@ -260,5 +275,89 @@ func TestAgentSilent(t *testing.T) {
 		if silent != tt.silent || (silent && !strings.Contains(why, "gpufrac agent has not been heard from for")) {
 			t.Errorf("%s: silent %v (%q), want %v", tt.name, silent, why, tt.silent)
 		}
+	}
+}
+
+// contractTable is the contract as docs/architecture.md shows it.
+func contractTable() string {
+	var b strings.Builder
+	b.WriteString("| object | key | written by | read by |\n|---|---|---|---|\n")
+	for _, k := range contract {
+		fmt.Fprintf(&b, "| %s | %s `%s` | %s | %s |\n", k.object, k.what, k.key, k.writer, k.reader)
+	}
+	return b.String()
+}
+
+var updateDocs = flag.Bool("update", false, "write the contract table into docs/architecture.md")
+
+// The architecture page's contract table is the contract list: generated
+// from it (go test ./pkg/api -run TestArchitectureShowsTheContract
+// -update), and held to it here.
+func TestArchitectureShowsTheContract(t *testing.T) {
+	const begin, end = "<!-- contract: generated from pkg/api/contract_test.go -->\n", "<!-- end of contract -->"
+	path := filepath.Join("..", "..", "docs", "architecture.md")
+	doc, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head, rest, ok := strings.Cut(string(doc), begin)
+	_, tail, ok2 := strings.Cut(rest, end)
+	if !ok || !ok2 {
+		t.Fatalf("%s has no %q ... %q section", path, strings.TrimSpace(begin), end)
+	}
+	want := head + begin + contractTable() + end + tail
+	if *updateDocs {
+		if err := os.WriteFile(path, []byte(want), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if want != string(doc) {
+		t.Errorf("%s's contract table is not pkg/api's contract list; run go test ./pkg/api -run TestArchitectureShowsTheContract -update. It should read:\n%s", path, contractTable())
+	}
+}
+
+// notExchanged are the keys of this package that name no contract between
+// the components, and why.
+var notExchanged = map[string]string{
+	"ResourceGPU":              "nvidia.com/gpu, the device plugin's resource, which reservation pods and whole-GPU pods ask for",
+	"SuffixMemoryPortionLimit": "a KAI request key, read by Parse only",
+}
+
+// Every annotation, label, condition and resource this package names is
+// in the contract list, or said not to be exchanged.
+func TestContractListsEveryKey(t *testing.T) {
+	listed := map[string]bool{}
+	for _, k := range contract {
+		listed[k.name] = true
+	}
+	fset := token.NewFileSet()
+	pkgs, err := goparser.ParseDir(fset, ".", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var missing []string
+	for _, p := range pkgs {
+		for _, f := range p.Files {
+			for _, d := range f.Decls {
+				g, ok := d.(*ast.GenDecl)
+				if !ok || g.Tok != token.CONST {
+					continue
+				}
+				for _, spec := range g.Specs {
+					for _, n := range spec.(*ast.ValueSpec).Names {
+						name := n.Name
+						key := strings.HasPrefix(name, "Label") || strings.HasPrefix(name, "Condition") || strings.HasPrefix(name, "Resource") ||
+							strings.HasPrefix(name, "Suffix") || strings.HasSuffix(name, "Annotation")
+						if _, exempt := notExchanged[name]; key && n.IsExported() && !listed[name] && !exempt {
+							missing = append(missing, fset.Position(n.Pos()).String()+": "+name)
+						}
+					}
+				}
+			}
+		}
+	}
+	if len(missing) > 0 {
+		t.Errorf("keys of pkg/api in no contract row (add them to contract, or to notExchanged with why):\n%s", strings.Join(missing, "\n"))
 	}
 }

@@ -35,6 +35,19 @@ const ResourceGPUMemory corev1.ResourceName = "gpufrac.io/gpu-memory"
 // must fit an int64 (8Ei/1000), and so do KAI's sums.
 var ChargeCapacity = resource.MustParse("4Pi")
 
+// ChargeCapacityList is what a GPU node advertises of the charge, as its
+// capacity and allocatable.
+func ChargeCapacityList() corev1.ResourceList {
+	return corev1.ResourceList{ResourceGPUMemory: ChargeCapacity.DeepCopy()}
+}
+
+// Charges says whether a container's resources (its requests or limits)
+// carry a charge.
+func Charges(list corev1.ResourceList) bool {
+	_, ok := list[ResourceGPUMemory]
+	return ok
+}
+
 // ChargeMiB is what an annotation share is charged to quota: its hard
 // limit on each GPU, times its GPUs. A share of a GPU is charged as on
 // the largest GPU the cluster reports (largestGPUMiB, its whole memory),

@@ -187,6 +187,11 @@ func IsResizeKey(key string) bool { return key == KeyResizeRequest || key == Key
 
 // IsResizeRecordKey reports whether key is the scheduler's or the node's
 // record of a resize, which no user may write.
+// IsEnforcedKey says whether key is the node agent's record of the
+// memory it holds a resized container to (EnforcedAnnotation), the one
+// resize record only node agents write.
+func IsEnforcedKey(key string) bool { return key == EnforcedAnnotation }
+
 func IsResizeRecordKey(key string) bool {
 	return key == ResizedFromAnnotation || key == EnforcedAnnotation
 }

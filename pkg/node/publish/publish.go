@@ -243,7 +243,7 @@ func Apply(ctx context.Context, client kubernetes.Interface, node *corev1.Node, 
 	// by resource, so the kubelet's stay too (and it keeps ours: it only
 	// sets what it manages). The quota charge is advertised with the
 	// heartbeat, so a node re-created without it has it again at once.
-	charge := corev1.ResourceList{api.ResourceGPUMemory: api.ChargeCapacity}
+	charge := api.ChargeCapacityList()
 	patch, err := json.Marshal(map[string]any{"status": map[string]any{
 		"conditions": []corev1.NodeCondition{cond}, "capacity": charge, "allocatable": charge}})
 	if err != nil {
