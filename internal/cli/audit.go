@@ -11,14 +11,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/audit"
 )
 
 func newAuditCommand() *cobra.Command {
 	var (
 		kubeconfig  string
-		namespace   string
 		orphanGrace time.Duration
 		selector    string
 	)
@@ -65,9 +63,8 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 				return &ExitError{Code: 2, Err: fmt.Errorf("audit: %w", err)}
 			}
 			found := audit.Check(nodes.Items, pods.Items, claims, audit.Options{
-				ReservationNamespace: namespace,
-				OrphanGrace:          orphanGrace,
-				Now:                  time.Now(),
+				OrphanGrace: orphanGrace,
+				Now:         time.Now(),
 			})
 			out := cmd.OutOrStdout()
 			for _, v := range found {
@@ -85,7 +82,6 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 	}
 	f := cmd.Flags()
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
-	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringVar(&selector, "node-selector", "", "audit only the nodes with these labels (e.g. pool=gpu-a), and the pods on them")
 	f.DurationVar(&orphanGrace, "orphan-grace", time.Minute, "spare reservation pods younger than this (the scheduler creates one just before it binds)")
 	return cmd

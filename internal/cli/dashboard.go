@@ -8,14 +8,12 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/dashboard"
-	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 func newDashboardCommand() *cobra.Command {
 	var (
 		kubeconfig string
 		listen     string
-		namespace  string
 		hosts      []string
 	)
 	cmd := &cobra.Command{
@@ -44,14 +42,13 @@ reasons).`,
 				return fmt.Errorf("dashboard: --listen %q: %w", listen, err)
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "gpufrac dashboard: http://%s/\n", l.Addr())
-			srv := dashboard.New(dashboard.Options{Client: client, ReservationNamespace: namespace, AllowedHosts: hosts})
+			srv := dashboard.New(dashboard.Options{Client: client, AllowedHosts: hosts})
 			return srv.Run(klog.NewContext(cmd.Context(), klog.Background()), l)
 		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
 	f.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve on (host:port; port 0 picks a free one)")
-	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringSliceVar(&hosts, "allowed-host", nil, "host names (no port) it answers besides localhost and loopback IPs, e.g. its Service's DNS names or an Ingress host; any other Host is refused, against DNS rebinding")
 	return cmd
 }

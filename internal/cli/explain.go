@@ -14,6 +14,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/manifest"
+	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
@@ -67,16 +68,17 @@ no Pod.`,
 	f := cmd.Flags()
 	f.StringVar(&o.memoryLimits, "memory-limits", string(nodeapi.BackendDriver), "the node's memory-limit backend: driver, toolkit, mps-pinned, off, or auto (the strongest the --simulate-gpus machine's driver allows)")
 	f.BoolVar(&o.failOpen, "fail-open", false, "the node agent's --fail-open")
-	f.StringVar(&o.cfg.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "the node agent's --hook-path")
-	f.StringVar(&o.cfg.MPSRoot, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir")
+	agentDefaults := agent.DefaultOptions().Injection
+	f.StringVar(&o.cfg.HookPath, "hook-path", agentDefaults.HookPath, "the node agent's --hook-path")
+	f.StringVar(&o.cfg.MPSRoot, "mps-pipe-dir", agentDefaults.MPSRoot, "the node agent's --mps-pipe-dir")
 	f.StringVar(&o.mps, "mps", "auto", "the interface of the node's MPS daemon: v3 (driver r615 and later), v2 (older drivers), none (the daemon is down), or auto (v3 with the driver or toolkit backend, which need r615; else the --simulate-gpus machine's driver's)")
 	f.StringVar(&o.cfg.ShimDir, "nvidia-smi-shim-dir", "", "the node agent's --nvidia-smi-shim-dir")
 	f.Int64Var(&o.cfg.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "the node agent's --gpu-memory-reserve-mib")
 	f.StringVar(&o.simulateGPUs, "simulate-gpus", "dgxh100", "the mock machine whose GPUs the node has: "+strings.Join(inventory.Machines, ", "))
 	f.Int64Var(&o.gpuMemoryMiB, "gpu-memory-mib", 0, "memory per GPU, MiB, instead of the mock machine's")
-	f.BoolVar(&o.cfg.RestrictVisibility, "restrict-gpu-visibility", true, "the node agent's --restrict-gpu-visibility")
+	f.BoolVar(&o.cfg.RestrictVisibility, "restrict-gpu-visibility", agentDefaults.RestrictVisibility, "the node agent's --restrict-gpu-visibility")
 	f.StringSliceVar(&o.cfg.VisibilityExempt, "gpu-visibility-exempt-namespaces", nil, "the node agent's --gpu-visibility-exempt-namespaces")
-	f.BoolVar(&o.cfg.ExclusiveProcess, "exclusive-process", true, "the node agent's --exclusive-process")
+	f.BoolVar(&o.cfg.ExclusiveProcess, "exclusive-process", agentDefaults.ExclusiveProcess, "the node agent's --exclusive-process")
 	f.BoolVar(&o.cfg.AllowRootMPSClients, "allow-root-mps-clients", false, "the node agent's --allow-root-mps-clients")
 	return cmd
 }

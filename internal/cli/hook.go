@@ -7,6 +7,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/spf13/cobra"
 
+	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 )
 
@@ -16,7 +17,7 @@ func newHookCommand() *cobra.Command {
 		Short: "OCI runtime hooks the node agent's NRI plugin installs into fractional containers",
 		Args:  cobra.NoArgs,
 	}
-	procRoot := "/proc"
+	procRoot := agent.DefaultOptions().ProcRoot
 	apply := &cobra.Command{
 		Use:   "apply-memory-limits",
 		Short: "createRuntime hook: set the container cgroup's GPU memory limits in the driver (soft = request, hard = limit)",

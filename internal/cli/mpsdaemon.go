@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 
+	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
 )
@@ -59,9 +60,9 @@ which memacct cannot see the clients' PIDs and cgroups.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&root, "mps-pipe-dir", "/run/gpufrac/mps", "the node agent's --mps-pipe-dir: the daemon's pipe directory is PIPE-DIR/pipe, its logs PIPE-DIR/log")
+	f.StringVar(&root, "mps-pipe-dir", agent.DefaultOptions().Injection.MPSRoot, "the node agent's --mps-pipe-dir: the daemon's pipe directory is PIPE-DIR/pipe, its logs PIPE-DIR/log")
 	f.StringVar(&control, "mps-control", mps.DefaultBinary, "the MPS control program")
-	f.StringVar(&procRoot, "proc-root", "/proc", "the host's /proc, to find MPS servers left by a wedged daemon")
+	f.StringVar(&procRoot, "proc-root", agent.DefaultOptions().ProcRoot, "the host's /proc, to find MPS servers left by a wedged daemon")
 	f.StringVar(&driver, "driver-version", "", "the driver version, instead of asking NVML (for tests)")
 	f.StringVar(&opts.Timeslice, "mps-timeslice", "", "[compute_policy] timeslice for every context (driver r620 and later; NVIDIA's example value: long); empty: the driver's default")
 	f.BoolVar(&opts.AuditLog, "mps-audit-log", false, "turn on memacct's audit log")

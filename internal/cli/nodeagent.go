@@ -11,15 +11,13 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
-	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/agent"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
-	"github.com/gpufrac/gpufrac/pkg/node/reservation"
 )
 
 func newNodeAgentCommand() *cobra.Command {
-	opts := agent.Options{}
+	opts := agent.DefaultOptions()
 	var kubeconfig string
 	cmd := &cobra.Command{
 		Use:   "node-agent --node-name NODE",
@@ -85,32 +83,32 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.NodeName, "node-name", "", "the node this agent runs on (required)")
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: in-cluster, then $KUBECONFIG)")
 	f.StringVar(&opts.SimulateGPUs, "simulate-gpus", "", "use a go-nvml mock machine instead of the GPUs: "+inventory.MachineHelp())
-	f.StringVar(&opts.NRISocket, "nri-socket", "/var/run/nri/nri.sock", "the container runtime's NRI socket")
-	f.StringVar(&opts.PodResourcesSocket, "pod-resources-socket", reservation.DefaultSocket, "the kubelet's PodResources socket")
-	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
-	f.StringSliceVar(&opts.ForeignReservationNamespaces, "foreign-reservation-namespace", []string{"kai-resource-reservation"},
+	f.StringVar(&opts.NRISocket, "nri-socket", opts.NRISocket, "the container runtime's NRI socket")
+	f.StringVar(&opts.PodResourcesSocket, "pod-resources-socket", opts.PodResourcesSocket, "the kubelet's PodResources socket")
+	f.StringVar(&opts.ReservationNamespace, "reservation-namespace", opts.ReservationNamespace, "namespace of the reservation pods")
+	f.StringSliceVar(&opts.ForeignReservationNamespaces, "foreign-reservation-namespace", opts.ForeignReservationNamespaces,
 		"namespaces of another scheduler's reservation pods (KAI's): a share's GPU they hold is held; one held by any other pod is not, and its share is stopped; repeatable")
-	f.StringVar(&opts.StateDir, "state-dir", "/var/lib/gpufrac", "directory for the agent's state (GPU memory leases) and sockets")
-	f.StringVar(&opts.ProcRoot, "proc-root", "/proc", "the host's /proc (run with hostPID, or mount it), to find containers' cgroups")
+	f.StringVar(&opts.StateDir, "state-dir", opts.StateDir, "directory for the agent's state (GPU memory leases) and sockets")
+	f.StringVar(&opts.ProcRoot, "proc-root", opts.ProcRoot, "the host's /proc (run with hostPID, or mount it), to find containers' cgroups")
 	f.BoolVar(&opts.FailOpen, "fail-open", false, "start fractional containers that cannot be enforced WITHOUT a GPU instead of refusing them")
-	f.StringVar(&opts.MemoryLimits, "memory-limits", "auto", "how to enforce GPU memory limits: auto (the strongest the driver allows), driver (gpufrac's hook; r615/CUDA 13.4), toolkit (NVIDIA Container Toolkit's CDI hook), mps-pinned (MPS client limit only; weak) or off (node not ready for fractions unless --fail-open)")
+	f.StringVar(&opts.MemoryLimits, "memory-limits", opts.MemoryLimits, "how to enforce GPU memory limits: auto (the strongest the driver allows), driver (gpufrac's hook; r615/CUDA 13.4), toolkit (NVIDIA Container Toolkit's CDI hook), mps-pinned (MPS client limit only; weak) or off (node not ready for fractions unless --fail-open)")
 	f.StringSliceVar(&opts.Injection.VisibilityExempt, "gpu-visibility-exempt-namespaces", nil, "namespaces whose pods keep every GPU they name despite --restrict-gpu-visibility: the node's GPU software (NVIDIA's device plugin, DCGM, the node agent's own namespace); only admins may create pods there")
-	f.BoolVar(&opts.Injection.RestrictVisibility, "restrict-gpu-visibility", true, "make every container on the node see only the GPUs granted to it (its gpufrac share, the device plugin's allocation read through the kubelet's PodResources API, its DRA shares): any other NVIDIA_VISIBLE_DEVICES value, such as a CUDA image's \"all\" on a pod that asked for no GPU, becomes the grant or \"void\"")
-	f.BoolVar(&opts.Injection.ExclusiveProcess, "exclusive-process", true, "keep the GPUs that fractions share through MPS in the EXCLUSIVE_PROCESS compute mode (and give them their mode back when shared no more), so that no process outside MPS escapes its share; needs root and the GPUs' device nodes")
+	f.BoolVar(&opts.Injection.RestrictVisibility, "restrict-gpu-visibility", opts.Injection.RestrictVisibility, "make every container on the node see only the GPUs granted to it (its gpufrac share, the device plugin's allocation read through the kubelet's PodResources API, its DRA shares): any other NVIDIA_VISIBLE_DEVICES value, such as a CUDA image's \"all\" on a pod that asked for no GPU, becomes the grant or \"void\"")
+	f.BoolVar(&opts.Injection.ExclusiveProcess, "exclusive-process", opts.Injection.ExclusiveProcess, "keep the GPUs that fractions share through MPS in the EXCLUSIVE_PROCESS compute mode (and give them their mode back when shared no more), so that no process outside MPS escapes its share; needs root and the GPUs' device nodes")
 	f.BoolVar(&opts.PublishGPULabels, "publish-gpu-labels", false, "set nvidia.com/gpu.count/.memory/.product where GPU Feature Discovery has not")
-	f.StringVar(&opts.Injection.HookPath, "hook-path", "/opt/gpufrac/bin/gpufrac", "gpufrac binary on the host, run as the createRuntime hook that applies memory limits; empty: no hook")
-	f.StringVar(&opts.Injection.MPSRoot, "mps-pipe-dir", "/run/gpufrac/mps", "host directory of the node's MPS control daemon (run by `gpufrac mps-daemon`): its pipe directory, with the sm-sharing containers' namespaces, is PIPE-DIR/pipe")
-	f.StringVar(&opts.MPSControl, "mps-control", "nvidia-cuda-mps-control", "the MPS control program, to manage the daemon's namespaces")
-	f.StringVar(&opts.CgroupRoot, "cgroup-root", "/sys/fs/cgroup", "the host's cgroup file system (mount it read-only), to check for cgroup v2 with the dmem or misc controller")
+	f.StringVar(&opts.Injection.HookPath, "hook-path", opts.Injection.HookPath, "gpufrac binary on the host, run as the createRuntime hook that applies memory limits; empty: no hook")
+	f.StringVar(&opts.Injection.MPSRoot, "mps-pipe-dir", opts.Injection.MPSRoot, "host directory of the node's MPS control daemon (run by `gpufrac mps-daemon`): its pipe directory, with the sm-sharing containers' namespaces, is PIPE-DIR/pipe")
+	f.StringVar(&opts.MPSControl, "mps-control", opts.MPSControl, "the MPS control program, to manage the daemon's namespaces")
+	f.StringVar(&opts.CgroupRoot, "cgroup-root", opts.CgroupRoot, "the host's cgroup file system (mount it read-only), to check for cgroup v2 with the dmem or misc controller")
 	f.BoolVar(&opts.Injection.AllowRootMPSClients, "allow-root-mps-clients", false, "let fractional containers (every one an MPS client) run as root outside a user namespace; the MPS control daemon obeys root's administrative commands (quit), so by default such a container is refused")
 	f.StringVar(&opts.Injection.ShimDir, "nvidia-smi-shim-dir", "", "host directory of the nvidia-smi view library; empty: not mounted")
 	f.StringToInt64Var(&opts.GPUMemoryReserveMiBByModel, "gpu-memory-reserve-mib-by-model", nil, "per GPU model (the node's nvidia.com/gpu.product label), MODEL=MIB,... overriding --gpu-memory-reserve-mib")
 	f.Int64Var(&opts.Injection.GPUMemoryReserveMiB, "gpu-memory-reserve-mib", 0, "MiB kept back on each GPU, the one place it is set: published on the node as gpufrac.io/gpu-memory-reserve-mib, which the scheduler, audit, top and the dashboard read; an sm-sharing pod placed without a compute portion, as released KAI places them, gets request ÷ (GPU memory − reserve)")
-	f.StringVar(&opts.HealthAddr, "health-addr", ":8082", "address of /healthz and /readyz (plain HTTP, for the kubelet's probes); empty disables")
-	f.StringVar(&opts.MetricsAddr, "metrics-addr", ":8443", "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
-	f.DurationVar(&opts.ResyncPeriod, "resync-period", 30*time.Second, "how often to re-read the GPUs, republish and annotate reservation pods")
+	f.StringVar(&opts.HealthAddr, "health-addr", opts.HealthAddr, "address of /healthz and /readyz (plain HTTP, for the kubelet's probes); empty disables")
+	f.StringVar(&opts.MetricsAddr, "metrics-addr", opts.MetricsAddr, "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
+	f.DurationVar(&opts.ResyncPeriod, "resync-period", opts.ResyncPeriod, "how often to re-read the GPUs, republish and annotate reservation pods")
 	f.BoolVar(&opts.DRA.Enabled, "dra", false, "also serve GPU shares through Dynamic Resource Allocation (driver gpu.gpufrac.io): publish the node's shared GPUs as ResourceSlices and prepare claims as the NRI plugin injects annotated containers (Kubernetes 1.36+)")
-	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", -1, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")
+	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", opts.DRA.StandingGPUs, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")
 	// Empty defaults: the agent picks the kubelet's directories on a real
 	// node and its own state directory on a simulated one, so that the
 	// agents of a local cluster never share (or touch) the host's.

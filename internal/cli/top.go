@@ -9,14 +9,12 @@ import (
 	"github.com/spf13/cobra"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 )
 
 func newTopCommand() *cobra.Command {
 	var (
 		kubeconfig string
-		namespace  string
 		output     string
 	)
 	cmd := &cobra.Command{
@@ -53,7 +51,7 @@ PATH, then run "kubectl gpufrac top".`,
 			if err != nil {
 				return &ExitError{Code: 2, Err: fmt.Errorf("top: %w", err)}
 			}
-			view := clusterview.Build(nodes.Items, pods.Items, claims, namespace)
+			view := clusterview.Build(nodes.Items, pods.Items, claims)
 			if output == "json" {
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")
@@ -64,7 +62,6 @@ PATH, then run "kubectl gpufrac top".`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster)")
-	f.StringVar(&namespace, "reservation-namespace", api.DefaultReservationNamespace, "namespace of the reservation pods")
 	f.StringVarP(&output, "output", "o", "", "json for machines")
 	return cmd
 }

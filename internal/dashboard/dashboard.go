@@ -43,8 +43,6 @@ var static embed.FS
 // Options say what to watch and how to count.
 type Options struct {
 	Client kubernetes.Interface
-	// ReservationNamespace holds the reservation pods.
-	ReservationNamespace string
 	// Settle is how long a change waits for more before the view is
 	// rebuilt (a burst of pod updates becomes one push); default 200 ms.
 	Settle time.Duration
@@ -187,7 +185,7 @@ func (s *Server) view() (clusterview.View, error) {
 		}
 		claims = deref(list)
 	}
-	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), claims, s.opts.ReservationNamespace), deref(events)), nil
+	return clusterview.WithReasons(clusterview.Build(deref(nodes), deref(pods), claims), deref(events)), nil
 }
 
 // servesClaims says whether the cluster serves ResourceClaims

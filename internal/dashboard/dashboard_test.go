@@ -61,7 +61,7 @@ func serve(t *testing.T, client *fake.Clientset) string {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- New(Options{Client: client, ReservationNamespace: "gpufrac-reservations", Settle: 10 * time.Millisecond}).Run(ctx, l)
+		done <- New(Options{Client: client, Settle: 10 * time.Millisecond}).Run(ctx, l)
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -106,7 +106,7 @@ func TestViewIsTopsView(t *testing.T) {
 	if err := json.NewDecoder(resp.Body).Decode(&got); err != nil {
 		t.Fatal(err)
 	}
-	top := clusterview.Build([]corev1.Node{*n}, []corev1.Pod{*pods[0], *pods[1], *pods[2]}, nil, "gpufrac-reservations")
+	top := clusterview.Build([]corev1.Node{*n}, []corev1.Pod{*pods[0], *pods[1], *pods[2]}, nil)
 	raw, _ := json.Marshal(top)
 	var want clusterview.View
 	if err := json.Unmarshal(raw, &want); err != nil {

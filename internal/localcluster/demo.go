@@ -27,7 +27,6 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/audit"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
-	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
 // demoNamespace is where the demo applies the examples that name none.
@@ -116,10 +115,10 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 		return err
 	}
 	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
-	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace)); err != nil {
+	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, claims)); err != nil {
 		return err
 	}
-	if v := audit.Check(nodes.Items, pods.Items, claims, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now(), OrphanGrace: time.Minute}); len(v) > 0 {
+	if v := audit.Check(nodes.Items, pods.Items, claims, audit.Options{Now: time.Now(), OrphanGrace: time.Minute}); len(v) > 0 {
 		return fmt.Errorf("the audit finds %d violation(s), the first: %s", len(v), v[0])
 	}
 	fmt.Fprintf(out, "\n  `gpufrac audit`, claims included: clean\n")
@@ -166,7 +165,7 @@ func (c *Cluster) besideCandidate(ctx context.Context, share int64) (node, gpu, 
 	if err != nil {
 		return "", "", "", "", err
 	}
-	view := clusterview.Build(nodes.Items, pods.Items, claims, scheduler.DefaultReservationNamespace)
+	view := clusterview.Build(nodes.Items, pods.Items, claims)
 	var seen []string
 	for _, n := range view.Nodes {
 		for _, g := range n.Shared {

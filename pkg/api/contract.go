@@ -181,6 +181,25 @@ type NodeReport struct {
 	ReserveMiB int64
 	// Heartbeat is LabelAgentHeartbeat, whole seconds; 0 removes it.
 	Heartbeat time.Duration
+	// ReservationNamespace is LabelReservationNamespace; "" removes it.
+	ReservationNamespace string
+}
+
+// ReservationNamespace is the namespace of the reservation pods of the
+// node, as its agent publishes it (LabelReservationNamespace), or
+// DefaultReservationNamespace where it does not (an agent from before).
+func ReservationNamespace(node *corev1.Node) string {
+	if ns, ok := ReservationNamespaceLabelled(node); ok {
+		return ns
+	}
+	return DefaultReservationNamespace
+}
+
+// ReservationNamespaceLabelled is the namespace the node's agent
+// publishes, if it does.
+func ReservationNamespaceLabelled(node *corev1.Node) (string, bool) {
+	ns := node.Labels[LabelReservationNamespace]
+	return ns, ns != ""
 }
 
 // Labels is the report as label values; a nil value removes the label.
@@ -193,6 +212,10 @@ func (r NodeReport) Labels() map[string]*string {
 	}
 	if r.Standing > 0 {
 		out[LabelStandingGPUs] = str(strconv.Itoa(r.Standing))
+	}
+	out[LabelReservationNamespace] = nil
+	if r.ReservationNamespace != "" {
+		out[LabelReservationNamespace] = str(r.ReservationNamespace)
 	}
 	out[LabelAgentHeartbeat] = nil
 	if secs := int64(r.Heartbeat / time.Second); secs > 0 {

@@ -63,9 +63,16 @@ const ResourceGPU = "nvidia.com/gpu"
 const ReservedGPUAnnotation = "gpufrac.io/reserved-gpu-uuid"
 
 // DefaultReservationNamespace holds the reservation pods unless the
-// scheduler and the node agent are told another (both must agree, and so
-// must gpufrac audit and top).
+// scheduler and the node agent are told another (both must agree).
 const DefaultReservationNamespace = "gpufrac-reservations"
+
+// LabelReservationNamespace is written by the node agent on its node: the
+// namespace of the reservation pods it tells their GPU, set once on the
+// agent (--reservation-namespace) as the memory reserve is. Every other
+// reader (audit, top, the dashboard) reads it here (ReservationNamespace);
+// the scheduler, which creates them, refuses a node whose agent names
+// another namespace than its own.
+const LabelReservationNamespace = "gpufrac.io/reservation-namespace"
 
 // GPUGroupsAnnotation is written by the scheduler on a fractional pod with
 // its decision: the comma-separated GPU groups the pod joined, one per

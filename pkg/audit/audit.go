@@ -55,8 +55,6 @@ func (v Violation) String() string { return fmt.Sprintf("%s %s: %s", v.Kind, v.O
 
 // Options tune the audit.
 type Options struct {
-	// ReservationNamespace holds the reservation pods.
-	ReservationNamespace string
 	// OrphanGrace spares reservation pods younger than this: the
 	// scheduler creates one before it binds its first tenant.
 	OrphanGrace time.Duration
@@ -84,7 +82,7 @@ func Check(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	add := func(kind Kind, object, format string, args ...any) {
 		out = append(out, Violation{Kind: kind, Object: object, Message: fmt.Sprintf(format, args...)})
 	}
-	cluster := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: o.ReservationNamespace})
+	cluster := ledgers.Build(nodes, pods, claims)
 	for _, p := range cluster.Problems {
 		if p.NoDecision {
 			add(NoDevices, p.Pod, "is bound to %s and asks for a GPU fraction, but carries no %s: the node will not run it", p.Node, api.SuffixDevices)

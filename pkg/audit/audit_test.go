@@ -51,7 +51,7 @@ func tenant(name, node string, mib int64, mode api.ComputeMode, portion, group s
 }
 
 func check(nodes []corev1.Node, pods ...corev1.Pod) []Violation {
-	return Check(nodes, pods, nil, Options{ReservationNamespace: resNS, OrphanGrace: time.Minute, Now: now})
+	return Check(nodes, pods, nil, Options{OrphanGrace: time.Minute, Now: now})
 }
 
 func TestCleanCluster(t *testing.T) {

@@ -125,14 +125,14 @@ type Summary struct {
 }
 
 // Build makes the view from nodes and pods, read into ledgers as the
-// scheduler reads them (package ledgers): reservationNamespace holds the
-// reservation pods, which tell which GPU a group shares; each node's
+// scheduler reads them (package ledgers): the reservation pods, in the
+// namespace each node's agent publishes, tell which GPU a group shares; each node's
 // reserve is the one it publishes (api.LabelGPUMemoryReserve), so that
 // free memory is what the scheduler would still place. claims are
 // the cluster's ResourceClaims, whose DRA shares sit beside the pods'.
-func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, reservationNamespace string) View {
+func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim) View {
 	v := View{Pending: []PendingPod{}}
-	c := ledgers.Build(nodes, pods, claims, ledgers.Options{ReservationNamespace: reservationNamespace})
+	c := ledgers.Build(nodes, pods, claims)
 	annotations := map[string]map[string]string{} // namespace/name → GPU-fraction annotations
 	resizes := map[string]string{}                // namespace/name → api.DescribeResize
 	for i := range pods {

@@ -78,7 +78,7 @@ func clusterWithReserve(reserve string) View {
 			whole("trainer", "n1", 1),
 			pending,
 		},
-		nil, "gpufrac-reservations")
+		nil)
 }
 
 // Free memory is what the scheduler would still place: the reserve the
@@ -166,7 +166,7 @@ func TestPendingReasonFromTheCondition(t *testing.T) {
 	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "waiting", Namespace: "team", Annotations: map[string]string{api.KeyFraction: "0.5"}}}
 	p.Spec.Containers = []corev1.Container{{Name: "main"}}
 	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: "Unschedulable", Message: "0/1 nodes are available: 1 no GPU"}}
-	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, nil, "gpufrac-reservations")
+	v := Build([]corev1.Node{gpuNode("n1", 1, true)}, []corev1.Pod{p}, nil)
 	if len(v.Pending) != 1 || v.Pending[0].Reason != "0/1 nodes are available: 1 no GPU" {
 		t.Errorf("pending: %+v", v.Pending)
 	}
@@ -206,7 +206,7 @@ func TestSilentAgentShownNotReady(t *testing.T) {
 	for i := range n.Status.Conditions {
 		n.Status.Conditions[i].LastHeartbeatTime = metav1.NewTime(time.Now().Add(-time.Hour))
 	}
-	v := Build([]corev1.Node{n}, nil, nil, "gpufrac-reservations")
+	v := Build([]corev1.Node{n}, nil, nil)
 	if len(v.Nodes) != 1 || v.Nodes[0].Ready || v.Nodes[0].ReadyReason != "AgentSilent" || !strings.Contains(v.Nodes[0].ReadyMessage, "has not been heard from") {
 		t.Errorf("silent agent: %+v", v.Nodes)
 	}

@@ -71,7 +71,7 @@ func TestBuildReadsBothSchedulersPods(t *testing.T) {
 		pod("bare", "n1", map[string]string{api.KeyFraction: "0.5"}),
 		pod("broken", "n1", decision(1, api.TimeSlicing, "", "0", "")),
 		pod("elsewhere", "n9", decision(1, api.TimeSlicing, "", "GPU-cc", "")),
-	}, nil, Options{ReservationNamespace: ns})
+	}, nil)
 	if len(c.Nodes) != 1 {
 		t.Fatalf("nodes %v: want only n1", c.Nodes)
 	}
@@ -108,7 +108,7 @@ func TestRecordKeepsWhatPlaceRefuses(t *testing.T) {
 		pod("big1", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga")),
 		pod("big2", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "ga")),
 	}
-	c := Build([]corev1.Node{node("n1", 1)}, pods, nil, Options{ReservationNamespace: ns})
+	c := Build([]corev1.Node{node("n1", 1)}, pods, nil)
 	n := c.Nodes["n1"]
 	if v := n.Ledger.Violations(); len(v) != 1 || v[0].Kind != gpu.OverCommitted || len(n.Conflicts) != 0 {
 		t.Errorf("recorded: violations %v, conflicts %v", v, n.Conflicts)
@@ -171,7 +171,7 @@ func TestBuildBooksOneGPUOnce(t *testing.T) {
 		reservation("n1", "ga", "GPU-aa"),
 		pod("p1", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga")),
 		pod("p2", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "gstale")),
-	}, nil, Options{ReservationNamespace: ns})
+	}, nil)
 	v := c.Nodes["n1"].Ledger.Violations()
 	if len(v) != 1 || v[0].Kind != gpu.OverCommitted || len(v[0].Tenants) != 2 {
 		t.Errorf("violations %+v, want one over-commit of both pods on GPU-aa", v)
@@ -213,5 +213,23 @@ func TestStandingGroupsHoldAGPUForShares(t *testing.T) {
 	l.Release(Tenant{Request: share, Groups: []string{standing}}, reserved)
 	if d := l.Ledger.Devices[slot]; !d.SharedOnly || !d.Idle() || l.Groups[standing] != slot {
 		t.Errorf("after its last share: SharedOnly %v, idle %v, slot %d; want still held for shares", d.SharedOnly, d.Idle(), l.Groups[standing])
+	}
+}
+
+// A node's reservation pods are those in the namespace its agent
+// publishes: read there, not configured again in every reader.
+func TestReservationPodsAreInTheNamespaceTheNodePublishes(t *testing.T) {
+	n := node("n1", 1)
+	n.Labels[api.LabelReservationNamespace] = "team-reservations"
+	moved := reservation("n1", "ga", "GPU-aa")
+	moved.Namespace = "team-reservations"
+	stray := reservation("n1", "gb", "GPU-aa") // in the default namespace: a pod like any other there
+	c := Build([]corev1.Node{n}, []corev1.Pod{moved, stray, pod("t", "n1", decision(20000, api.TimeSlicing, "", "GPU-aa", "ga"))}, nil)
+	got := c.Nodes["n1"]
+	if _, ok := got.Reservations["ga"]; !ok || len(got.Reservations) != 1 {
+		t.Errorf("reservations %v, want only ga (namespace team-reservations)", got.Reservations)
+	}
+	if got.WholeGPUs != 2 {
+		t.Errorf("whole GPUs %d, want 2: the reservation pod's and the stray pod's", got.WholeGPUs)
 	}
 }

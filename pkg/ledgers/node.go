@@ -328,12 +328,6 @@ func (n *Node) Relayout(place bool) {
 	n.closeUnheld()
 }
 
-// Options say how to read a cluster.
-type Options struct {
-	// ReservationNamespace holds the reservation pods.
-	ReservationNamespace string
-}
-
 // Build records every live bound pod and reservation pod on its node: the
 // same Node the scheduler keeps, with its tenants added in the order of
 // their keys and the ledger booked as the API reports it (Record): the
@@ -343,9 +337,14 @@ type Options struct {
 //
 // claims are the cluster's ResourceClaims: the shares of gpufrac's DRA
 // driver they hold are tenants of the same GPUs, beside the pods'.
-func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim, o Options) Cluster {
+//
+// A node's reservation pods are those in the namespace its agent
+// publishes (api.ReservationNamespace).
+func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim) Cluster {
 	c := Cluster{Nodes: map[string]*Node{}}
+	reservations := map[string]string{} // node → its reservation namespace
 	for i := range nodes {
+		reservations[nodes[i].Name] = api.ReservationNamespace(&nodes[i])
 		inv, ready, why := api.InventoryOf(&nodes[i])
 		if inv.Count <= 0 {
 			continue
@@ -362,7 +361,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	}
 	for i := range pods {
 		p := &pods[i]
-		if n := live(p); n != nil && p.Namespace == o.ReservationNamespace {
+		if n := live(p); n != nil && p.Namespace == reservations[n.Name] {
 			n.WholeGPUs += api.WholeGPUs(&p.Spec)
 			if meta, ok := api.ReservationOf(p); ok {
 				r, seen := reservationOf(p, meta)
@@ -382,7 +381,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	for _, i := range order {
 		p := &pods[i]
 		n := live(p)
-		if n == nil || p.Namespace == o.ReservationNamespace {
+		if n == nil || p.Namespace == reservations[n.Name] {
 			continue
 		}
 		n.WholeGPUs += api.WholeGPUs(&p.Spec)

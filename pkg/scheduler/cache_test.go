@@ -791,3 +791,28 @@ func TestLostReservationClosesItsGPU(t *testing.T) {
 		t.Errorf("beside a share being placed: %+v", v)
 	}
 }
+
+// A node whose agent finds reservation pods in another namespace than the
+// one this scheduler creates them in takes no share: its reservation pods
+// would never learn their GPU. Set once, alike; an agent that publishes
+// none (from before) is not judged.
+func TestNodeOfAnotherReservationNamespaceTakesNoShare(t *testing.T) {
+	c := NewCache(testArgs())
+	n := node("n1", 8, 81920, true)
+	c.SetNode(n)
+	share := ask("p", 20480, api.TimeSlicing, 1)
+	if v := c.FilterAt(n, share); !v.Fits {
+		t.Fatalf("unlabelled node: %+v", v)
+	}
+	for i, ns := range []string{api.DefaultReservationNamespace, "team-reservations"} {
+		fits := ns == api.DefaultReservationNamespace
+		l := n.DeepCopy()
+		l.Labels[api.LabelReservationNamespace] = ns
+		l.ResourceVersion = fmt.Sprint(10 + i)
+		c.SetNode(l)
+		v := c.FilterAt(l, share)
+		if v.Fits != fits || (!fits && !strings.Contains(v.Reason, "namespace team-reservations")) {
+			t.Errorf("agent's namespace %s: %+v, want fits %v", ns, v, fits)
+		}
+	}
+}

@@ -114,7 +114,7 @@ func snapshot(t *testing.T, c *localcluster.Cluster) (*corev1.NodeList, *corev1.
 func checkAudit(t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
 	nodes, pods := snapshot(t, c)
-	if v := audit.Check(nodes.Items, pods.Items, nil, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()}); len(v) > 0 {
+	if v := audit.Check(nodes.Items, pods.Items, nil, audit.Options{Now: time.Now()}); len(v) > 0 {
 		// Who holds the GPUs involved, to explain the violation.
 		for _, p := range pods.Items {
 			for _, x := range v {
@@ -241,7 +241,7 @@ func TestEndToEnd(t *testing.T) {
 			if err != nil {
 				return false, err
 			}
-			return len(audit.Check(nodes.Items, pods.Items, nil, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()})) == 0, nil
+			return len(audit.Check(nodes.Items, pods.Items, nil, audit.Options{Now: time.Now()})) == 0, nil
 		})
 		if err != nil {
 			checkAudit(t, c)
@@ -418,11 +418,11 @@ func kaiPod(t *testing.T, c *localcluster.Cluster) {
 	nodes, pods := snapshot(t, c)
 	// KAI's reservation pod lives in KAI's namespace, which gpufrac does
 	// not read: that, and only that, is what the audit says of the pod.
-	v := audit.Check(nodes.Items, pods.Items, nil, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()})
+	v := audit.Check(nodes.Items, pods.Items, nil, audit.Options{Now: time.Now()})
 	if len(v) != 1 || v[0].Kind != audit.NoReservation || v[0].Object != ns+"/"+name {
 		t.Errorf("audit: %v, want only %s for %s/%s", v, audit.NoReservation, ns, name)
 	}
-	view := clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace)
+	view := clusterview.Build(nodes.Items, pods.Items, nil)
 	found := false
 	for _, n := range view.Nodes {
 		for _, g := range n.Shared {

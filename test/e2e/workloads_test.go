@@ -87,7 +87,7 @@ func auditClean(t *testing.T, c *localcluster.Cluster) {
 	t.Helper()
 	err := wait.PollUntilContextTimeout(context.Background(), 250*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
 		nodes, pods := snapshot(t, c)
-		return len(audit.Check(nodes.Items, pods.Items, nil, audit.Options{ReservationNamespace: scheduler.DefaultReservationNamespace, Now: time.Now()})) == 0, nil
+		return len(audit.Check(nodes.Items, pods.Items, nil, audit.Options{Now: time.Now()})) == 0, nil
 	})
 	if err != nil {
 		checkAudit(t, c)
@@ -185,7 +185,7 @@ func workloads(t *testing.T, c *localcluster.Cluster, dir string) {
 	leastPrivilege(t, dir)
 	allocated := func() int64 {
 		nodes, pods := snapshot(t, c)
-		return clusterview.Build(nodes.Items, pods.Items, nil, scheduler.DefaultReservationNamespace).Summary.AllocatedMiB
+		return clusterview.Build(nodes.Items, pods.Items, nil).Summary.AllocatedMiB
 	}
 	before := allocated()
 	const ns = "apps"

@@ -715,7 +715,7 @@ func TestDRAClaimsAndAnnotationPodsShareOneLedger(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	view := ledgers.Build(nodes.Items, audit.OnNodes(pods.Items, nodes.Items), all.Items, ledgers.Options{ReservationNamespace: reservationNS})
+	view := ledgers.Build(nodes.Items, audit.OnNodes(pods.Items, nodes.Items), all.Items)
 	n := view.Nodes[node]
 	kinds := map[bool]int{}
 	for _, ten := range n.Tenants {
@@ -729,7 +729,7 @@ func TestDRAClaimsAndAnnotationPodsShareOneLedger(t *testing.T) {
 			t.Errorf("GPU %d: %dMi charged of %dMi", slot, d.Charged(), d.Schedulable())
 		}
 	}
-	if v := audit.Check(nodes.Items, audit.OnNodes(pods.Items, nodes.Items), all.Items, audit.Options{ReservationNamespace: reservationNS, Now: time.Now()}); len(v) > 0 {
+	if v := audit.Check(nodes.Items, audit.OnNodes(pods.Items, nodes.Items), all.Items, audit.Options{Now: time.Now()}); len(v) > 0 {
 		t.Errorf("audit after the burst: %v", v)
 	}
 }

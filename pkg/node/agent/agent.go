@@ -26,6 +26,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/gpufrac/gpufrac/internal/health"
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/dra"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/exclusive"
@@ -152,20 +153,36 @@ type Agent struct {
 	mpsStarted time.Time
 }
 
+// DefaultOptions are the node agent's defaults, written once: its flags
+// start from them, and New fills in what a caller left unset of the paths
+// and the backend choice.
+func DefaultOptions() Options {
+	return Options{
+		NRISocket:                    "/var/run/nri/nri.sock",
+		PodResourcesSocket:           reservation.DefaultSocket,
+		ReservationNamespace:         api.DefaultReservationNamespace,
+		ForeignReservationNamespaces: []string{"kai-resource-reservation"},
+		StateDir:                     "/var/lib/gpufrac",
+		ProcRoot:                     "/proc",
+		MPSControl:                   mps.DefaultBinary,
+		CgroupRoot:                   "/sys/fs/cgroup",
+		MemoryLimits:                 "auto",
+		Injection: injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: "/run/gpufrac/mps",
+			RestrictVisibility: true, ExclusiveProcess: true},
+		HealthAddr:   ":8082",
+		MetricsAddr:  ":8443",
+		ResyncPeriod: 30 * time.Second,
+		DRA:          DRAOptions{StandingGPUs: -1},
+	}
+}
+
 // New builds an agent for opts over client.
 func New(opts Options, client kubernetes.Interface) *Agent {
-	if opts.MemoryLimits == "" {
-		opts.MemoryLimits = "auto"
-	}
-	if opts.ProcRoot == "" {
-		opts.ProcRoot = "/proc"
-	}
-	if opts.MPSControl == "" {
-		opts.MPSControl = mps.DefaultBinary
-	}
-	if opts.CgroupRoot == "" {
-		opts.CgroupRoot = "/sys/fs/cgroup"
-	}
+	d := DefaultOptions()
+	opts.MemoryLimits = cmp.Or(opts.MemoryLimits, d.MemoryLimits)
+	opts.ProcRoot = cmp.Or(opts.ProcRoot, d.ProcRoot)
+	opts.MPSControl = cmp.Or(opts.MPSControl, d.MPSControl)
+	opts.CgroupRoot = cmp.Or(opts.CgroupRoot, d.CgroupRoot)
 	return &Agent{opts: opts, client: client, metrics: metrics.New()}
 }
 

@@ -97,7 +97,7 @@ func decide(hw hardware, opts Options, standing int, registered bool) NodeConfig
 	return NodeConfig{Injection: cfg, Publish: publish.State{Inventory: hw.inv, InventoryErr: hw.invErr, NRIRegistered: registered,
 		Backend: backend, BackendErr: backendErr, MPS: hw.mps, MPSErr: hw.mpsErr, CgroupErr: cgroupErr, ComputeModeErr: hw.computeModeErr, StateErr: hw.stateErr,
 		FailOpen: opts.FailOpen, PublishGPULabels: opts.PublishGPULabels, StandingGPUs: standing, ReserveMiB: cfg.GPUMemoryReserveMiB,
-		Heartbeat: HeartbeatBound(opts.ResyncPeriod)}}
+		Heartbeat: HeartbeatBound(opts.ResyncPeriod), ReservationNamespace: opts.ReservationNamespace}}
 }
 
 // HeartbeatBound is how long an agent that resyncs every period may go

@@ -93,6 +93,9 @@ type State struct {
 	// Heartbeat is how long the agent may go unheard before schedulers
 	// stop sending fractions here (api.LabelAgentHeartbeat).
 	Heartbeat time.Duration
+	// ReservationNamespace is where the agent finds the reservation pods,
+	// published for every other reader (api.LabelReservationNamespace).
+	ReservationNamespace string
 }
 
 // Desired is what the node should carry.
@@ -110,7 +113,7 @@ func Compute(s State, current map[string]string) Desired {
 		Condition: corev1.NodeCondition{Type: ConditionReady, Status: status, Reason: reason, Message: message},
 		Labels:    map[string]*string{},
 	}
-	report := api.NodeReport{Enforcement: "none", Standing: s.StandingGPUs, ReserveMiB: s.ReserveMiB, Heartbeat: s.Heartbeat}
+	report := api.NodeReport{Enforcement: "none", Standing: s.StandingGPUs, ReserveMiB: s.ReserveMiB, Heartbeat: s.Heartbeat, ReservationNamespace: s.ReservationNamespace}
 	if s.InventoryErr == nil {
 		d.Labels[LabelDriverVersion] = ptr(labelValue(s.Inventory.DriverVersion))
 		d.Labels[LabelCUDAVersion] = ptr(s.Inventory.CUDAVersion())
