@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"fmt"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -21,26 +20,19 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/api/apitest"
 	"github.com/gpufrac/gpufrac/pkg/clusterview"
 )
 
 func node(name string) *corev1.Node {
-	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
-		api.LabelGPUMemory: "81920", api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3", api.LabelGPUCount: "2", api.LabelMemoryEnforcement: "driver"}}}
-	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(2, resource.DecimalSI)}
-	n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"}}
-	return n
+	return apitest.GPUNode(name, api.Inventory{Count: 2, MemoryMiB: 81920, Model: "NVIDIA-H100-80GB-HBM3"}, "driver", true)
 }
 
+// tenant is placed by another scheduler, with a limit of twice its request.
 func tenant(name string, mib int64, uuid string) *corev1.Pod {
-	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", Annotations: map[string]string{
-		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
-		api.ContainerKey("main", api.SuffixMemoryLimit):   fmt.Sprintf("%dMi", 2*mib),
-		api.ContainerKey("main", api.SuffixComputeMode):   string(api.TimeSlicing),
-		api.ContainerKey("main", api.SuffixDevices):       uuid,
-	}}}
-	p.Spec.NodeName = "n1"
-	p.Spec.Containers = []corev1.Container{{Name: "main"}}
+	a := api.Assignment{Container: "main", Devices: []string{uuid}, RequestMiB: mib, LimitMiB: 2 * mib, Mode: api.TimeSlicing}
+	p := apitest.Placed("team", name, "n1", a)
+	p.UID = ""
 	return p
 }
 

@@ -1,7 +1,6 @@
 package audit
 
 import (
-	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -12,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/api/apitest"
 )
 
 const resNS = "gpufrac-reservations"
@@ -19,35 +19,25 @@ const resNS = "gpufrac-reservations"
 var now = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
 
 func gpuNode(name string, gpus int64) corev1.Node {
-	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{api.LabelGPUMemory: "80000", api.LabelGPUProduct: "H100"}}}
-	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(gpus, resource.DecimalSI)}
-	return n
+	return *apitest.GPUNode(name, api.Inventory{Count: int(gpus), MemoryMiB: 80000, Model: "H100"}, "", false)
 }
 
 func reservation(node, group, uuid string) corev1.Pod {
-	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{
-		Name: "gpufrac-" + node + "-" + group, Namespace: resNS, CreationTimestamp: metav1.NewTime(now.Add(-time.Hour)),
-		Labels: map[string]string{api.GPUGroupLabel: group}, Annotations: map[string]string{api.ReservedGPUAnnotation: uuid},
-	}}
-	p.Spec.NodeName = node
-	p.Spec.Containers = []corev1.Container{{Name: "reserve", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}}}}
-	return p
+	p := apitest.Reservation(resNS, node, group, uuid, false)
+	p.CreationTimestamp = metav1.NewTime(now.Add(-time.Hour))
+	return *p
 }
 
 func tenant(name, node string, mib int64, mode api.ComputeMode, portion, group string, uuids ...string) corev1.Pod {
-	a := map[string]string{
-		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
-		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
-		api.ContainerKey("main", api.SuffixDevices):       strings.Join(uuids, ","),
-		api.GPUGroupsAnnotation:                           group,
-	}
+	a := api.Assignment{Container: "main", Devices: uuids, RequestMiB: mib, LimitMiB: mib, Mode: mode}
 	if portion != "" {
-		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+		a.Portion, _ = api.ParseFraction(portion)
 	}
-	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", Annotations: a}}
-	p.Spec.NodeName = node
-	p.Spec.Containers = []corev1.Container{{Name: "main"}}
-	return p
+	var groups []string
+	if group != "" {
+		groups = strings.Split(group, ",")
+	}
+	return *apitest.Placed("team", name, node, a, groups...)
 }
 
 func check(nodes []corev1.Node, pods ...corev1.Pod) []Violation {

@@ -3,7 +3,6 @@ package clusterview
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -15,33 +14,27 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/api/apitest"
 )
 
 func gpuNode(name string, gpus int64, ready bool) corev1.Node {
-	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{api.LabelGPUMemory: "81920", api.LabelGPUProduct: "NVIDIA-H100-80GB-HBM3",
-		api.LabelGPUCount: fmt.Sprint(gpus)}}}
-	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(gpus, resource.DecimalSI)}
+	enforcement := ""
 	if ready {
-		n.Labels[api.LabelMemoryEnforcement] = "driver"
-		n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue, Reason: "EnforcementAvailable"}}
+		enforcement = "driver"
 	}
-	return n
+	return *apitest.GPUNode(name, api.Inventory{Count: int(gpus), MemoryMiB: 81920, Model: "NVIDIA-H100-80GB-HBM3"}, enforcement, ready)
 }
 
+// tenant is placed by another scheduler (no GPU groups), with a limit of
+// twice its request.
 func tenant(name, node string, mib int64, mode api.ComputeMode, portion, uuid string) corev1.Pod {
-	a := map[string]string{
-		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
-		api.ContainerKey("main", api.SuffixMemoryLimit):   fmt.Sprintf("%dMi", 2*mib),
-		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
-		api.ContainerKey("main", api.SuffixDevices):       uuid,
-	}
+	a := api.Assignment{Container: "main", Devices: []string{uuid}, RequestMiB: mib, LimitMiB: 2 * mib, Mode: mode}
 	if portion != "" {
-		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+		a.Portion, _ = api.ParseFraction(portion)
 	}
-	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "team", Annotations: a}}
-	p.Spec.NodeName = node
-	p.Spec.Containers = []corev1.Container{{Name: "main"}}
-	return p
+	p := apitest.Placed("team", name, node, a)
+	p.UID = ""
+	return *p
 }
 
 func whole(name, node string, n int64) corev1.Pod {

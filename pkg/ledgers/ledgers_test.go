@@ -2,7 +2,7 @@ package ledgers
 
 import (
 	"errors"
-	"fmt"
+	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -11,17 +11,14 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/api/apitest"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
 )
 
 const ns = "gpufrac-reservations"
 
 func node(name string, gpus int) corev1.Node {
-	n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
-		api.LabelGPUMemory: "81920", api.LabelGPUProduct: "H100", api.LabelGPUCount: fmt.Sprint(gpus)}}}
-	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(int64(gpus), resource.DecimalSI)}
-	n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: corev1.ConditionTrue}}
-	return n
+	return *apitest.GPUNode(name, api.Inventory{Count: gpus, MemoryMiB: 81920, Model: "H100"}, "driver", true)
 }
 
 func pod(name, node string, annotations map[string]string) corev1.Pod {
@@ -32,29 +29,23 @@ func pod(name, node string, annotations map[string]string) corev1.Pod {
 }
 
 func reservation(node, group, uuid string) corev1.Pod {
-	p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "r-" + group, Namespace: ns, UID: types.UID("uid-r-" + group),
-		Labels: map[string]string{api.GPUGroupLabel: group}, Annotations: map[string]string{}}}
-	if uuid != "" {
-		p.Annotations[api.ReservedGPUAnnotation] = uuid
-	}
-	p.Spec.NodeName = node
-	p.Spec.Containers = []corev1.Container{{Name: "r", Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{api.ResourceGPU: resource.MustParse("1")}}}}
-	return p
+	p := apitest.Reservation(ns, node, group, uuid, false)
+	p.Name, p.UID = "r-"+group, types.UID("uid-r-"+group)
+	return *p
 }
 
+// decision is the annotations of a decision as the codec writes them:
+// gpufrac's with groups, another scheduler's without.
 func decision(mib int64, mode api.ComputeMode, portion, devices, groups string) map[string]string {
-	a := map[string]string{
-		api.ContainerKey("main", api.SuffixDevices):       devices,
-		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
-		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
-	}
+	a := api.Assignment{Container: "main", Devices: strings.Split(devices, ","), RequestMiB: mib, LimitMiB: mib, Mode: mode}
 	if portion != "" {
-		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+		a.Portion, _ = api.ParseFraction(portion)
 	}
+	var g []string
 	if groups != "" {
-		a[api.GPUGroupsAnnotation] = groups
+		g = strings.Split(groups, ",")
 	}
-	return a
+	return apitest.Placed("", "", "", a, g...).Annotations
 }
 
 // Build reads gpufrac's pods by their groups, KAI's by their GPUs joined

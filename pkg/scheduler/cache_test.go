@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/api/apitest"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
@@ -25,15 +26,11 @@ func testArgs() Args {
 }
 
 func node(name string, gpus int, memMiB int64, ready bool) *corev1.Node {
-	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
-		api.LabelGPUCount: fmt.Sprint(gpus), api.LabelGPUMemory: fmt.Sprint(memMiB), api.LabelGPUProduct: "H100",
-	}}}
-	n.Status.Allocatable = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(int64(gpus), resource.DecimalSI)}
-	status := corev1.ConditionTrue
+	n := apitest.GPUNode(name, api.Inventory{Count: gpus, MemoryMiB: memMiB, Model: "H100"}, "driver", true)
 	if !ready {
-		status = corev1.ConditionFalse
+		n.Status.Conditions[0].Status = corev1.ConditionFalse
 	}
-	n.Status.Conditions = []corev1.NodeCondition{{Type: api.ConditionFractioningReady, Status: status, Reason: "Test"}}
+	n.Status.Conditions[0].Reason = "Test"
 	return n
 }
 
@@ -46,16 +43,12 @@ func pod(name, nodeName string, annotations map[string]string) *corev1.Pod {
 
 // placedPod is a pod as the scheduler leaves it: bound, with its decision.
 func placedPod(name, nodeName string, mib int64, mode api.ComputeMode, portion string, groups []string, uuids []string) *corev1.Pod {
-	a := map[string]string{
-		api.ContainerKey("main", api.SuffixMemoryRequest): fmt.Sprintf("%dMi", mib),
-		api.ContainerKey("main", api.SuffixComputeMode):   string(mode),
-		api.ContainerKey("main", api.SuffixDevices):       strings.Join(uuids, ","),
-		api.GPUGroupsAnnotation:                           strings.Join(groups, ","),
-	}
+	a := api.Assignment{Container: "main", Devices: uuids, RequestMiB: mib, LimitMiB: mib, Mode: mode}
 	if portion != "" {
-		a[api.ContainerKey("main", api.SuffixComputePortion)] = portion
+		a.Portion, _ = api.ParseFraction(portion)
 	}
-	return pod(name, nodeName, a)
+	p := apitest.Placed("default", name, nodeName, a, groups...)
+	return p
 }
 
 func wholePod(name, nodeName string, n int64) *corev1.Pod {
