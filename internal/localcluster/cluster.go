@@ -22,7 +22,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -39,6 +38,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/controlplane"
+	"github.com/gpufrac/gpufrac/internal/runner"
 	"github.com/gpufrac/gpufrac/pkg/admission"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
@@ -97,17 +97,9 @@ type Cluster struct {
 	// DashboardURL is where the dashboard serves.
 	DashboardURL string
 	// procs are the processes it runs, etcd and kube-apiserver first.
-	procs    []*process
+	procs    []*runner.Process
 	stopHook context.CancelFunc
 	hookDone chan error
-}
-
-type process struct {
-	name string
-	bin  string
-	args []string
-	cmd  *exec.Cmd
-	done chan error
 }
 
 const (
@@ -683,14 +675,8 @@ func FreePort() (int, error) {
 // log.
 func (c *Cluster) exited(name string) error {
 	for _, p := range c.procs {
-		if p.name != name {
-			continue
-		}
-		select {
-		case err := <-p.done:
-			p.done <- err
-			return fmt.Errorf("%s exited: %w (see %s)", p.name, err, filepath.Join(c.opts.Dir, "logs", p.name+".log"))
-		default:
+		if p.Name == name {
+			return p.Exited()
 		}
 	}
 	return nil
@@ -705,29 +691,25 @@ func (c *Cluster) start(name string, args ...string) error {
 // startBinary runs bin as the child process name, logging to
 // logs/<name>.log; a process of that name is replaced.
 func (c *Cluster) startBinary(bin, name string, args ...string) error {
-	logFile, err := os.OpenFile(filepath.Join(c.opts.Dir, "logs", name+".log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	// Its own process group: a Ctrl-C reaches the parent, which stops the
+	// children in order.
+	p, err := runner.Start(name, filepath.Join(c.opts.Dir, "logs", name+".log"), nil, bin, args...)
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	// Its own process group: a Ctrl-C reaches the parent, which stops the
-	// children in order.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
-	if err := cmd.Start(); err != nil {
-		_ = logFile.Close()
-		return err
-	}
-	p := &process{name: name, bin: bin, args: args, cmd: cmd, done: make(chan error, 1)}
-	go func() { p.done <- cmd.Wait(); _ = logFile.Close() }()
+	c.replace(p)
+	return nil
+}
+
+// replace records p, in the place of a process of its name if there is one.
+func (c *Cluster) replace(p *runner.Process) {
 	for i, old := range c.procs {
-		if old.name == name {
+		if old.Name == p.Name {
 			c.procs[i] = p
-			return nil
+			return
 		}
 	}
 	c.procs = append(c.procs, p)
-	return nil
 }
 
 // Components lists the child processes by name: node-agent-<node>, kwok,
@@ -735,7 +717,7 @@ func (c *Cluster) startBinary(bin, name string, args ...string) error {
 func (c *Cluster) Components() []string {
 	var names []string
 	for _, p := range c.procs {
-		names = append(names, p.name)
+		names = append(names, p.Name)
 	}
 	return names
 }
@@ -745,15 +727,15 @@ func (c *Cluster) Components() []string {
 // Deployment or DaemonSet would.
 func (c *Cluster) Crash(name string) error {
 	for _, p := range c.procs {
-		if p.name != name {
+		if p.Name != name {
 			continue
 		}
-		_ = p.cmd.Process.Kill()
-		err := <-p.done
-		p.done <- err
-		if err := c.startBinary(p.bin, name, p.args...); err != nil {
+		p.Kill()
+		again, err := p.Restart()
+		if err != nil {
 			return err
 		}
+		c.replace(again)
 		return c.writePIDs(true) // the new process must be stopped by down too
 	}
 	return fmt.Errorf("no component %q: one of %v", name, c.Components())
@@ -762,7 +744,7 @@ func (c *Cluster) Crash(name string) error {
 func (c *Cluster) waitReady(ctx context.Context) error {
 	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		for _, p := range c.procs {
-			if err := c.exited(p.name); err != nil {
+			if err := c.exited(p.Name); err != nil {
 				return false, err
 			}
 		}
@@ -790,7 +772,7 @@ func (c *Cluster) waitOffered(ctx context.Context) error {
 	var behind string
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		for _, p := range c.procs {
-			if err := c.exited(p.name); err != nil {
+			if err := c.exited(p.Name); err != nil {
 				return false, err
 			}
 		}
@@ -834,9 +816,9 @@ func (c *Cluster) Down() {
 // was replaced meanwhile is simply gone. The error names what not even
 // SIGKILL stopped, and the pid file is then kept for `gpufrac down`.
 func (c *Cluster) Shutdown() error {
-	var components, apiserver, etcd []*process
+	var components, apiserver, etcd []*runner.Process
 	for _, p := range c.procs {
-		switch p.name {
+		switch p.Name {
 		case "kube-apiserver":
 			apiserver = append(apiserver, p)
 		case "etcd":
@@ -845,7 +827,7 @@ func (c *Cluster) Shutdown() error {
 			components = append(components, p)
 		}
 	}
-	stopProcesses(components)
+	runner.Stop(10*time.Second, components...)
 	if c.stopHook != nil {
 		c.stopHook()
 		if err := <-c.hookDone; err != nil {
@@ -853,11 +835,11 @@ func (c *Cluster) Shutdown() error {
 		}
 		c.stopHook = nil
 	}
-	stopProcesses(apiserver)
-	stopProcesses(etcd)
+	runner.Stop(10*time.Second, apiserver...)
+	runner.Stop(10*time.Second, etcd...)
 	var left []string
 	for _, p := range c.procs {
-		if proc, ok := procOf(p.cmd.Process.Pid, p.name); ok && proc.Running() {
+		if proc, ok := procOf(p.PID(), p.Name); ok && proc.Running() {
 			left = append(left, proc.String())
 		}
 	}
@@ -867,24 +849,6 @@ func (c *Cluster) Shutdown() error {
 	}
 	_ = os.Remove(filepath.Join(c.opts.Dir, pidFile))
 	return nil
-}
-
-// stopProcesses stops procs together: SIGTERM, and SIGKILL for those
-// still running after 10 s (one deadline for all).
-func stopProcesses(procs []*process) {
-	for _, p := range procs {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	deadline := time.After(10 * time.Second)
-	for _, p := range procs {
-		// Their exit status says nothing here: they were told to stop.
-		select {
-		case <-p.done:
-		case <-deadline:
-			_ = p.cmd.Process.Kill()
-			<-p.done
-		}
-	}
 }
 
 // setPolicy sets the GPUFractions plugin's policy in a

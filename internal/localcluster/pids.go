@@ -103,7 +103,7 @@ func (c *Cluster) writePIDs(ready bool) error {
 	}
 	procs := []Proc{self}
 	for _, p := range c.procs {
-		if q, ok := procOf(p.cmd.Process.Pid, p.name); ok {
+		if q, ok := procOf(p.PID(), p.Name); ok {
 			procs = append(procs, q)
 		}
 	}

@@ -55,6 +55,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
+	"github.com/gpufrac/gpufrac/internal/runner"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 )
@@ -139,16 +140,10 @@ type node struct {
 	gpus              []inventory.GPU
 
 	mu    sync.Mutex
-	procs map[string]*process
+	procs map[string]*runner.Process
 	// plugin is the device-plugin stand-in; allocations records what the
 	// kubelet asked it for.
 	plugin *devicePlugin
-}
-
-type process struct {
-	cmd  *exec.Cmd
-	log  string
-	done chan struct{}
 }
 
 func (n *node) path(parts ...string) string {
@@ -184,7 +179,7 @@ func newNode(need ...string) (*node, error) {
 	if dir == "" {
 		return nil, errors.New(dirEnv + " is not set: the node runs in the namespaces that onHost makes")
 	}
-	n := &node{repo: repo, dir: dir, gpufrac: filepath.Join(repo, "bin", "gpufrac"), nodeBin: filepath.Join(repo, "bin", "node"), procs: map[string]*process{}}
+	n := &node{repo: repo, dir: dir, gpufrac: filepath.Join(repo, "bin", "gpufrac"), nodeBin: filepath.Join(repo, "bin", "node"), procs: map[string]*runner.Process{}}
 	need = append(need, n.gpufrac, filepath.Join(n.nodeBin, "containerd"), filepath.Join(n.nodeBin, "containerd-shim-runc-v2"),
 		filepath.Join(n.nodeBin, "ctr"), filepath.Join(n.nodeBin, "lib", "libnvidia-ml.so.1"), filepath.Join(n.nodeBin, "images.tar"),
 		filepath.Join(repo, "bin", "kube", "kubelet"), "/usr/sbin/runc", "/usr/lib/cni/bridge")
@@ -252,22 +247,13 @@ func (n *node) writeMachine() error {
 	return os.WriteFile(filepath.Join(n.nvmlDir(), "machine"), []byte(b.String()), 0o644)
 }
 
+// start runs a component of the node, as gpufrac up runs its own
+// (package runner): its own process group, its log in logs/.
 func (n *node) start(name string, env []string, bin string, args ...string) error {
-	p := &process{log: n.path("logs", name+".log"), done: make(chan struct{})}
-	f, err := os.Create(p.log)
+	p, err := runner.Start(name, n.path("logs", name+".log"), env, bin, args...)
 	if err != nil {
 		return err
 	}
-	p.cmd = exec.Command(bin, args...)
-	p.cmd.Env = append(os.Environ(), env...)
-	p.cmd.Stdout, p.cmd.Stderr = f, f
-	// Its own process group: stopping it stops what it started.
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := p.cmd.Start(); err != nil {
-		_ = f.Close()
-		return err
-	}
-	go func() { _ = p.cmd.Wait(); _ = f.Close(); close(p.done) }()
 	n.mu.Lock()
 	n.procs[name] = p
 	n.mu.Unlock()
@@ -280,15 +266,8 @@ func (n *node) stopProcess(name string) {
 	p := n.procs[name]
 	delete(n.procs, name)
 	n.mu.Unlock()
-	if p == nil {
-		return
-	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(15 * time.Second):
-		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-		<-p.done
+	if p != nil {
+		runner.Stop(15*time.Second, p)
 	}
 }
 
@@ -300,8 +279,7 @@ func (n *node) killProcess(name string) {
 	delete(n.procs, name)
 	n.mu.Unlock()
 	if p != nil {
-		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-		<-p.done
+		p.Kill()
 	}
 }
 
@@ -316,12 +294,7 @@ func (n *node) exited(name string) error {
 	if p == nil {
 		return fmt.Errorf("%s: %w", name, errNotStarted)
 	}
-	select {
-	case <-p.done:
-		return fmt.Errorf("%s exited (%v); its log: %s", name, p.cmd.ProcessState, p.log)
-	default:
-		return nil
-	}
+	return p.Exited()
 }
 
 func waitFor(what string, timeout time.Duration, ok func() (bool, error)) error {
