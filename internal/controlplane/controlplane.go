@@ -11,6 +11,7 @@ package controlplane
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -20,8 +21,26 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 )
 
+// Options shape a control plane for a cluster with real nodes (the
+// real-node tests): their zero value is gpufrac up's, where no kubelet
+// joins and no pod reaches the API server.
+type Options struct {
+	// Nodes: kubelets join (their identity system:node:<name> in
+	// system:nodes: Node authorization and NodeRestriction), and pods
+	// reach the API server through the kubernetes Service, with their
+	// service-account tokens (the ServiceAccount admission plugin).
+	Nodes bool
+	// AdvertiseAddress is the kubernetes Service's endpoint, where kube-
+	// apiserver then listens besides the loopback; ServiceCIDR is the
+	// Services' range (default 10.0.0.0/24) and ServiceIP its first
+	// address, the kubernetes Service's. Both go into its certificate.
+	AdvertiseAddress, ServiceIP net.IP
+	ServiceCIDR                 string
+}
+
 // ControlPlane is one local cluster's etcd and kube-apiserver.
 type ControlPlane struct {
+	Options
 	// Dir holds the certificates, the service-account key and etcd's data.
 	Dir string
 	// CA signs every certificate of the cluster.
@@ -32,8 +51,11 @@ type ControlPlane struct {
 
 // New makes a control plane's files under dir, on ports free now (port
 // returns one).
-func New(dir string, port func() (int, error)) (*ControlPlane, error) {
-	cp := &ControlPlane{Dir: dir}
+func New(dir string, port func() (int, error), opts Options) (*ControlPlane, error) {
+	cp := &ControlPlane{Dir: dir, Options: opts}
+	if cp.ServiceCIDR == "" {
+		cp.ServiceCIDR = "10.0.0.0/24"
+	}
 	for _, p := range []*int{&cp.EtcdPort, &cp.EtcdPeerPort, &cp.APIPort} {
 		n, err := port()
 		if err != nil {
@@ -49,7 +71,13 @@ func New(dir string, port func() (int, error)) (*ControlPlane, error) {
 		return nil, err
 	}
 	cp.CA = ca
-	cert, key, err := ca.Serving("kube-apiserver", "kubernetes", "kubernetes.default", "kubernetes.default.svc")
+	var ips []net.IP
+	for _, ip := range []net.IP{opts.AdvertiseAddress, opts.ServiceIP} {
+		if ip != nil {
+			ips = append(ips, ip)
+		}
+	}
+	cert, key, err := ca.Serving("kube-apiserver", ips, "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local")
 	if err != nil {
 		return nil, err
 	}
@@ -91,13 +119,28 @@ func (cp *ControlPlane) EtcdHealthURL() string { return cp.etcdURL() + "/health"
 // (the service-account token controller, the node lifecycle controller's
 // not-ready taint).
 func (cp *ControlPlane) APIServerArgs() []string {
-	return []string{"--etcd-servers", cp.etcdURL(), "--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(cp.APIPort),
+	args := []string{"--etcd-servers", cp.etcdURL(), "--secure-port", strconv.Itoa(cp.APIPort),
 		"--cert-dir", filepath.Join(cp.Dir, "pki"), "--tls-cert-file", cp.pki("apiserver.crt"), "--tls-private-key-file", cp.pki("apiserver.key"),
-		"--client-ca-file", cp.pki("ca.crt"), "--authorization-mode", "RBAC",
-		"--service-account-issuer", cp.URL() + "/", "--service-account-key-file", cp.pki("sa.key"), "--service-account-signing-key-file", cp.pki("sa.key"),
-		"--service-cluster-ip-range", "10.0.0.0/24", "--allow-privileged=true",
-		"--disable-admission-plugins", "ServiceAccount,TaintNodesByCondition"}
+		"--client-ca-file", cp.pki("ca.crt"),
+		"--service-account-key-file", cp.pki("sa.key"), "--service-account-signing-key-file", cp.pki("sa.key"),
+		"--service-cluster-ip-range", cp.ServiceCIDR, "--allow-privileged=true", "--profiling=false"}
+	if !cp.Nodes {
+		return append(args, "--bind-address", "127.0.0.1", "--authorization-mode", "RBAC", "--service-account-issuer", cp.URL()+"/",
+			"--disable-admission-plugins", "ServiceAccount,TaintNodesByCondition")
+	}
+	args = append(args, "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
+		"--service-account-issuer", "https://kubernetes.default.svc")
+	if cp.AdvertiseAddress != nil {
+		// Pods reach it at the node's address, through the bridge.
+		args = append(args, "--bind-address", "0.0.0.0", "--advertise-address", cp.AdvertiseAddress.String())
+	} else {
+		args = append(args, "--bind-address", "127.0.0.1")
+	}
+	return args
 }
+
+// CAFile is the CA's certificate (for --root-ca-file, say).
+func (cp *ControlPlane) CAFile() string { return cp.pki("ca.crt") }
 
 // ReadyURL answers 200 "ok" once kube-apiserver serves (asked with a
 // client of Config).

@@ -51,10 +51,11 @@ func NewCA(name string) (*CA, error) {
 	return &CA{cert: cert, key: key, PEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}, nil
 }
 
-// Serving issues a serving certificate for the loopback host (and names).
-func (ca *CA) Serving(name string, dnsNames ...string) (certPEM, keyPEM []byte, err error) {
+// Serving issues a serving certificate for the loopback host, ips and
+// dnsNames.
+func (ca *CA) Serving(name string, ips []net.IP, dnsNames ...string) (certPEM, keyPEM []byte, err error) {
 	return ca.issue(&x509.Certificate{Subject: pkix.Name{CommonName: name}, DNSNames: append([]string{"localhost"}, dnsNames...),
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
+		IPAddresses: append([]net.IP{net.IPv4(127, 0, 0, 1)}, ips...), ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
 }
 
 // Client issues a client certificate for user in groups.

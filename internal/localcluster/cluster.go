@@ -262,7 +262,7 @@ func (c *Cluster) startControlPlane(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	cp, err := controlplane.New(filepath.Join(c.opts.Dir, "control-plane"), FreePort)
+	cp, err := controlplane.New(filepath.Join(c.opts.Dir, "control-plane"), FreePort, controlplane.Options{})
 	if err != nil {
 		return err
 	}
@@ -816,17 +816,7 @@ func (c *Cluster) Down() {
 // was replaced meanwhile is simply gone. The error names what not even
 // SIGKILL stopped, and the pid file is then kept for `gpufrac down`.
 func (c *Cluster) Shutdown() error {
-	var components, apiserver, etcd []*runner.Process
-	for _, p := range c.procs {
-		switch p.Name {
-		case "kube-apiserver":
-			apiserver = append(apiserver, p)
-		case "etcd":
-			etcd = append(etcd, p)
-		default:
-			components = append(components, p)
-		}
-	}
+	components, apiserver, etcd := inStopOrder(c.procs, func(p *runner.Process) string { return p.Name })
 	runner.Stop(10*time.Second, components...)
 	if c.stopHook != nil {
 		c.stopHook()

@@ -198,17 +198,7 @@ func Stop(dir string, timeout time.Duration) (StopReport, error) {
 	// What up left, in the order up stops it: its components, then
 	// kube-apiserver, then etcd (stopped under a live kube-apiserver, etcd
 	// would leave it retrying until its own grace period ends).
-	var components, apiserver, etcd []Proc
-	for _, p := range procs[1:] {
-		switch p.Name {
-		case "kube-apiserver":
-			apiserver = append(apiserver, p)
-		case "etcd":
-			etcd = append(etcd, p)
-		default:
-			components = append(components, p)
-		}
-	}
+	components, apiserver, etcd := inStopOrder(procs[1:], func(p Proc) string { return p.Name })
 	for _, group := range [][]Proc{components, apiserver, etcd} {
 		terminate(group, min(timeout, 10*time.Second))
 	}
@@ -299,4 +289,21 @@ func WaitReady(ctx context.Context, dir string, timeout time.Duration) error {
 		return fmt.Errorf("no gpufrac up became ready within %v: %w", timeout, last)
 	}
 	return err
+}
+
+// inStopOrder sorts what up runs into the order it is stopped in: its
+// components, then kube-apiserver, then etcd (stopped under a live
+// kube-apiserver, etcd would leave it retrying until its own grace ends).
+func inStopOrder[T any](all []T, name func(T) string) (components, apiserver, etcd []T) {
+	for _, p := range all {
+		switch name(p) {
+		case "kube-apiserver":
+			apiserver = append(apiserver, p)
+		case "etcd":
+			etcd = append(etcd, p)
+		default:
+			components = append(components, p)
+		}
+	}
+	return components, apiserver, etcd
 }

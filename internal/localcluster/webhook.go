@@ -23,7 +23,7 @@ import (
 // writeServingCert writes the webhook's serving certificate for the
 // loopback (tls.crt, tls.key: what its server reads) into dir.
 func writeServingCert(ca *controlplane.CA, dir string) error {
-	cert, key, err := ca.Serving("gpufrac-webhook")
+	cert, key, err := ca.Serving("gpufrac-webhook", nil)
 	if err != nil {
 		return err
 	}

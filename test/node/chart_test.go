@@ -29,9 +29,7 @@ package node
 
 import (
 	"context"
-	"crypto/rand"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"net"
 	"net/http"
@@ -52,9 +50,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
-	certutil "k8s.io/client-go/util/cert"
-	"k8s.io/client-go/util/keyutil"
 
+	"github.com/gpufrac/gpufrac/internal/controlplane"
+	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
@@ -96,7 +94,7 @@ func startChartNode() (*node, error) {
 	n.nvml = fakeNVMLDir
 	n.images = append(n.images, filepath.Join(n.repo, "bin", "image", "gpufrac.oci.tar"))
 	return n, n.runSteps([]step{
-		{"etcd, kube-apiserver (tokens, Node+RBAC)", n.startAPIServer},
+		{"etcd, kube-apiserver (package controlplane: client certificates, Node+RBAC)", n.startAPIServer},
 		{"kube-controller-manager, default scheduler", n.startControllers},
 		{"fake NVML at the driver's place", n.installDriver},
 		{"containerd (NRI, runtime nvidia), images imported", func() error { return n.withNvidiaRuntime(n.startContainerd) }},
@@ -108,69 +106,36 @@ func startChartNode() (*node, error) {
 	})
 }
 
+// startAPIServer runs etcd and kube-apiserver as gpufrac up runs them
+// (package controlplane), shaped for a cluster with a real node: the
+// kubelet joins as system:node:<name> (Node authorization,
+// NodeRestriction), and pods reach the API server at the node's own
+// address (isolate_test.go), the kubernetes Service's endpoint, with their
+// service-account tokens.
 func (n *node) startAPIServer() error {
-	dir := n.path("pki")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
-	}
-	// The node's own address (isolate_test.go): the API server advertises
-	// it as the kubernetes Service's endpoint, which pods reach through
-	// the bridge (not loopback, which is each pod's own).
-	ip := net.ParseIP(nodeAddress)
-	// One serving certificate for every name a client uses: loopback (the
-	// test, the kubelet, the control plane), the node's address, and the
-	// kubernetes Service (pods).
-	crt, key, err := certutil.GenerateSelfSignedCertKey("kube-apiserver", []net.IP{net.ParseIP("127.0.0.1"), ip, net.ParseIP(apiServiceIP)},
-		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
+	cp, err := controlplane.New(n.dir, localcluster.FreePort, controlplane.Options{Nodes: true,
+		AdvertiseAddress: net.ParseIP(nodeAddress), ServiceIP: net.ParseIP(apiServiceIP), ServiceCIDR: serviceCIDR})
 	if err != nil {
 		return err
 	}
-	// The certificate file holds the serving certificate, then its CA.
-	_, rest := pem.Decode(crt)
-	ca := rest
-	saKey, err := keyutil.MakeEllipticPrivateKeyPEM()
-	if err != nil {
+	n.controlPlane = cp
+	if err := n.start("etcd", nil, filepath.Join(n.repo, "bin", "kube", "etcd"), cp.EtcdArgs()...); err != nil {
 		return err
 	}
-	admin, nodeToken := rand.Text(), rand.Text() // the API server listens on every address
-	tokens := fmt.Sprintf("%s,gpufrac-test-admin,admin,\"system:masters\"\n%s,system:node:%s,%s,\"system:nodes\"\n", admin, nodeToken, nodeName, nodeName)
-	for name, data := range map[string][]byte{"apiserver.crt": crt, "apiserver.key": key, "ca.crt": ca, "sa.key": saKey, "tokens.csv": []byte(tokens)} {
-		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+	if err := n.start("kube-apiserver", nil, filepath.Join(n.repo, "bin", "kube", "kube-apiserver"), cp.APIServerArgs()...); err != nil {
+		return err
+	}
+	for _, kc := range []struct{ file, user, group string }{{"admin.kubeconfig", "gpufrac-test-admin", "system:masters"}, {"kubelet.kubeconfig", "system:node:" + nodeName, "system:nodes"}} {
+		data, err := cp.KubeConfig(kc.user, kc.group)
+		if err != nil {
 			return err
 		}
-	}
-	ports, err := freePorts(3)
-	if err != nil {
-		return err
-	}
-	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
-	peerURL := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
-	port := ports[2]
-	if err := n.start("etcd", nil, filepath.Join(n.repo, "bin", "kube", "etcd"), "--data-dir", n.path("etcd"), "--name", "default",
-		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL, "--listen-peer-urls", peerURL,
-		"--initial-advertise-peer-urls", peerURL, "--initial-cluster", "default="+peerURL, "--unsafe-no-fsync"); err != nil {
-		return err
-	}
-	if err := n.start("kube-apiserver", nil, filepath.Join(n.repo, "bin", "kube", "kube-apiserver"),
-		"--etcd-servers", etcdURL, "--bind-address", "0.0.0.0", "--advertise-address", ip.String(), "--secure-port", strconv.Itoa(port),
-		"--cert-dir", dir, "--tls-cert-file", filepath.Join(dir, "apiserver.crt"), "--tls-private-key-file", filepath.Join(dir, "apiserver.key"),
-		"--token-auth-file", filepath.Join(dir, "tokens.csv"), "--client-ca-file", filepath.Join(dir, "ca.crt"), "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
-		"--service-account-issuer", "https://kubernetes.default.svc", "--service-account-key-file", filepath.Join(dir, "sa.key"),
-		"--service-account-signing-key-file", filepath.Join(dir, "sa.key"), "--service-cluster-ip-range", serviceCIDR,
-		"--allow-privileged", "--profiling=false"); err != nil {
-		return err
-	}
-	server := fmt.Sprintf("https://127.0.0.1:%d", port)
-	for _, kc := range []struct{ file, user, token string }{{"admin.kubeconfig", "admin", admin}, {"kubelet.kubeconfig", "node", nodeToken}} {
-		cfg := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: %q, certificate-authority: %q}}]\n"+
-			"users: [{name: %s, user: {token: %q}}]\ncontexts: [{name: c, context: {cluster: c, user: %s}}]\ncurrent-context: c\n",
-			server, filepath.Join(dir, "ca.crt"), kc.user, kc.token, kc.user)
-		if err := os.WriteFile(n.path(kc.file), []byte(cfg), 0o600); err != nil {
+		if err := os.WriteFile(n.path(kc.file), data, 0o600); err != nil {
 			return err
 		}
 	}
 	n.kubeconfig, n.kubeletKubeconfig = n.path("admin.kubeconfig"), n.path("kubelet.kubeconfig")
-	cfg, err := clientcmd.BuildConfigFromFlags("", n.kubeconfig)
+	cfg, err := cp.Config("gpufrac-test-admin", "system:masters")
 	if err != nil {
 		return err
 	}
@@ -201,7 +166,7 @@ var chartControllers = []string{
 
 func (n *node) startControllers() error {
 	if err := n.start("kube-controller-manager", nil, filepath.Join(n.repo, "bin", "kube", "kube-controller-manager"),
-		"--kubeconfig", n.kubeconfig, "--controllers", strings.Join(chartControllers, ","), "--root-ca-file", n.path("pki", "ca.crt"),
+		"--kubeconfig", n.kubeconfig, "--controllers", strings.Join(chartControllers, ","), "--root-ca-file", n.controlPlane.CAFile(),
 		"--leader-elect=false", "--secure-port", "0"); err != nil {
 		return err
 	}
