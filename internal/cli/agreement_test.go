@@ -140,6 +140,7 @@ var nodeCases = []nodeCase{
 	{name: "fraction writing its own device list twice", pod: agreementPod("ml", timeSlicing, []string{"NVIDIA_VISIBLE_DEVICES=GPU-a", "NVIDIA_VISIBLE_DEVICES=all"}), want: "REFUSE", reason: "set more than once"},
 	{name: "fraction as root", pod: agreementPod("ml", timeSlicing, nil, runAs(0)), want: "REFUSE", reason: "runs as root"},
 	{name: "fraction as root, failing open", node: failOpen, pod: agreementPod("ml", timeSlicing, []string{"NVIDIA_VISIBLE_DEVICES=all"}, runAs(0)), want: "FAIL-OPEN"},
+	{name: "sm-sharing failing open to its memory caps, as root", node: both(legacyMPS, failOpen), pod: agreementPod("ml", smSharing, []string{"NVIDIA_VISIBLE_DEVICES=all"}, runAs(0)), want: "FAIL-OPEN", reason: "runs as root"},
 	{name: "fraction as root in a user namespace", pod: agreementPod("ml", timeSlicing, nil, runAs(0), func(p *corev1.Pod) { p.Spec.HostUsers = ptr.To(false) }), want: "RUN"},
 	{name: "fraction as root, allowed", node: allowRoot, pod: agreementPod("ml", timeSlicing, nil, runAs(0)), want: "RUN"},
 	{name: "fraction as a user", pod: agreementPod("ml", timeSlicing, nil, runAs(1000)), want: "RUN"},

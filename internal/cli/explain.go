@@ -196,7 +196,8 @@ func explainPod(out io.Writer, obj manifest.Object, cfg injection.Config) int {
 		if i < len(obj.Template.Spec.InitContainers) {
 			kind = "init container"
 		}
-		d := injection.Judge(containerFacts(pod, obj.Template.Spec, c, cfg), cfg)
+		fact := containerFacts(pod, obj.Template.Spec, c, cfg)
+		d := injection.Judge(fact, cfg)
 		head := fmt.Sprintf("%s/%s %s %s", ns, obj.Name, kind, c.Name)
 		switch d.Verdict {
 		case injection.Refuse:
@@ -209,6 +210,9 @@ func explainPod(out io.Writer, obj manifest.Object, cfg injection.Config) int {
 			fmt.Fprintf(out, "%s: RUN\n", head)
 		}
 		printDecision(out, d)
+		if d.Assignment != nil && fact.UID == nil && !fact.UserNamespace && !cfg.AllowRootMPSClients {
+			fmt.Fprintln(out, "  note: the manifest does not say its user (runAsUser): the node refuses it if its image runs it as root (uid 0), as a client of the node's MPS daemon")
+		}
 	}
 	return code
 }

@@ -46,7 +46,8 @@ import (
 
 // Options say what cluster to run.
 type Options struct {
-	// Dir holds the kubeconfig, logs, state and the pid file (.gpufrac).
+	// Dir holds the kubeconfig, logs, state and the pid file (DefaultDir
+	// unless --dir names another).
 	Dir string
 	// Nodes is how many GPU nodes to simulate.
 	Nodes int
@@ -262,7 +263,13 @@ func (c *Cluster) startControlPlane(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	cp, err := controlplane.New(filepath.Join(c.opts.Dir, "control-plane"), FreePort, controlplane.Options{})
+	// A cluster starts empty: what an earlier up in this directory left
+	// (etcd's data, its CA) is not this one's.
+	dir := filepath.Join(c.opts.Dir, "control-plane")
+	if err := os.RemoveAll(dir); err != nil {
+		return err
+	}
+	cp, err := controlplane.New(dir, FreePort, controlplane.Options{})
 	if err != nil {
 		return err
 	}

@@ -3,7 +3,9 @@
 // scheduler, ...) and the real-node tests (containerd, the kubelet, ...)
 // do: in a process group of its own, so that stopping it stops what it
 // started; its output appended to its log file; ended when its parent is
-// (Pdeathsig), so that a killed parent leaves none behind.
+// (Pdeathsig), so that a killed parent leaves none behind. Pdeathsig
+// follows the thread that started the child: start none from a goroutine
+// that locks its OS thread and then exits.
 package runner
 
 import (
@@ -86,12 +88,20 @@ func Stop(grace time.Duration, procs ...*Process) {
 	for _, p := range procs {
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	}
-	deadline := time.After(grace)
+	// A timer's channel gives one value: once it has fired, every
+	// process still running is killed, not only the first.
+	deadline := time.NewTimer(grace)
+	defer deadline.Stop()
+	expired := false
 	for _, p := range procs {
-		select {
-		case <-p.done:
-		case <-deadline:
-			p.Kill()
+		if !expired {
+			select {
+			case <-p.done:
+				continue
+			case <-deadline.C:
+				expired = true
+			}
 		}
+		p.Kill()
 	}
 }

@@ -67,7 +67,7 @@ func (c Charger) Charge(ctx context.Context, pod *corev1.Pod) (mib int64, charge
 			case pc.ResourceClaimTemplateName != nil:
 				return c.Claims.ClaimSpec(ctx, pod.Namespace, *pc.ResourceClaimTemplateName, true)
 			}
-			return nil, false, nil // the API server refuses such a pod
+			return nil, false, nil // not asked: ClaimsUsage skips such a claim
 		}
 	}
 	u, err := api.PodUsage(pod, largest, claims, func(class string) (int64, error) { return c.Claims.ClassLimitMiB(ctx, class) })

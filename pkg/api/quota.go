@@ -127,6 +127,9 @@ func ClaimsUsage(pod *corev1.Pod, claims ClaimLookup, classLimitMiB func(class s
 		return u, nil
 	}
 	for _, pc := range pod.Spec.ResourceClaims {
+		if pc.ResourceClaimName == nil && pc.ResourceClaimTemplateName == nil {
+			continue // the API server refuses such a pod
+		}
 		spec, found, err := claims(pc)
 		if err != nil {
 			return Usage{}, err

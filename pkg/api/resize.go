@@ -185,13 +185,13 @@ func DesiredMemory(annotations map[string]string, allocated Memory) (m Memory, a
 // IsResizeKey reports whether key is one a user writes to resize a pod.
 func IsResizeKey(key string) bool { return key == KeyResizeRequest || key == KeyResizeLimit }
 
-// IsResizeRecordKey reports whether key is the scheduler's or the node's
-// record of a resize, which no user may write.
 // IsEnforcedKey says whether key is the node agent's record of the
 // memory it holds a resized container to (EnforcedAnnotation), the one
 // resize record only node agents write.
 func IsEnforcedKey(key string) bool { return key == EnforcedAnnotation }
 
+// IsResizeRecordKey reports whether key is the scheduler's or the node's
+// record of a resize, which no user may write.
 func IsResizeRecordKey(key string) bool {
 	return key == ResizedFromAnnotation || key == EnforcedAnnotation
 }

@@ -756,7 +756,9 @@ func TestChartDashboard(t *testing.T) {
 	allowed := "--allowed-host=gpufrac-dashboard,gpufrac-dashboard.gpufrac-system,gpufrac-dashboard.gpufrac-system.svc,gpufrac-dashboard.gpufrac-system.svc.cluster.local"
 	// What the nodes publish (their reserve, their reservation
 	// namespace) is read there, not configured again.
-	if c.Args[0] != "dashboard" || slices.ContainsFunc(c.Args, func(a string) bool { return strings.Contains(a, "reserve-mib") || strings.Contains(a, "reservation-namespace") }) ||
+	if c.Args[0] != "dashboard" || slices.ContainsFunc(c.Args, func(a string) bool {
+		return strings.Contains(a, "reserve-mib") || strings.Contains(a, "reservation-namespace")
+	}) ||
 		!slices.Contains(c.Args, allowed) {
 		t.Errorf("dashboard args %v", c.Args)
 	}

@@ -368,3 +368,51 @@ func TestReadmeTour(t *testing.T) {
 		t.Errorf("kubectl gpufrac top -o json: %v\n%s", err, raw)
 	}
 }
+
+// gpufrac down and wait find the cluster from any directory (its state
+// is in the user's state directory, here $XDG_STATE_HOME), and a second
+// up in the same state directory starts on a fresh control plane, not on
+// the etcd data and CA the first one left.
+func TestUpDownAndWaitFromAnyDirectory(t *testing.T) {
+	// Short: the agents' sockets are under it (a unix socket's path is at
+	// most 107 bytes), and a test's own temporary directory is long.
+	state, err := os.MkdirTemp("", "xdg")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(state) })
+	env := append(os.Environ(), "XDG_STATE_HOME="+state)
+	run := func(dir string, args ...string) (string, error) {
+		cmd := exec.Command(gpufracBinary(t), args...)
+		cmd.Dir, cmd.Env = dir, env
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	up := exec.Command(gpufracBinary(t), "up", "--nodes", "1")
+	up.Env = env
+	logPath := filepath.Join(t.TempDir(), "up.out")
+	log, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	up.Stdout, up.Stderr = log, log
+	if err := up.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- up.Wait() }()
+	if out, err := run("/", "wait", "--timeout", "2m"); err != nil || !strings.Contains(out, "gpufrac wait: ready; export KUBECONFIG="+filepath.Join(state, "gpufrac", "kubeconfig")) {
+		_ = up.Process.Kill()
+		raw, _ := os.ReadFile(logPath)
+		t.Fatalf("gpufrac wait from /: %v\n%s\ngpufrac up:\n%s", err, out, raw)
+	}
+	if out, err := run("/", "down"); err != nil || !strings.Contains(out, "no process of that gpufrac up is left") {
+		t.Fatalf("gpufrac down from /: %v\n%s", err, out)
+	}
+	if err := <-exited; err != nil {
+		t.Errorf("gpufrac up exited with %v", err)
+	}
+	if out, err := run("", "up", "--nodes", "1", "--demo"); err != nil || !strings.Contains(out, "gpufrac up --demo: done") {
+		t.Errorf("a second gpufrac up in the same state directory: %v\n%s", err, out)
+	}
+}

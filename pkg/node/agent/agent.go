@@ -154,8 +154,8 @@ type Agent struct {
 }
 
 // DefaultOptions are the node agent's defaults, written once: its flags
-// start from them, and New fills in what a caller left unset of the paths
-// and the backend choice.
+// start from them, and New fills in, from them, what a caller left unset
+// of ProcRoot, MPSControl, CgroupRoot and MemoryLimits.
 func DefaultOptions() Options {
 	return Options{
 		NRISocket:                    "/var/run/nri/nri.sock",

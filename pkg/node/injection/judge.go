@@ -152,8 +152,10 @@ type check struct {
 	keep func(c Container, cfg Config, d Decision) string
 }
 
-// checks are judged in order; the first that stops a container (its
-// verdict no longer Run) decides it, and is named in Decision.By.
+// checks are judged in order. One that refuses a container, or fails it
+// open with no GPU, decides it; a container that starts with a share
+// (run, or failed open with its memory caps) goes through every check.
+// The last check that changed the verdict is named in Decision.By.
 var checks = []check{
 	{"share", admitShare, keepShare},
 	{"mps-client-user", admitClientUser, keepClientUser},
@@ -169,9 +171,14 @@ func Judge(c Container, cfg Config) Decision {
 		if ch.admit == nil {
 			continue
 		}
+		before := d
 		d = ch.admit(c, cfg, d)
-		if d.Verdict != Run {
+		if d.Verdict != before.Verdict || d.Adjustment != before.Adjustment && d.Verdict != Run {
 			d.By = ch.name
+		} else {
+			d.By = before.By
+		}
+		if d.Verdict == Refuse || d.Verdict == FailedOpen && d.Assignment == nil {
 			return d
 		}
 	}
@@ -235,8 +242,9 @@ func keepShare(c Container, cfg Config, d Decision) string {
 	return ""
 }
 
-// admitClientUser: a fractional container or a DRA share's consumer is a
-// client of the node's MPS daemon, which must not be root on the host.
+// admitClientUser: a fractional container (run, or failed open with its
+// memory caps) or a DRA share's consumer is a client of the node's MPS
+// daemon, which must not be root on the host.
 func admitClientUser(c Container, cfg Config, d Decision) Decision {
 	if d.Assignment == nil && len(draShares(c.CDIDevices)) == 0 {
 		return d

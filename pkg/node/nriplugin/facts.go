@@ -74,6 +74,15 @@ func (p *Plugin) judgeRunning(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 		}
 	}
 	d, reason := injection.Audit(c, cfg)
+	if a, ok := assignmentOf(c); ok && d.Assignment == nil && reason != "" {
+		// Stopped by a check that leaves it no share (a root MPS client, a
+		// share's second consumer): still a tenant until it is gone, so
+		// that its eviction is retried and its MPS namespace kept.
+		d.Assignment = &a
+		if a.Mode == api.SMSharing {
+			d.MPSNamespace = nodeapi.NamespaceName(c.Pod.UID, a.Container)
+		}
+	}
 	if d.By == "visibility" && errors.Is(d.Reason, injection.ErrGrantUnknown) {
 		klog.FromContext(ctx).Error(d.Reason, "Cannot check a running container's GPUs against its grant", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	}
@@ -191,4 +200,19 @@ func (s *shareUsers) release(id string) {
 			delete(s.m, n)
 		}
 	}
+}
+
+// claimShares carries out, for a container found running, the one effect
+// the audit does (the others are the resync's): it records the container
+// as its DRA shares' consumer, or says why it must go.
+func (p *Plugin) claimShares(pod *nriapi.PodSandbox, ctr *nriapi.Container, d injection.Decision) string {
+	for _, e := range d.Effects {
+		if e.Kind != injection.EffectClaimShares {
+			continue
+		}
+		if err := p.shares.claim(shareUserOf(pod, ctr), e.Shares); err != nil {
+			return "running as a second consumer of a share: " + err.Error()
+		}
+	}
+	return ""
 }

@@ -34,7 +34,11 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 		if cfg.Backend == nodeapi.BackendUnset {
 			return nil
 		}
-		if _, _, reason := p.judgeRunning(ctx, pod, ctr, *cfg); reason != "" {
+		d, _, reason := p.judgeRunning(ctx, pod, ctr, *cfg)
+		if reason == "" {
+			reason = p.claimShares(pod, ctr, d)
+		}
+		if reason != "" {
 			klog.FromContext(ctx).Info("Stopping a container that started without what the node injects", "pod", pod.GetNamespace()+"/"+pod.GetName(),
 				"container", ctr.GetName(), "reason", reason)
 			p.evict(ctx, refOf(pod), ctr.GetName(), reason)

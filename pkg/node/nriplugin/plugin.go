@@ -440,13 +440,7 @@ func (p *Plugin) audit(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*n
 		if reason == "" {
 			// A restarted agent learns who consumes each share (a second
 			// consumer found running was judged above).
-			for _, e := range d.Effects {
-				if e.Kind == injection.EffectClaimShares {
-					if err := p.shares.claim(shareUserOf(pod, ctr), e.Shares); err != nil {
-						reason = "running as a second consumer of a share: " + err.Error()
-					}
-				}
-			}
+			reason = p.claimShares(pod, ctr, d)
 		}
 		if d.Assignment != nil {
 			p.tenants.set(ctr.GetId(), runningTenant(pod, ctr, d, r, string(cfg.Backend), reason))
