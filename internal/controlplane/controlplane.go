@@ -139,8 +139,9 @@ func (cp *ControlPlane) APIServerArgs() []string {
 	return args
 }
 
-// CAFile is the CA's certificate (for --root-ca-file, say).
-func (cp *ControlPlane) CAFile() string { return cp.pki("ca.crt") }
+// CAFile is the CA's certificate of the control plane made under dir
+// (for --root-ca-file, say).
+func CAFile(dir string) string { return filepath.Join(dir, "pki", "ca.crt") }
 
 // ReadyURL answers 200 "ok" once kube-apiserver serves (asked with a
 // client of Config).

@@ -333,26 +333,35 @@ func TestContractListsEveryKey(t *testing.T) {
 		listed[k.name] = true
 	}
 	fset := token.NewFileSet()
-	pkgs, err := goparser.ParseDir(fset, ".", func(fi fs.FileInfo) bool { return !strings.HasSuffix(fi.Name(), "_test.go") }, 0)
+	entries, err := os.ReadDir(".")
 	if err != nil {
 		t.Fatal(err)
 	}
+	var files []*ast.File
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), ".go") || strings.HasSuffix(e.Name(), "_test.go") {
+			continue
+		}
+		f, err := goparser.ParseFile(fset, e.Name(), nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, f)
+	}
 	var missing []string
-	for _, p := range pkgs {
-		for _, f := range p.Files {
-			for _, d := range f.Decls {
-				g, ok := d.(*ast.GenDecl)
-				if !ok || g.Tok != token.CONST {
-					continue
-				}
-				for _, spec := range g.Specs {
-					for _, n := range spec.(*ast.ValueSpec).Names {
-						name := n.Name
-						key := strings.HasPrefix(name, "Label") || strings.HasPrefix(name, "Condition") || strings.HasPrefix(name, "Resource") ||
-							strings.HasPrefix(name, "Suffix") || strings.HasSuffix(name, "Annotation")
-						if _, exempt := notExchanged[name]; key && n.IsExported() && !listed[name] && !exempt {
-							missing = append(missing, fset.Position(n.Pos()).String()+": "+name)
-						}
+	for _, f := range files {
+		for _, d := range f.Decls {
+			g, ok := d.(*ast.GenDecl)
+			if !ok || g.Tok != token.CONST {
+				continue
+			}
+			for _, spec := range g.Specs {
+				for _, n := range spec.(*ast.ValueSpec).Names {
+					name := n.Name
+					key := strings.HasPrefix(name, "Label") || strings.HasPrefix(name, "Condition") || strings.HasPrefix(name, "Resource") ||
+						strings.HasPrefix(name, "Suffix") || strings.HasSuffix(name, "Annotation")
+					if _, exempt := notExchanged[name]; key && n.IsExported() && !listed[name] && !exempt {
+						missing = append(missing, fset.Position(n.Pos()).String()+": "+name)
 					}
 				}
 			}

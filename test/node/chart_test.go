@@ -118,7 +118,6 @@ func (n *node) startAPIServer() error {
 	if err != nil {
 		return err
 	}
-	n.controlPlane = cp
 	if err := n.start("etcd", nil, filepath.Join(n.repo, "bin", "kube", "etcd"), cp.EtcdArgs()...); err != nil {
 		return err
 	}
@@ -166,7 +165,7 @@ var chartControllers = []string{
 
 func (n *node) startControllers() error {
 	if err := n.start("kube-controller-manager", nil, filepath.Join(n.repo, "bin", "kube", "kube-controller-manager"),
-		"--kubeconfig", n.kubeconfig, "--controllers", strings.Join(chartControllers, ","), "--root-ca-file", n.controlPlane.CAFile(),
+		"--kubeconfig", n.kubeconfig, "--controllers", strings.Join(chartControllers, ","), "--root-ca-file", controlplane.CAFile(n.dir),
 		"--leader-elect=false", "--secure-port", "0"); err != nil {
 		return err
 	}

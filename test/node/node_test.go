@@ -54,7 +54,6 @@ import (
 	dp "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpufrac/gpufrac/internal/checkout"
-	"github.com/gpufrac/gpufrac/internal/controlplane"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/runner"
 	"github.com/gpufrac/gpufrac/pkg/api"
@@ -135,12 +134,10 @@ type node struct {
 	// are archives imported into containerd besides the test images;
 	// runtimes is containerd configuration for runtime handlers.
 	kubeletKubeconfig string
-	// controlPlane is the node's own etcd and kube-apiserver (chart mode).
-	controlPlane *controlplane.ControlPlane
-	images       []string
-	runtimes     string
-	admin        kubernetes.Interface
-	gpus         []inventory.GPU
+	images            []string
+	runtimes          string
+	admin             kubernetes.Interface
+	gpus              []inventory.GPU
 
 	mu    sync.Mutex
 	procs map[string]*runner.Process
