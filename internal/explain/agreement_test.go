@@ -1,4 +1,4 @@
-package cli
+package explain
 
 import (
 	"bytes"
@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 	corev1 "k8s.io/api/core/v1"
@@ -20,6 +21,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
 
+	"github.com/gpufrac/gpufrac/pkg/manifest"
 	"github.com/gpufrac/gpufrac/pkg/node/injection"
 	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
@@ -41,7 +43,7 @@ func TestMain(m *testing.M) {
 // cannot read from a manifest.
 type nodeCase struct {
 	name string
-	node func(*explainOptions)
+	node func(*Node)
 	pod  *corev1.Pod // its container "main" is judged
 	// Runtime facts: its CDI devices (a DRA share), another pod's running
 	// container consuming that share first, a grant that cannot be read.
@@ -99,15 +101,15 @@ var (
 	unscheduled = map[string]string{"gpu-fraction": "0.5"}
 )
 
-func failOpen(o *explainOptions)   { o.failOpen = true }
-func backendOff(o *explainOptions) { o.memoryLimits = "off" }
-func mpsDown(o *explainOptions)    { o.mps = "none" }
-func legacyMPS(o *explainOptions)  { o.mps = "v2" }
-func toolkit(o *explainOptions)    { o.memoryLimits = "toolkit" }
-func allowRoot(o *explainOptions)  { o.cfg.AllowRootMPSClients = true }
-func noPolicing(o *explainOptions) { o.cfg.RestrictVisibility = false }
-func both(f ...func(*explainOptions)) func(*explainOptions) {
-	return func(o *explainOptions) {
+func failOpen(o *Node)   { o.FailOpen = true }
+func backendOff(o *Node) { o.MemoryLimits = "off" }
+func mpsDown(o *Node)    { o.MPS = "none" }
+func legacyMPS(o *Node)  { o.MPS = "v2" }
+func toolkit(o *Node)    { o.MemoryLimits = "toolkit" }
+func allowRoot(o *Node)  { o.Injection.AllowRootMPSClients = true }
+func noPolicing(o *Node) { o.Injection.RestrictVisibility = false }
+func both(f ...func(*Node)) func(*Node) {
+	return func(o *Node) {
 		for _, g := range f {
 			g(o)
 		}
@@ -155,19 +157,21 @@ var nodeCases = []nodeCase{
 // and what `gpufrac explain` prints are one judgement.
 func TestCreationAuditAndExplainAgree(t *testing.T) {
 	root := mpstest.ShortRoot(t)
-	control, _ := mpstest.StartDaemon(t, root, 615)
+	// Patient probes: a daemon a loaded machine answers late is not
+	// replaced under the cases (which would refuse an sm-sharing one).
+	control, _ := mpstest.StartDaemon(t, root, 615, func(d *mps.Daemon) { d.ProbeInterval, d.CommandTimeout = time.Second, 10*time.Second })
 	for _, c := range nodeCases {
 		t.Run(c.name, func(t *testing.T) {
-			o := explainOptions{memoryLimits: "driver", mps: "v3", simulateGPUs: "dgxh100",
-				cfg: injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: root, RestrictVisibility: true, ExclusiveProcess: true, VisibilityExempt: []string{"gpu-operator"}}}
+			o := Node{MemoryLimits: "driver", MPS: "v3", SimulateGPUs: "dgxh100",
+				Injection: injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: root, RestrictVisibility: true, ExclusiveProcess: true, VisibilityExempt: []string{"gpu-operator"}}}
 			if c.node != nil {
 				c.node(&o)
 			}
-			cfg, err := o.nodeConfig()
+			cfg, err := o.Config()
 			if err != nil {
 				t.Fatal(err)
 			}
-			n := newAgreementNode(t, control, cfg, o.failOpen, c)
+			n := newAgreementNode(t, control, cfg, o.FailOpen, c)
 
 			created := n.create(t, c)
 			if created.verdict != c.want || !strings.Contains(created.reason, c.reason) {
@@ -178,7 +182,7 @@ func TestCreationAuditAndExplainAgree(t *testing.T) {
 			// takes as absent, and agrees with creation on that.
 			seen := created
 			if c.runtimeOnly() {
-				seen = newAgreementNode(t, control, cfg, o.failOpen, c.withoutRuntimeFacts()).create(t, c.withoutRuntimeFacts())
+				seen = newAgreementNode(t, control, cfg, o.FailOpen, c.withoutRuntimeFacts()).create(t, c.withoutRuntimeFacts())
 			}
 			explained := explainOf(t, c.pod, o)
 			if explained.verdict != seen.verdict || !strings.Contains(explained.reason, seen.reasonCore) {
@@ -192,11 +196,11 @@ func TestCreationAuditAndExplainAgree(t *testing.T) {
 			// would not have let run so.
 			raw := containerEnv(c.pod.Spec.Containers[0])
 			if created.verdict != "REFUSE" {
-				if why := newAgreementNode(t, control, cfg, o.failOpen, c).audit(t, c, created.running); why != "" {
+				if why := newAgreementNode(t, control, cfg, o.FailOpen, c).audit(t, c, created.running); why != "" {
 					t.Errorf("the audit stops the container as created: %s", why)
 				}
 			}
-			why := newAgreementNode(t, control, cfg, o.failOpen, c).audit(t, c, raw)
+			why := newAgreementNode(t, control, cfg, o.FailOpen, c).audit(t, c, raw)
 			// A grant that cannot be read is judged again later, not guessed.
 			wantStopped := created.verdict == "REFUSE" && c.grantErr == nil ||
 				created.verdict != "REFUSE" && !sameJudgedEnv(raw, created.running)
@@ -342,19 +346,26 @@ func sameJudgedEnv(a, b []string) bool {
 	return true
 }
 
-// explainOf runs `gpufrac explain` on the pod as node o, and reads what it
-// prints of container main.
-func explainOf(t *testing.T, pod *corev1.Pod, o explainOptions) outcome {
+// explainOf runs explain (gpufrac explain's core: a manifest in, what it
+// prints out) on the pod as node o, and reads what it prints of container
+// main.
+func explainOf(t *testing.T, pod *corev1.Pod, o Node) outcome {
 	t.Helper()
-	manifest, err := yaml.Marshal(pod)
+	raw, err := yaml.Marshal(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := manifest.Decode(bytes.NewReader(raw), "<test>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := o.Config()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var out bytes.Buffer
-	err = runExplain(bytes.NewReader(manifest), &out, "-", o)
-	var exit *ExitError
-	if err != nil && (!errors.As(err, &exit) || exit.Code != exitWouldRefuse) {
-		t.Fatalf("explain: %v", err)
+	if _, pods, err := Pods(&out, objs, cfg); err != nil || pods != 1 {
+		t.Fatalf("explain: %d pods, %v", pods, err)
 	}
 	got := outcome{env: map[string]string{}}
 	for _, line := range strings.Split(out.String(), "\n") {
