@@ -786,7 +786,10 @@ func TestChartServiceAccountsHoldLeastPrivilege(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The service account's token, and nothing of the admin's: its
+		// client certificate would authenticate first.
 		cfg.BearerToken, cfg.BearerTokenFile = tr.Status.Token, ""
+		cfg.CertData, cfg.KeyData, cfg.CertFile, cfg.KeyFile = nil, nil, "", ""
 		as, err := kubernetes.NewForConfig(cfg)
 		if err != nil {
 			t.Fatal(err)
