@@ -79,16 +79,31 @@ func (cfg Config) Polices(namespace string) bool {
 }
 
 // NamesGPUs says whether a container outside any gpufrac share names GPUs
-// at all (most name none): only then is its grant worth reading.
+// at all (most name none): only then is its grant worth reading. It is
+// whether Police, granting nothing, would change anything, without
+// building the change: the device list names a GPU, a legacy CUDA image
+// leaves it unset (all GPUs), or a device-list mount names one.
 func NamesGPUs(env []string, mounts []*nriapi.Mount) bool {
-	adj, _, err := Police(env, mounts, nil)
-	return adj != nil || err != nil
+	value, set := lookupSet(env, nodeapi.EnvVisibleDevices)
+	switch {
+	case !set && lookup(env, envCUDAVersion) != "" && lookup(env, envRequireCUDA) == "":
+		return true
+	case set && len(ungranted(strings.Split(value, ","), nil)) > 0:
+		return true
+	}
+	for _, m := range mounts {
+		if d, ok := mountedDevice(m); ok && len(ungranted([]string{d}, nil)) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // NeedsGrant says whether the visibility check will ask what c was
-// granted: the caller reads it then, and only then.
+// granted: the caller reads it then, and only then. (Most containers
+// name no GPU: that is asked first.)
 func NeedsGrant(c Container, cfg Config) bool {
-	return cfg.Polices(c.Pod.Namespace) && !api.AsksForFraction(c.Pod.Annotations) && NamesGPUs(c.Env, c.Mounts)
+	return cfg.Polices(c.Pod.Namespace) && NamesGPUs(c.Env, c.Mounts) && !api.AsksForFraction(c.Pod.Annotations)
 }
 
 // Effect is something the caller does before the container starts, in
@@ -139,59 +154,94 @@ func (d Decision) Failed(e Effect, err error, cfg Config) Decision {
 	return out
 }
 
-// check is one rule a container is judged by.
-type check struct {
-	name string
-	// admit is the creation face: the decision so far (its verdict Run)
-	// in, the decision out. Nil where the check has nothing to say before
-	// a container runs.
-	admit func(c Container, cfg Config, d Decision) Decision
-	// keep is the audit face: why a running container, d being what its
-	// creation would be now, must not keep running as it does; "" when it
-	// may (or the check does not speak of it).
-	keep func(c Container, cfg Config, d Decision) string
-}
+// check is one rule a container is judged by, named in Decision.By. Each
+// has a creation face (admit: the decision so far in, the decision out)
+// and an audit face (keep: why a running container, d being what its
+// creation would be now, must not keep running as it does; "" when it may
+// or the check does not speak of it). The faces are dispatched by a switch,
+// not held as function values, so that the facts passed by pointer stay on
+// the caller's stack (CreateContainer allocates nothing for them).
+type check string
+
+// The checks.
+const (
+	checkTheShare    check = "share"
+	checkClientUser  check = "mps-client-user"
+	checkOneConsumer check = "one-share-consumer"
+	checkVisibility  check = "visibility"
+	checkResizedHeld check = "resized-held"
+)
 
 // checks are judged in order. One that refuses a container, or fails it
 // open with no GPU, decides it; a container that starts with a share
 // (run, or failed open with its memory caps) goes through every check.
 // The last check that changed the verdict is named in Decision.By.
-var checks = []check{
-	{"share", admitShare, keepShare},
-	{"mps-client-user", admitClientUser, keepClientUser},
-	{"one-share-consumer", admitOneConsumer, keepOneConsumer},
-	{"visibility", admitVisibility, keepVisibility},
-	{"resized-held", nil, keepHeld},
+var checks = []check{checkTheShare, checkClientUser, checkOneConsumer, checkVisibility, checkResizedHeld}
+
+// admit is ch's creation face, changing d in place; ok is false where it
+// has nothing to say before a container runs.
+func (ch check) admit(c *Container, cfg *Config, d *Decision) (ok bool) {
+	switch ch {
+	case checkTheShare:
+		admitShare(c, cfg, d)
+	case checkClientUser:
+		admitClientUser(c, cfg, d)
+	case checkOneConsumer:
+		admitOneConsumer(c, cfg, d)
+	case checkVisibility:
+		admitVisibility(c, cfg, d)
+	default:
+		return false
+	}
+	return true
+}
+
+// keep is ch's audit face.
+func (ch check) keep(c *Container, cfg *Config, d *Decision) string {
+	switch ch {
+	case checkTheShare:
+		return keepShare(c, cfg, d)
+	case checkClientUser:
+		return keepClientUser(c, cfg, d)
+	case checkOneConsumer:
+		return keepOneConsumer(c, cfg, d)
+	case checkVisibility:
+		return keepVisibility(c, cfg, d)
+	case checkResizedHeld:
+		return keepHeld(c, cfg, d)
+	}
+	return ""
 }
 
 // Judge is what the node does with container c at its creation.
-func Judge(c Container, cfg Config) Decision {
+func Judge(c Container, cfg Config) Decision { return judge(&c, &cfg) }
+
+func judge(c *Container, cfg *Config) Decision {
 	d := Decision{Verdict: Run}
 	for _, ch := range checks {
-		if ch.admit == nil {
+		verdict, adj, by := d.Verdict, d.Adjustment, d.By
+		if !ch.admit(c, cfg, &d) {
 			continue
 		}
-		before := d
-		d = ch.admit(c, cfg, d)
-		if d.Verdict != before.Verdict || d.Adjustment != before.Adjustment && d.Verdict != Run {
-			d.By = ch.name
+		if d.Verdict != verdict || d.Adjustment != adj && d.Verdict != Run {
+			d.By = string(ch)
 		} else {
-			d.By = before.By
+			d.By = by
 		}
 		if d.Verdict == Refuse || d.Verdict == FailedOpen && d.Assignment == nil {
 			return d
 		}
 	}
-	d.Effects = effects(c, cfg, d)
+	d.Effects = effects(c, cfg, &d)
 	return d
 }
 
 // Audit judges a container that runs already: d is what its creation
 // would be now, and why it must not keep running ("" when it may).
 func Audit(c Container, cfg Config) (d Decision, reason string) {
-	d = Judge(c, cfg)
+	d = judge(&c, &cfg)
 	for _, ch := range checks {
-		if r := ch.keep(c, cfg, d); r != "" {
+		if r := ch.keep(&c, &cfg, &d); r != "" {
 			return d, r
 		}
 	}
@@ -199,7 +249,7 @@ func Audit(c Container, cfg Config) (d Decision, reason string) {
 }
 
 // effects are what a container that runs needs done before it starts.
-func effects(c Container, cfg Config, d Decision) []Effect {
+func effects(c *Container, cfg *Config, d *Decision) []Effect {
 	var out []Effect
 	if d.MPSNamespace != "" {
 		out = append(out, Effect{Kind: EffectMPSNamespace, Namespace: d.MPSNamespace, Threads: d.Assignment.ActiveThreadPercentage()})
@@ -214,16 +264,16 @@ func effects(c Container, cfg Config, d Decision) []Effect {
 }
 
 // admitShare is the share the scheduler decided for the container (Decide).
-func admitShare(c Container, cfg Config, _ Decision) Decision {
-	return Decide(c.Pod, c.Name, c.Env, cfg)
+func admitShare(c *Container, cfg *Config, d *Decision) {
+	*d = Decide(c.Pod, c.Name, c.Env, *cfg)
 }
 
 // keepShare: a running container must be what its creation would make of
 // it now, for the variables that carry its share (or hide the GPUs from
 // it). A resized pod's memory on the driver backend is judged by what the
 // driver holds (keepHeld), not by its environment.
-func keepShare(c Container, cfg Config, d Decision) string {
-	if d.Verdict == Refuse && d.By == "share" {
+func keepShare(c *Container, cfg *Config, d *Decision) string {
+	if d.Verdict == Refuse && d.By == string(checkTheShare) {
 		return "running although its GPU fraction cannot be enforced: " + d.Reason.Error()
 	}
 	if d.Adjustment == nil || d.Policed != "" {
@@ -245,21 +295,20 @@ func keepShare(c Container, cfg Config, d Decision) string {
 // admitClientUser: a fractional container (run, or failed open with its
 // memory caps) or a DRA share's consumer is a client of the node's MPS
 // daemon, which must not be root on the host.
-func admitClientUser(c Container, cfg Config, d Decision) Decision {
+func admitClientUser(c *Container, cfg *Config, d *Decision) {
 	if d.Assignment == nil && len(draShares(c.CDIDevices)) == 0 {
-		return d
+		return
 	}
-	if err := CheckMPSClientUser(c.UID, c.UserNamespace, cfg); err != nil {
-		return Unenforceable(cfg, fmt.Errorf("container %q: %w", c.Name, err))
+	if err := CheckMPSClientUser(c.UID, c.UserNamespace, *cfg); err != nil {
+		*d = Unenforceable(*cfg, fmt.Errorf("container %q: %w", c.Name, err))
 	}
-	return d
 }
 
 // keepClientUser: a root client found running is stopped as one about to
 // start would be refused (failing open, it would have no GPU: keepShare
 // compares its environment with that).
-func keepClientUser(_ Container, _ Config, d Decision) string {
-	if d.Verdict == Refuse && d.By == "mps-client-user" {
+func keepClientUser(_ *Container, _ *Config, d *Decision) string {
+	if d.Verdict == Refuse && d.By == string(checkClientUser) {
 		return "running as a client of the node's MPS daemon that must not be one: " + d.Reason.Error()
 	}
 	return ""
@@ -267,15 +316,14 @@ func keepClientUser(_ Container, _ Config, d Decision) string {
 
 // admitOneConsumer: a gpufrac DRA share is enforced on one container at a
 // time; the allocator counted it once.
-func admitOneConsumer(c Container, _ Config, d Decision) Decision {
-	if c.ShareHolder == "" {
-		return d
+func admitOneConsumer(c *Container, _ *Config, d *Decision) {
+	if c.ShareHolder != "" {
+		*d = Decision{Verdict: Refuse, Reason: fmt.Errorf("container %q: %s", c.Name, c.ShareHolder)}
 	}
-	return Decision{Verdict: Refuse, Reason: fmt.Errorf("container %q: %s", c.Name, c.ShareHolder)}
 }
 
-func keepOneConsumer(_ Container, _ Config, d Decision) string {
-	if d.By == "one-share-consumer" {
+func keepOneConsumer(_ *Container, _ *Config, d *Decision) string {
+	if d.By == string(checkOneConsumer) {
 		return "running as a second consumer of a share: " + d.Reason.Error()
 	}
 	return ""
@@ -283,31 +331,31 @@ func keepOneConsumer(_ Container, _ Config, d Decision) string {
 
 // admitVisibility: a container outside any gpufrac share sees exactly what
 // it was granted (Police).
-func admitVisibility(c Container, _ Config, d Decision) Decision {
+func admitVisibility(c *Container, _ *Config, d *Decision) {
 	if d.Assignment != nil || d.Adjustment != nil || !c.Grant.Read {
-		return d
+		return
 	}
 	if c.Grant.Err != nil {
-		return Decision{Verdict: Refuse, Reason: fmt.Errorf("the container names GPUs (%s=%q) and %w: %w",
+		*d = Decision{Verdict: Refuse, Reason: fmt.Errorf("the container names GPUs (%s=%q) and %w: %w",
 			nodeapi.EnvVisibleDevices, lookup(c.Env, nodeapi.EnvVisibleDevices), ErrGrantUnknown, c.Grant.Err)}
+		return
 	}
 	adj, note, err := Police(c.Env, c.Mounts, c.Grant.IDs)
 	switch {
 	case err != nil:
-		return Decision{Verdict: Refuse, Reason: err}
+		*d = Decision{Verdict: Refuse, Reason: err}
 	case adj != nil:
 		d.Adjustment, d.Policed = adj, note
 	}
-	return d
 }
 
 // keepVisibility: a running container that names GPUs it was not granted
 // goes; one whose grant cannot be read now is judged again later.
-func keepVisibility(_ Container, _ Config, d Decision) string {
+func keepVisibility(_ *Container, _ *Config, d *Decision) string {
 	switch {
-	case d.By == "visibility" && errors.Is(d.Reason, ErrGrantUnknown):
+	case d.By == string(checkVisibility) && errors.Is(d.Reason, ErrGrantUnknown):
 		return ""
-	case d.By == "visibility":
+	case d.By == string(checkVisibility):
 		return "running with GPUs it was not granted: " + d.Reason.Error()
 	case d.Policed != "":
 		return "running with GPUs it was not granted: " + d.Policed
@@ -317,7 +365,7 @@ func keepVisibility(_ Container, _ Config, d Decision) string {
 
 // keepHeld: a resized pod's container the driver holds to limits other
 // than its own is not enforced.
-func keepHeld(c Container, _ Config, _ Decision) string {
+func keepHeld(c *Container, _ *Config, _ *Decision) string {
 	if c.HeldErr != nil {
 		return "a resized container's GPU memory limits are not in force: " + c.HeldErr.Error()
 	}

@@ -147,3 +147,29 @@ func TestCheckMPSClientUser(t *testing.T) {
 		}
 	}
 }
+
+// NamesGPUs, which decides whether a grant is read at all, is exactly
+// whether Police, granting nothing, would change the container.
+func TestNamesGPUsIsWhatPoliceWouldChange(t *testing.T) {
+	envs := [][]string{
+		nil, {"PATH=/bin"}, {"NVIDIA_VISIBLE_DEVICES=all"}, {"NVIDIA_VISIBLE_DEVICES=void"}, {"NVIDIA_VISIBLE_DEVICES=none"},
+		{"NVIDIA_VISIBLE_DEVICES="}, {"NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b"}, {"NVIDIA_VISIBLE_DEVICES=0"},
+		{"NVIDIA_VISIBLE_DEVICES=void", "NVIDIA_VISIBLE_DEVICES=all"}, {"CUDA_VERSION=12.4"},
+		{"CUDA_VERSION=12.4", "NVIDIA_REQUIRE_CUDA=cuda>=12"}, {"CUDA_VERSION=12.4", "NVIDIA_VISIBLE_DEVICES=void"},
+		{"NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=GPU-a"},
+	}
+	mounts := [][]*nriapi.Mount{nil,
+		{{Source: "/dev/null", Destination: "/var/run/nvidia-container-devices/GPU-a"}},
+		{{Source: "/dev/null", Destination: "/var/run/nvidia-container-devices/void"}},
+		{{Source: "/dev/null", Destination: "/var/run/nvidia-container-devices/imex/channel0"}},
+		{{Source: "/data", Destination: "/var/run/nvidia-container-devices/GPU-a"}},
+	}
+	for _, env := range envs {
+		for _, m := range mounts {
+			adj, _, err := Police(env, m, nil)
+			if want := adj != nil || err != nil; NamesGPUs(env, m) != want {
+				t.Errorf("env %q, mounts %v: NamesGPUs %v, Police changes %v", env, m, !want, want)
+			}
+		}
+	}
+}

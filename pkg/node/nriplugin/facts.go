@@ -83,7 +83,7 @@ func (p *Plugin) judgeRunning(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 			d.MPSNamespace = nodeapi.NamespaceName(c.Pod.UID, a.Container)
 		}
 	}
-	if d.By == "visibility" && errors.Is(d.Reason, injection.ErrGrantUnknown) {
+	if errors.Is(d.Reason, injection.ErrGrantUnknown) {
 		klog.FromContext(ctx).Error(d.Reason, "Cannot check a running container's GPUs against its grant", "pod", pod.GetNamespace()+"/"+pod.GetName(), "container", ctr.GetName())
 	}
 	return d, r, reason
@@ -156,6 +156,9 @@ func shareUserOf(pod *nriapi.PodSandbox, ctr *nriapi.Container) shareUser {
 // holder says which other running container consumes one of the shares
 // among cdi already ("" for none).
 func (s *shareUsers) holder(me shareUser, cdi []string) string {
+	if len(cdi) == 0 {
+		return "" // most containers: no CDI device, nothing to look up
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.conflict(me, cdi)
