@@ -34,6 +34,12 @@ func ApplyRBAC(ctx context.Context, c kubernetes.Interface, path string) error {
 // applyRBACDocs is ApplyRBAC on a manifest's contents; path names it in
 // errors.
 func applyRBACDocs(ctx context.Context, c kubernetes.Interface, path string, raw []byte) error {
+	return eachDocument(path, raw, func(kind string, doc []byte) error { return applyOne(ctx, c, kind, doc) })
+}
+
+// eachDocument calls f with each YAML document of a manifest (path names
+// it in errors) and its kind.
+func eachDocument(path string, raw []byte, f func(kind string, doc []byte) error) error {
 	dec := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
 	for {
 		doc, err := dec.Read()
@@ -47,7 +53,7 @@ func applyRBACDocs(ctx context.Context, c kubernetes.Interface, path string, raw
 		if err := yaml.Unmarshal(doc, &meta); err != nil {
 			return fmt.Errorf("%s: %w", path, err)
 		}
-		if err := applyOne(ctx, c, meta.Kind, doc); err != nil {
+		if err := f(meta.Kind, doc); err != nil {
 			return fmt.Errorf("%s: %s: %w", path, meta.Kind, err)
 		}
 	}

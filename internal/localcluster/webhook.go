@@ -1,19 +1,13 @@
 package localcluster
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/yaml"
 
@@ -39,13 +33,13 @@ func writeServingCert(ca *controlplane.CA, dir string) error {
 // installWebhooks registers deploy/webhook's configurations (path) as
 // they are, but for where they call: the webhook served at url (each
 // webhook's path kept), trusted through caBundle, instead of the Service
-// of an installed gpufrac.
+// of an installed gpufrac. The cluster is new (startControlPlane): none
+// exists yet.
 func installWebhooks(ctx context.Context, admin kubernetes.Interface, path, url string, caBundle []byte) error {
-	data, err := os.ReadFile(path)
+	raw, err := os.ReadFile(path)
 	if err != nil {
 		return err
 	}
-	r := utilyaml.NewYAMLReader(bufioReader(data))
 	local := func(cc *admissionregistrationv1.WebhookClientConfig) {
 		u := url
 		if cc.Service != nil && cc.Service.Path != nil {
@@ -53,46 +47,31 @@ func installWebhooks(ctx context.Context, admin kubernetes.Interface, path, url 
 		}
 		cc.Service, cc.URL, cc.CABundle = nil, &u, caBundle
 	}
-	for {
-		doc, err := r.Read()
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
-			return fmt.Errorf("%s: %w", path, err)
-		}
-		var meta metav1.TypeMeta
-		if err := yaml.Unmarshal(doc, &meta); err != nil {
-			return fmt.Errorf("%s: %w", path, err)
-		}
-		switch meta.Kind {
+	return eachDocument(path, raw, func(kind string, doc []byte) error {
+		switch kind {
 		case "MutatingWebhookConfiguration":
 			var cfg admissionregistrationv1.MutatingWebhookConfiguration
 			if err := yaml.UnmarshalStrict(doc, &cfg); err != nil {
-				return fmt.Errorf("%s: %w", path, err)
+				return err
 			}
 			for i := range cfg.Webhooks {
 				local(&cfg.Webhooks[i].ClientConfig)
 			}
-			_, err = admin.AdmissionregistrationV1().MutatingWebhookConfigurations().Create(ctx, &cfg, metav1.CreateOptions{})
+			_, err := admin.AdmissionregistrationV1().MutatingWebhookConfigurations().Create(ctx, &cfg, metav1.CreateOptions{})
+			return err
 		case "ValidatingWebhookConfiguration":
 			var cfg admissionregistrationv1.ValidatingWebhookConfiguration
 			if err := yaml.UnmarshalStrict(doc, &cfg); err != nil {
-				return fmt.Errorf("%s: %w", path, err)
+				return err
 			}
 			for i := range cfg.Webhooks {
 				local(&cfg.Webhooks[i].ClientConfig)
 			}
-			_, err = admin.AdmissionregistrationV1().ValidatingWebhookConfigurations().Create(ctx, &cfg, metav1.CreateOptions{})
+			_, err := admin.AdmissionregistrationV1().ValidatingWebhookConfigurations().Create(ctx, &cfg, metav1.CreateOptions{})
+			return err
 		case "":
-			continue // a document of comments only
-		default:
-			return fmt.Errorf("%s: a %s among the webhook configurations", path, meta.Kind)
+			return nil // a document of comments only
 		}
-		if err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("%s: %w", path, err)
-		}
-	}
+		return fmt.Errorf("not a webhook configuration")
+	})
 }
-
-func bufioReader(data []byte) *bufio.Reader { return bufio.NewReader(bytes.NewReader(data)) }

@@ -60,7 +60,10 @@ func ParseShareConfig(raw []byte) (limitMiB int64, err error) {
 // The DRA driver, its DeviceClasses (deploy/dra) and its devices'
 // capacities: one for each compute mode, since a GPU runs one mode.
 const (
-	DRADriver           = "gpu.gpufrac.io"
+	DRADriver = "gpu.gpufrac.io"
+	// DRAShareCDIKind is the CDI kind of the driver's prepared shares: the
+	// kubelet names a container's share <kind>=<claim UID>-<request>.
+	DRAShareCDIKind     = DRADriver + "/share"
 	DRAClassTimeSlicing = DRADriver
 	DRAClassSMSharing   = "sm-sharing." + DRADriver
 	DRACapacityMemory   = "memory"

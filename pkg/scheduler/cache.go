@@ -79,6 +79,10 @@ type nodeState struct {
 	seen *corev1.Node
 	// heartbeat is seen's agent heartbeat (api.AgentHeartbeat).
 	heartbeat api.Heartbeat
+	// otherReservations is the reservation namespace seen's agent
+	// publishes when it is not this scheduler's ("" when the same, or
+	// none published).
+	otherReservations string
 	// waiting are bound pods not yet turned into tenants: their node's
 	// inventory was unknown, or they did not fit. Each rebuild retries.
 	waiting map[types.UID]*corev1.Pod
@@ -143,6 +147,10 @@ func (c *Cache) SetNode(node *corev1.Node) {
 	}
 	ns.seen = node
 	ns.heartbeat = api.AgentHeartbeat(node) // read once here, judged per pod in Filter
+	ns.otherReservations = ""
+	if theirs, labelled := api.ReservationNamespaceLabelled(node); labelled && theirs != c.args.ReservationNamespace {
+		ns.otherReservations = theirs
+	}
 	ns.cpu = node.Status.Allocatable.Cpu().MilliValue()
 	if standing := api.StandingGPUs(node, inv.Count); standing != ns.Standing {
 		ns.Standing = standing

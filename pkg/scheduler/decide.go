@@ -120,7 +120,7 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 	case !ns.Ready:
 		return Verdict{Reason: ns.Why}
 	}
-	if theirs, labelled := reservationNamespaceOf(ns); labelled && theirs != c.args.ReservationNamespace {
+	if theirs := ns.otherReservations; theirs != "" {
 		// Its agent would never tell this scheduler's reservation pods
 		// their GPU: the share would wait for ever. Set it once, alike.
 		return Verdict{Reason: fmt.Sprintf("the node's agent finds reservation pods in namespace %s (its --reservation-namespace), and this scheduler creates them in %s (reservationNamespace): give both the same",
@@ -487,13 +487,4 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Suppl
 	}
 	supply.Unit = common
 	return placement.WithMemory(placement.Popular(keys, placement.Coverage), keys, mems), capacity, supply
-}
-
-// reservationNamespaceOf is the namespace the node's agent publishes for
-// its reservation pods, if it does.
-func reservationNamespaceOf(ns *nodeState) (string, bool) {
-	if ns.seen == nil {
-		return "", false
-	}
-	return api.ReservationNamespaceLabelled(ns.seen)
 }

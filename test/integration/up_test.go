@@ -54,12 +54,21 @@ func TestLocalClusterDemo(t *testing.T) {
 func startUp(t *testing.T, nodes int, args ...string) (dir string, done <-chan error) {
 	t.Helper()
 	dir = t.TempDir()
-	up := exec.Command(gpufracBinary(t), append([]string{"up", "--nodes", strconv.Itoa(nodes), "--dir", dir}, args...)...)
-	log, err := os.Create(filepath.Join(dir, "up.out"))
+	return dir, runUp(t, filepath.Join(dir, "up.out"), nil, append([]string{"--nodes", strconv.Itoa(nodes), "--dir", dir}, args...)...)
+}
+
+// runUp runs `gpufrac up args` in the background, its output in log and
+// env added to its environment, and returns once it reports running, with
+// its exit status to come. It fails the test if up exits or stalls first.
+func runUp(t *testing.T, log string, env []string, args ...string) <-chan error {
+	t.Helper()
+	up := exec.Command(gpufracBinary(t), append([]string{"up"}, args...)...)
+	up.Env = append(os.Environ(), env...)
+	out, err := os.Create(log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	up.Stdout, up.Stderr = log, log
+	up.Stdout, up.Stderr = out, out
 	if err := up.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -67,9 +76,9 @@ func startUp(t *testing.T, nodes int, args ...string) (dir string, done <-chan e
 	go func() { exited <- up.Wait() }()
 	deadline := time.After(2 * time.Minute)
 	for {
-		raw, _ := os.ReadFile(filepath.Join(dir, "up.out"))
+		raw, _ := os.ReadFile(log)
 		if strings.Contains(string(raw), "gpufrac up: running") {
-			return dir, exited
+			return exited
 		}
 		select {
 		case err := <-exited:
@@ -381,30 +390,17 @@ func TestUpDownAndWaitFromAnyDirectory(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(state) })
-	env := append(os.Environ(), "XDG_STATE_HOME="+state)
+	env := []string{"XDG_STATE_HOME=" + state}
 	run := func(dir string, args ...string) (string, error) {
 		cmd := exec.Command(gpufracBinary(t), args...)
-		cmd.Dir, cmd.Env = dir, env
+		cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
 		out, err := cmd.CombinedOutput()
 		return string(out), err
 	}
-	up := exec.Command(gpufracBinary(t), "up", "--nodes", "1")
-	up.Env = env
-	logPath := filepath.Join(t.TempDir(), "up.out")
-	log, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	up.Stdout, up.Stderr = log, log
-	if err := up.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- up.Wait() }()
+	exited := runUp(t, filepath.Join(t.TempDir(), "up.out"), env, "--nodes", "1")
 	if out, err := run("/", "wait", "--timeout", "2m"); err != nil || !strings.Contains(out, "gpufrac wait: ready; export KUBECONFIG="+filepath.Join(state, "gpufrac", "kubeconfig")) {
-		_ = up.Process.Kill()
-		raw, _ := os.ReadFile(logPath)
-		t.Fatalf("gpufrac wait from /: %v\n%s\ngpufrac up:\n%s", err, out, raw)
+		_, _ = run("/", "down")
+		t.Fatalf("gpufrac wait from /: %v\n%s", err, out)
 	}
 	if out, err := run("/", "down"); err != nil || !strings.Contains(out, "no process of that gpufrac up is left") {
 		t.Fatalf("gpufrac down from /: %v\n%s", err, out)

@@ -73,10 +73,19 @@ type environment interface {
 // newEnvironment opens the node the options name: simulated with
 // --simulate-gpus, real otherwise.
 func newEnvironment(ctx context.Context, opts Options) (environment, error) {
+	// Each constructor's nil on error is returned as a nil interface.
 	if opts.SimulateGPUs != "" {
-		return simulatedNodeEnv(ctx, opts)
+		n, err := newSimulatedNode(ctx, opts)
+		if err != nil {
+			return nil, err
+		}
+		return n, nil
 	}
-	return realNodeEnv(opts)
+	n, err := newRealNode(opts)
+	if err != nil {
+		return nil, err
+	}
+	return n, nil
 }
 
 // realNode is a node with GPUs, a kubelet and a container runtime.
@@ -93,8 +102,6 @@ func newRealNode(opts Options) (*realNode, error) {
 	}
 	return &realNode{opts: opts, lib: nvml.New(), source: source}, nil
 }
-
-func realNodeEnv(opts Options) (environment, error) { return newRealNode(opts) }
 
 func (n *realNode) gpus() nvml.Interface        { return n.lib }
 func (n *realNode) devices() reservation.Source { return n.source }
@@ -154,10 +161,6 @@ func newSimulatedNode(ctx context.Context, opts Options) (*simulatedNode, error)
 	klog.FromContext(ctx).Info("Simulating: GPUs from a go-nvml mock machine, reservation pods get GPUs from the agent itself, and the NRI plugin registers with an in-process NRI runtime endpoint (no containers run here)",
 		"machine", opts.SimulateGPUs, "gpus", len(inv.GPUs), "nriSocket", n.nriSocket())
 	return n, nil
-}
-
-func simulatedNodeEnv(ctx context.Context, opts Options) (environment, error) {
-	return newSimulatedNode(ctx, opts)
 }
 
 func (n *simulatedNode) gpus() nvml.Interface        { return n.lib }

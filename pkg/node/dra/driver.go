@@ -30,7 +30,7 @@ import (
 // CDIKind is the CDI kind of the driver's prepared shares: the kubelet
 // hands the runtime gpu.gpufrac.io/share=<claim UID>-<request>, and the
 // runtime applies that device's edits from the claim's spec file.
-const CDIKind = DriverName + "/share"
+const CDIKind = api.DRAShareCDIKind
 
 // Driver is the node side of gpu.gpufrac.io, the kubelet plugin: it
 // prepares an allocated claim by writing a CDI spec whose container edits

@@ -257,7 +257,7 @@ func effects(c *Container, cfg *Config, d *Decision) []Effect {
 	if d.Assignment != nil && cfg.ExclusiveProcess {
 		out = append(out, Effect{Kind: EffectExclusive, Devices: d.Assignment.Devices})
 	}
-	if shares := draShares(c.CDIDevices); len(shares) > 0 {
+	if shares := DRAShares(c.CDIDevices); len(shares) > 0 {
 		out = append(out, Effect{Kind: EffectClaimShares, Shares: shares})
 	}
 	return out
@@ -296,7 +296,7 @@ func keepShare(c *Container, cfg *Config, d *Decision) string {
 // memory caps) or a DRA share's consumer is a client of the node's MPS
 // daemon, which must not be root on the host.
 func admitClientUser(c *Container, cfg *Config, d *Decision) {
-	if d.Assignment == nil && len(draShares(c.CDIDevices)) == 0 {
+	if d.Assignment == nil && len(DRAShares(c.CDIDevices)) == 0 {
 		return
 	}
 	if err := CheckMPSClientUser(c.UID, c.UserNamespace, *cfg); err != nil {
@@ -372,17 +372,13 @@ func keepHeld(c *Container, _ *Config, _ *Decision) string {
 	return ""
 }
 
-// draShares are the gpufrac DRA shares among a container's CDI devices.
-func draShares(cdi []string) []string {
+// DRAShares are the gpufrac DRA shares among a container's CDI devices.
+func DRAShares(cdi []string) []string {
 	var out []string
 	for _, d := range cdi {
-		if strings.HasPrefix(d, api.DRADriver+"/share=") {
+		if strings.HasPrefix(d, api.DRAShareCDIKind+"=") {
 			out = append(out, d)
 		}
 	}
 	return out
 }
-
-// UsesShare says whether the kubelet handed a container a gpufrac DRA
-// share: its CDI edits make it an MPS client as an annotated fraction is.
-func UsesShare(cdi []string) bool { return len(draShares(cdi)) > 0 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 
 	nriapi "github.com/containerd/nri/pkg/api"
@@ -27,7 +26,7 @@ func (p *Plugin) gather(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi
 	for _, d := range ctr.GetCDIDevices() {
 		c.CDIDevices = append(c.CDIDevices, d.GetName())
 	}
-	c.ShareHolder = p.shares.holder(shareUserOf(pod, ctr), c.CDIDevices)
+	c.ShareHolder = p.shares.holder(shareUserOf(pod, ctr), injection.DRAShares(c.CDIDevices))
 	if injection.NeedsGrant(c, cfg) {
 		c.Grant.Read = true
 		if p.opts.Grants == nil {
@@ -74,13 +73,15 @@ func (p *Plugin) judgeRunning(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 		}
 	}
 	d, reason := injection.Audit(c, cfg)
-	if a, ok := assignmentOf(c); ok && d.Assignment == nil && reason != "" {
+	if d.Assignment == nil && reason != "" {
 		// Stopped by a check that leaves it no share (a root MPS client, a
 		// share's second consumer): still a tenant until it is gone, so
 		// that its eviction is retried and its MPS namespace kept.
-		d.Assignment = &a
-		if a.Mode == api.SMSharing {
-			d.MPSNamespace = nodeapi.NamespaceName(c.Pod.UID, a.Container)
+		if a, ok := assignmentOf(c); ok {
+			d.Assignment = &a
+			if a.Mode == api.SMSharing {
+				d.MPSNamespace = nodeapi.NamespaceName(c.Pod.UID, a.Container)
+			}
 		}
 	}
 	if errors.Is(d.Reason, injection.ErrGrantUnknown) {
@@ -153,22 +154,19 @@ func shareUserOf(pod *nriapi.PodSandbox, ctr *nriapi.Container) shareUser {
 	return shareUser{id: ctr.GetId(), podUID: pod.GetUid(), pod: pod.GetNamespace() + "/" + pod.GetName(), container: ctr.GetName()}
 }
 
-// holder says which other running container consumes one of the shares
-// among cdi already ("" for none).
-func (s *shareUsers) holder(me shareUser, cdi []string) string {
-	if len(cdi) == 0 {
-		return "" // most containers: no CDI device, nothing to look up
+// holder says which other running container consumes one of shares (CDI
+// names, injection.DRAShares) already ("" for none).
+func (s *shareUsers) holder(me shareUser, shares []string) string {
+	if len(shares) == 0 {
+		return "" // most containers: no share, nothing to look up
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.conflict(me, cdi)
+	return s.conflict(me, shares)
 }
 
-func (s *shareUsers) conflict(me shareUser, cdi []string) string {
-	for _, name := range cdi {
-		if !strings.HasPrefix(name, api.DRADriver+"/share=") {
-			continue
-		}
+func (s *shareUsers) conflict(me shareUser, shares []string) string {
+	for _, name := range shares {
 		if u, ok := s.m[name]; ok && u.id != me.id && (u.podUID != me.podUID || u.container != me.container) {
 			return fmt.Sprintf("its gpufrac share %s is consumed already by container %q of pod %s, and a share is enforced on one container at a time (its limits would apply twice): give each container a claim of its own", name, u.container, u.pod)
 		}
