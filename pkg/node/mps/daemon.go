@@ -89,7 +89,8 @@ func ReadStatus(root string) (Status, error) {
 // answering (with backoff), and on stop asks it to quit.
 type Daemon struct {
 	// Binary is the MPS control program; ServerBinary the server it
-	// starts, killed with a wedged daemon so no stray server keeps the GPU.
+	// starts: the daemon's own servers are killed with a wedged daemon, so
+	// no stray server keeps the GPU.
 	Binary, ServerBinary string
 	// Root is the node's MPS root (--mps-pipe-dir).
 	Root string
@@ -97,7 +98,7 @@ type Daemon struct {
 	// the configuration keys.
 	Release int
 	Options ConfigOptions
-	// ProcRoot is the host's /proc, to find stray servers.
+	// ProcRoot is the host's /proc, to find the daemon's servers.
 	ProcRoot string
 	// ProbeInterval is how often the daemon is asked for its servers;
 	// CommandTimeout how long an answer may take. Two missed answers in a
@@ -312,9 +313,14 @@ func (d *Daemon) quit(stdin io.WriteCloser, cmd *exec.Cmd, exited chan error) er
 	}
 }
 
-// kill ends the daemon's process group and any MPS server left over, and
-// returns how the daemon ended.
+// kill ends the daemon's process group and the MPS servers it started,
+// and returns how the daemon ended. A server is the daemon's child, found
+// before the daemon dies (its orphans are reparented to the host's init,
+// where nothing tells them from another stack's): only those are signalled,
+// never a server of another MPS daemon on the node (NVIDIA's device plugin,
+// a DRA driver's per-claim daemon).
 func (d *Daemon) kill(cmd *exec.Cmd, exited chan error) error {
+	servers := childrenNamed(d.ProcRoot, cmd.Process.Pid, d.ServerBinary)
 	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 	var err error
 	select {
@@ -322,15 +328,54 @@ func (d *Daemon) kill(cmd *exec.Cmd, exited chan error) error {
 	case <-time.After(5 * time.Second):
 		err = fmt.Errorf("pid %d did not end within 5s of SIGKILL", cmd.Process.Pid)
 	}
-	for _, pid := range processesNamed(d.ProcRoot, d.ServerBinary) {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
+	for _, s := range servers {
+		// The same process still: a PID reused since carries another
+		// start time.
+		if now, ok := readProc(d.ProcRoot, s.pid); ok && now.started == s.started {
+			_ = syscall.Kill(s.pid, syscall.SIGKILL)
+		}
 	}
 	return err
 }
 
-// processesNamed lists the PIDs under procRoot whose program (argv[0]'s
-// base name; comm is cut at 15 characters) is name's.
-func processesNamed(procRoot, name string) []int {
+// proc is what kill needs of a process: its parent, its program (argv[0]'s
+// base name; comm is cut at 15 characters) and its start time (in clock
+// ticks after boot, which tells a reused PID apart).
+type proc struct {
+	pid, ppid int
+	program   string
+	started   string
+}
+
+// readProc reads a process under procRoot.
+func readProc(procRoot string, pid int) (proc, bool) {
+	dir := filepath.Join(procRoot, strconv.Itoa(pid))
+	stat, err := os.ReadFile(filepath.Join(dir, "stat"))
+	if err != nil {
+		return proc{}, false
+	}
+	// The fields after the command name, which is in parentheses and may
+	// hold spaces: state, ppid, ... starttime is the 22nd field overall.
+	i := bytes.LastIndexByte(stat, ')')
+	if i < 0 {
+		return proc{}, false
+	}
+	fields := strings.Fields(string(stat[i+1:]))
+	if len(fields) < 20 {
+		return proc{}, false
+	}
+	ppid, err := strconv.Atoi(fields[1])
+	if err != nil {
+		return proc{}, false
+	}
+	cmdline, _ := os.ReadFile(filepath.Join(dir, "cmdline"))
+	argv0, _, _ := strings.Cut(string(cmdline), "\x00")
+	return proc{pid: pid, ppid: ppid, program: filepath.Base(argv0), started: fields[19]}, true
+}
+
+// childrenNamed lists the children of parent under procRoot whose program
+// is name's.
+func childrenNamed(procRoot string, parent int, name string) []proc {
 	if name == "" {
 		return nil
 	}
@@ -338,19 +383,17 @@ func processesNamed(procRoot, name string) []int {
 	if err != nil {
 		return nil
 	}
-	var pids []int
+	var found []proc
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		cmdline, err := os.ReadFile(filepath.Join(procRoot, e.Name(), "cmdline"))
-		argv0, _, _ := strings.Cut(string(cmdline), "\x00")
-		if err == nil && argv0 != "" && filepath.Base(argv0) == filepath.Base(name) {
-			pids = append(pids, pid)
+		if p, ok := readProc(procRoot, pid); ok && p.ppid == parent && p.program == filepath.Base(name) {
+			found = append(found, p)
 		}
 	}
-	return pids
+	return found
 }
 
 func (d *Daemon) writeStatus(logger klog.Logger, s Status) {

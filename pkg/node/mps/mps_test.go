@@ -3,6 +3,7 @@ package mps_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -280,30 +281,37 @@ func TestReconcileSparesNewNamespaces(t *testing.T) {
 	}
 }
 
-// A daemon that stops answering is killed and replaced, and so is any
-// MPS server left running (here a process whose argv[0] is the server's).
+// A wedged daemon is killed with the server it started, and replaced;
+// another stack's server on the node (a process of the same program that
+// this daemon did not start) is never signalled.
 func TestWedgedDaemonIsReplaced(t *testing.T) {
-	server := exec.Command("bash", "-c", "exec -a nvidia-cuda-mps-server sleep 120")
-	if err := server.Start(); err != nil {
+	foreign := exec.Command("bash", "-c", "exec -a nvidia-cuda-mps-server sleep 120")
+	if err := foreign.Start(); err != nil {
 		t.Fatal(err)
 	}
-	serverExit := make(chan error, 1)
-	go func() { serverExit <- server.Wait() }()
-	t.Cleanup(func() { _ = server.Process.Kill() })
+	t.Cleanup(func() { _ = foreign.Process.Kill(); _ = foreign.Wait() })
 	root := mpstest.ShortRoot(t)
+	if err := os.MkdirAll(nodeapi.LogDir(root), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "spawn-server"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	c, _ := mpstest.StartDaemon(t, root, 615, func(d *mps.Daemon) { d.ServerBinary = "nvidia-cuda-mps-server" })
 	st, _ := mps.ReadStatus(root)
+	var own int
+	waitFor(t, "the daemon's server started", func() bool {
+		raw, err := os.ReadFile(filepath.Join(nodeapi.LogDir(root), "server"))
+		own, _ = strconv.Atoi(string(raw))
+		return err == nil && own > 0
+	})
 	if err := os.WriteFile(filepath.Join(nodeapi.LogDir(root), "wedged"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "the wedged daemon is killed", func() bool { return syscall.Kill(st.PID, 0) != nil })
-	select {
-	case err := <-serverExit:
-		if err == nil {
-			t.Error("the stray server exited by itself, not killed")
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the stray MPS server still runs after the wedged daemon was replaced")
+	waitFor(t, "the daemon's own server is killed", func() bool { return gone(own) })
+	if gone(foreign.Process.Pid) {
+		t.Fatal("the supervisor signalled an MPS server it did not start (another stack's)")
 	}
 	if err := os.Remove(filepath.Join(nodeapi.LogDir(root), "wedged")); err != nil {
 		t.Fatal(err)
@@ -316,6 +324,20 @@ func TestWedgedDaemonIsReplaced(t *testing.T) {
 	if !strings.Contains(st.LastExit, "wedged") {
 		t.Errorf("last exit %q, want wedged", st.LastExit)
 	}
+	if gone(foreign.Process.Pid) {
+		t.Fatal("the supervisor signalled an MPS server it did not start (another stack's)")
+	}
+}
+
+// gone says whether a process has ended: it no longer exists, or is a
+// zombie (a child of the test not yet reaped, or of init).
+func gone(pid int) bool {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	i := strings.LastIndexByte(string(raw), ')')
+	return i < 0 || i+2 >= len(raw) || raw[i+2] == 'Z'
 }
 
 // The node agent's replacement requests are rate-limited: the first

@@ -27,7 +27,10 @@
 // it: "clients" lists attached clients, one "PID SERVER NAMESPACE" per
 // line; "wedged" makes the daemon stop answering; "hang-terminate" makes
 // client terminate never return; "starts" gets a line per daemon start,
-// "commands" one per command, and "state.json" the namespaces after each.
+// "commands" one per command, and "state.json" the namespaces after each;
+// "spawn-server" makes the daemon start a server, a child of its own in a
+// session of its own (program nvidia-cuda-mps-server), whose PID it writes
+// to "server", and end it when it quits.
 package mpstest
 
 import (
@@ -38,12 +41,14 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -153,6 +158,9 @@ func daemon(pipe, logDir string, protocol int, args []string) int {
 		return 1
 	}
 	appendLine(filepath.Join(logDir, "starts"), fmt.Sprint(os.Getpid()))
+	if server := startServer(logDir); server != nil {
+		defer func() { _ = server.Process.Kill(); _ = server.Wait() }()
+	}
 	d.record()
 	quit := make(chan struct{})
 	var once sync.Once
@@ -177,6 +185,22 @@ func daemon(pipe, logDir string, protocol int, args []string) int {
 	<-quit
 	_ = l.Close()
 	return 0
+}
+
+// startServer starts a server when the log directory asks for one: out of
+// the daemon's process group, so only its parentage says whose it is.
+func startServer(logDir string) *exec.Cmd {
+	if !exists(filepath.Join(logDir, "spawn-server")) {
+		return nil
+	}
+	cmd := exec.Command("bash", "-c", "exec -a nvidia-cuda-mps-server sleep 600")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "cannot start the MPS server stand-in:", err)
+		return nil
+	}
+	_ = os.WriteFile(filepath.Join(logDir, "server"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o644)
+	return cmd
 }
 
 func (d *fakeDaemon) listServerDirs() []string {
