@@ -183,6 +183,22 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	backoff := d.MinBackoff
 	for ctx.Err() == nil {
+		// A daemon this supervisor did not start answers on the same pipe
+		// directory (an upgrade from 0.1.0, whose daemon ran in the node
+		// agent's pod, until that pod is rolled): a second one there would
+		// take over its socket under its clients. Wait for it to end.
+		if err := d.control().Ping(ctx); err == nil {
+			status.Running, status.PID = false, 0
+			status.LastExit = "waiting: another MPS control daemon answers on " + nodeapi.PipeDir(d.Root) + " (one this supervisor did not start); it starts once that one ends"
+			d.writeStatus(logger, status)
+			logger.Info("Another MPS control daemon answers on the pipe directory; waiting for it to end", "after", d.MaxBackoff)
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(d.MaxBackoff):
+			}
+			continue
+		}
 		started := time.Now()
 		status.Generation++
 		reason, err := d.once(ctx, logger, args, &status)

@@ -507,3 +507,52 @@ func TestCorruptNamespaceTableIsNotDiscarded(t *testing.T) {
 		t.Errorf("corrupt table: %v", err)
 	}
 }
+
+// A daemon the supervisor did not start already answers on its pipe
+// directory (0.1.0's, in the node agent's pod, during an upgrade): the
+// supervisor starts no second one over its socket, says why, and starts
+// its own once that one has ended.
+func TestSupervisorWaitsForAnotherDaemon(t *testing.T) {
+	mpstest.Use(t)
+	root := mpstest.ShortRoot(t)
+	for _, dir := range []string{nodeapi.PipeDir(root), nodeapi.LogDir(root)} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	other := exec.Command(os.Args[0], "-f")
+	other.Env = append(os.Environ(), "CUDA_MPS_PIPE_DIRECTORY="+nodeapi.PipeDir(root), "CUDA_MPS_LOG_DIRECTORY="+nodeapi.LogDir(root))
+	stdin, err := other.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = stdin.Close(); _ = other.Wait() })
+	c := mps.Control{Binary: os.Args[0], Root: root, Protocol: nodeapi.MPSv2, Timeout: 5 * time.Second}
+	waitFor(t, "the other daemon answers", func() bool { return c.Ping(context.Background()) == nil })
+
+	mpstest.StartDaemon(t, root, 580)
+	waitFor(t, "the supervisor to say it waits", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return !s.Running && strings.Contains(s.LastExit, "another MPS control daemon answers")
+	})
+	if starts := readLines(t, filepath.Join(nodeapi.LogDir(root), "starts")); len(starts) != 1 {
+		t.Fatalf("%d daemon starts on one pipe directory, want only the other one's: %v", len(starts), starts)
+	}
+	_ = stdin.Close() // the stand-in ends at stdin's EOF
+	waitFor(t, "the supervisor's own daemon", func() bool {
+		s, _ := mps.ReadStatus(root)
+		return s.Running && s.PID != other.Process.Pid && c.Ping(context.Background()) == nil
+	})
+}
+
+func readLines(t *testing.T, path string) []string {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Fields(string(raw))
+}
