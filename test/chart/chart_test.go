@@ -290,6 +290,12 @@ func TestChartSchedulerConfigIsValid(t *testing.T) {
 		if len(cfg.Profiles) != 1 || len(cfg.Profiles[0].PluginConfig) == 0 {
 			t.Fatalf("--set %q: profiles %+v", set, cfg.Profiles)
 		}
+		// Only the leading replica starts informers, and with them the
+		// plugin's collector, which writes (standing reservation pods,
+		// held shares, orphans, resizes): a standby writes nothing.
+		if !cfg.DelayCacheUntilActive || !cfg.LeaderElection.LeaderElect {
+			t.Errorf("--set %q: delayCacheUntilActive %v, leaderElect %v: a standby replica would run the plugin's collector", set, cfg.DelayCacheUntilActive, cfg.LeaderElection.LeaderElect)
+		}
 		var pluginArgs scheduler.Args
 		found := false
 		for _, pc := range cfg.Profiles[0].PluginConfig {
@@ -782,53 +788,30 @@ func TestChartDashboard(t *testing.T) {
 // needs (--exclusive-process, on by default; off, none). Nothing
 // privileged, no host network or IPC.
 func TestNodeAgentPrivileges(t *testing.T) {
-	chart := find(mustRender(t), "DaemonSet", "gpufrac-system", "gpufrac-node-agent")
-	var ref *unstructured.Unstructured
-	for _, o := range readManifests(t, "node-agent/node-agent.yaml") {
-		if o.GetKind() == "DaemonSet" {
-			ref = o
+	rendered := mustRender(t)
+	deploy := readManifests(t, "node-agent/node-agent.yaml")
+	for _, set := range []struct {
+		name, container string
+	}{{"gpufrac-node-agent", "agent"}, {"gpufrac-mps", "mps"}} {
+		chart := find(rendered, "DaemonSet", "gpufrac-system", set.name)
+		ref := find(deploy, "DaemonSet", "gpufrac-system", set.name)
+		if chart == nil || ref == nil {
+			t.Fatalf("DaemonSet %s: chart %v, deploy/ %v", set.name, chart != nil, ref != nil)
+		}
+		for name, ds := range map[string]*unstructured.Unstructured{"chart": chart, "deploy/": ref} {
+			checkNodePod(t, name, set.container, ds)
 		}
 	}
-	if chart == nil || ref == nil {
-		t.Fatalf("node agent DaemonSet: chart %v, deploy/ %v", chart != nil, ref != nil)
-	}
-	for name, ds := range map[string]*unstructured.Unstructured{"chart": chart, "deploy/": ref} {
-		spec, _, _ := unstructured.NestedMap(ds.Object, "spec", "template", "spec")
-		if spec["hostPID"] != true || spec["hostNetwork"] != nil || spec["hostIPC"] != nil {
-			t.Errorf("%s: hostPID %v, hostNetwork %v, hostIPC %v; want host PID only", name, spec["hostPID"], spec["hostNetwork"], spec["hostIPC"])
+	// The MPS daemon is never rolled by an upgrade: every tenant's context
+	// lives in it (gpufrac mps-replace replaces it).
+	for name, objs := range map[string][]*unstructured.Unstructured{"chart": rendered, "deploy/": deploy} {
+		ds := find(objs, "DaemonSet", "gpufrac-system", "gpufrac-mps")
+		if s, _, _ := unstructured.NestedString(ds.Object, "spec", "updateStrategy", "type"); s != "OnDelete" {
+			t.Errorf("%s: the MPS daemon's DaemonSet updates by %q, want OnDelete", name, s)
 		}
-		containers, _, _ := unstructured.NestedSlice(spec, "containers")
-		var names []string
-		for _, c := range containers {
-			c := c.(map[string]any)
-			names = append(names, c["name"].(string))
-			sc, _ := c["securityContext"].(map[string]any)
-			caps, _ := sc["capabilities"].(map[string]any)
-			args, _ := c["args"].([]any)
-			wantAdd := "<nil>"
-			if c["name"] == "agent" {
-				wantAdd = "[SYS_ADMIN]"
-				if !slices.ContainsFunc(args, func(a any) bool { return a == "--exclusive-process" || a == "--exclusive-process=true" }) {
-					t.Errorf("%s: the agent runs without --exclusive-process: %v", name, args)
-				}
-			}
-			if sc["privileged"] == true || sc["allowPrivilegeEscalation"] != false || sc["readOnlyRootFilesystem"] != true ||
-				fmt.Sprint(caps["drop"]) != "[ALL]" || fmt.Sprint(caps["add"]) != wantAdd {
-				t.Errorf("%s container %s: securityContext %v", name, c["name"], sc)
-			}
-			if c["name"] == "mps" && (len(args) == 0 || args[0] != "mps-daemon") {
-				t.Errorf("%s: the mps container runs %v, want gpufrac mps-daemon", name, args)
-			}
-			mounts, _ := c["volumeMounts"].([]any)
-			for _, m := range mounts {
-				m := m.(map[string]any)
-				if p := m["mountPath"].(string); strings.HasPrefix(p, "/host/") && m["readOnly"] != true {
-					t.Errorf("%s container %s mounts %s writable", name, c["name"], p)
-				}
-			}
-		}
-		if !slices.Equal(names, []string{"agent", "mps"}) {
-			t.Errorf("%s: containers %v, want agent and mps", name, names)
+		limit, _, _ := unstructured.NestedSlice(ds.Object, "spec", "template", "spec", "containers")
+		if l, _, _ := unstructured.NestedString(limit[0].(map[string]any), "resources", "limits", "memory"); l != "" {
+			t.Errorf("%s: the MPS daemon has a memory limit %s: an OOM kill there ends every tenant", name, l)
 		}
 	}
 	// Off, the agent keeps no capability and says so.
@@ -838,6 +821,50 @@ func TestNodeAgentPrivileges(t *testing.T) {
 	caps, _, _ := unstructured.NestedMap(c, "securityContext", "capabilities")
 	if caps["add"] != nil || !slices.Contains(c["args"].([]any), any("--exclusive-process=false")) {
 		t.Errorf("exclusiveProcess=false: capabilities %v, args %v", caps, c["args"])
+	}
+}
+
+// checkNodePod: a node pod shares the host's PID namespace only, and its
+// one container (want) runs with no privilege but the agent's SYS_ADMIN,
+// the host's directories read only.
+func checkNodePod(t *testing.T, name, want string, ds *unstructured.Unstructured) {
+	t.Helper()
+	spec, _, _ := unstructured.NestedMap(ds.Object, "spec", "template", "spec")
+	if spec["hostPID"] != true || spec["hostNetwork"] != nil || spec["hostIPC"] != nil {
+		t.Errorf("%s %s: hostPID %v, hostNetwork %v, hostIPC %v; want host PID only", name, ds.GetName(), spec["hostPID"], spec["hostNetwork"], spec["hostIPC"])
+	}
+	containers, _, _ := unstructured.NestedSlice(spec, "containers")
+	var names []string
+	for _, c := range containers {
+		c := c.(map[string]any)
+		names = append(names, c["name"].(string))
+		sc, _ := c["securityContext"].(map[string]any)
+		caps, _ := sc["capabilities"].(map[string]any)
+		args, _ := c["args"].([]any)
+		wantAdd := "<nil>"
+		if c["name"] == "agent" {
+			wantAdd = "[SYS_ADMIN]"
+			if !slices.ContainsFunc(args, func(a any) bool { return a == "--exclusive-process" || a == "--exclusive-process=true" }) {
+				t.Errorf("%s: the agent runs without --exclusive-process: %v", name, args)
+			}
+		}
+		if sc["privileged"] == true || sc["allowPrivilegeEscalation"] != false || sc["readOnlyRootFilesystem"] != true ||
+			fmt.Sprint(caps["drop"]) != "[ALL]" || fmt.Sprint(caps["add"]) != wantAdd {
+			t.Errorf("%s container %s: securityContext %v", name, c["name"], sc)
+		}
+		if c["name"] == "mps" && (len(args) == 0 || args[0] != "mps-daemon") {
+			t.Errorf("%s: the mps container runs %v, want gpufrac mps-daemon", name, args)
+		}
+		mounts, _ := c["volumeMounts"].([]any)
+		for _, m := range mounts {
+			m := m.(map[string]any)
+			if p := m["mountPath"].(string); strings.HasPrefix(p, "/host/") && m["readOnly"] != true {
+				t.Errorf("%s container %s mounts %s writable", name, c["name"], p)
+			}
+		}
+	}
+	if !slices.Equal(names, []string{want}) {
+		t.Errorf("%s %s: containers %v, want only %s", name, ds.GetName(), names, want)
 	}
 }
 

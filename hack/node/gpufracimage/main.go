@@ -58,7 +58,7 @@ func main() {
 	flag.StringVar(&o.binary, "binary", "", "the gpufrac binary")
 	flag.StringVar(&o.library, "library", "", "the nvidia-smi view library (libnvidia-ml.so.1)")
 	flag.StringVar(&o.license, "license", "LICENSE", "gpufrac's license")
-	flag.StringVar(&o.ref, "ref", "", "the image's name, e.g. ghcr.io/gpufrac/gpufrac:0.1.0")
+	flag.StringVar(&o.ref, "ref", "", "the image's name, e.g. ghcr.io/gpufrac/gpufrac:0.2.0")
 	flag.StringVar(&o.revision, "revision", "", "the commit the binary was built from")
 	flag.Int64Var(&o.created, "created", 0, "the commit's time (seconds since 1970): every file's time and the image's")
 	flag.StringVar(&o.libDir, "libc-dir", "", "where the C library is (default /lib/<triplet>)")

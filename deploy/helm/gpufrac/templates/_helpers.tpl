@@ -10,6 +10,7 @@
 {{- define "gpufrac.scheduler" -}}{{ include "gpufrac.fullname" . }}-scheduler{{- end -}}
 {{- define "gpufrac.webhook" -}}{{ include "gpufrac.fullname" . }}-webhook{{- end -}}
 {{- define "gpufrac.nodeAgent" -}}{{ include "gpufrac.fullname" . }}-node-agent{{- end -}}
+{{- define "gpufrac.mpsDaemon" -}}{{ include "gpufrac.fullname" . }}-mps{{- end -}}
 {{- define "gpufrac.dashboard" -}}{{ include "gpufrac.fullname" . }}-dashboard{{- end -}}
 
 {{/* The service-account user names the API server sees. */}}
