@@ -306,3 +306,19 @@ func StandingLabelled(node *corev1.Node) bool {
 	_, ok := node.Labels[LabelStandingGPUs]
 	return ok
 }
+
+// FractionsClosed says whether a node's labels close it to new fractions
+// (LabelFractionsClosed), and by whom.
+func FractionsClosed(labels map[string]string) (by string, closed bool) {
+	by, closed = labels[LabelFractionsClosed]
+	return by, closed
+}
+
+// CloseToFractions is the label patch that closes a node to new fractions
+// (by names who closed it; a label value) or, with "", reopens it.
+func CloseToFractions(by string) Write {
+	if by == "" {
+		return Write{Remove: []string{LabelFractionsClosed}}
+	}
+	return Write{Set: map[string]string{LabelFractionsClosed: by}}
+}

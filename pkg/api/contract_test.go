@@ -60,6 +60,7 @@ var contract = []contractKey{
 	{name: "LabelGPUMemoryReserve", key: LabelGPUMemoryReserve, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "InventoryOf"},
 	{name: "LabelMemoryEnforcement", key: LabelMemoryEnforcement, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "MemoryEnforcement"},
 	{name: "LabelStandingGPUs", key: LabelStandingGPUs, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "StandingGPUs, StandingLabelled"},
+	{name: "LabelFractionsClosed", key: LabelFractionsClosed, what: "label", object: "node", writer: "gpufrac mps-replace: drain.Run", reader: "scheduler: Inventory; node agent: publish.Compute"},
 	{name: "LabelReservationNamespace", key: LabelReservationNamespace, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "audit, top, dashboard: ReservationNamespace; scheduler: ReservationNamespaceLabelled"},
 	{name: "LabelAgentHeartbeat", key: LabelAgentHeartbeat, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "AgentSilent"},
 	{name: "ConditionFractioningReady", key: ConditionFractioningReady, what: "condition", object: "node", writer: "node agent: publish.Compute", reader: "InventoryOf, FractioningCondition"},

@@ -63,6 +63,9 @@ func InventoryOf(node *corev1.Node) (inv Inventory, ready bool, why string) {
 	if inv.Model == "" {
 		return inv, false, fmt.Sprintf("node has no %s label: its GPU inventory is unknown (is the gpufrac node agent running?)", LabelGPUProduct)
 	}
+	if by, closed := FractionsClosed(node.Labels); closed {
+		return inv, false, fmt.Sprintf("node is closed to new fractions (label %s=%s): its shares are being drained, e.g. for a replacement of its MPS daemon (gpufrac mps-replace)", LabelFractionsClosed, by)
+	}
 	for _, c := range node.Status.Conditions {
 		if c.Type != ConditionFractioningReady {
 			continue

@@ -74,6 +74,14 @@ const DefaultReservationNamespace = "gpufrac-reservations"
 // another namespace than its own.
 const LabelReservationNamespace = "gpufrac.io/reservation-namespace"
 
+// LabelFractionsClosed, on a node, closes it to new fractions: the
+// scheduler places none there (Inventory), the node agent reports its
+// readiness condition False for every other scheduler (KAI's reads it) and
+// offers no DRA shares. Running shares are not touched by the label itself.
+// gpufrac mps-replace sets it while it drains the node's shares and
+// replaces its MPS daemon; its value says who closed it.
+const LabelFractionsClosed = "gpufrac.io/fractions-closed"
+
 // GPUGroupsAnnotation is written by the scheduler on a fractional pod with
 // its decision: the comma-separated GPU groups the pod joined, one per
 // device, in the order of .gpus.devices. A GPU group is the set of pods

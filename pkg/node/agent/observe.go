@@ -233,7 +233,9 @@ func (a *Agent) resync(ctx context.Context) {
 		return
 	}
 	a.setPublished(true)
-	a.offer(ctx, hw.invErr == nil, cfg)
+	// A node closed to fractions offers no new DRA shares either.
+	_, closed := api.FractionsClosed(node.Labels)
+	a.offer(ctx, hw.invErr == nil && !closed, cfg)
 }
 
 // enforce hands the configuration to what enforces it: the NRI plugin

@@ -52,6 +52,8 @@ const (
 	// resync: just started, and stopped in order.
 	ReasonStarting = "AgentStarting"
 	ReasonStopped  = "AgentStopped"
+	// ReasonClosed: the node carries api.LabelFractionsClosed.
+	ReasonClosed = "ClosedToFractions"
 )
 
 // State is what the agent knows about its node.
@@ -109,6 +111,9 @@ type Desired struct {
 // node has now (to leave GPU Feature Discovery's alone).
 func Compute(s State, current map[string]string) Desired {
 	status, reason, message := readiness(s)
+	if by, closed := api.FractionsClosed(current); closed && status == corev1.ConditionTrue {
+		status, reason, message = corev1.ConditionFalse, ReasonClosed, fmt.Sprintf("closed to new fractions (label %s=%s) while its shares are drained; running shares keep their enforcement", api.LabelFractionsClosed, by)
+	}
 	d := Desired{
 		Condition: corev1.NodeCondition{Type: ConditionReady, Status: status, Reason: reason, Message: message},
 		Labels:    map[string]*string{},
