@@ -142,8 +142,12 @@ node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGE
 KUBE_PROXY    := $(KUBE_BIN)/kube-proxy
 NVIDIA_RUNTIME := $(NODE_BIN)/nvidia-container-runtime
 chart-e2e: build image $(KUBE_STAMP) $(KUBELET) $(KUBE_PROXY) $(HELM) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) $(NVIDIA_RUNTIME) ## helm install on the real node: the image, every part a real pod, kube-proxy; scenarios, privileges, upgrade, uninstall (also in make test; root)
-	$(call announce,"the chart on the real node: helm install of the image$(,) scenarios through it$(,) helm uninstall$(,) in the node's own namespaces (about 7 min)")
-	$(GO) test -tags charte2e -count=1 -v -timeout 20m ./test/node/
+	$(call announce,"the chart on the real node: helm install of the image$(,) scenarios through it$(,) helm upgrade to another digest$(,) helm uninstall$(,) in the node's own namespaces (about 10 min)")
+	@# What helm upgrade moves to: the same build, another revision label,
+	@# so another digest, tagged $(IMAGE_REF)-next.
+	mkdir -p $(IMAGE_DIR)/next && $(NODE_BIN)/gpufracimage -binary $(IMAGE_DIR)/build/gpufrac -library $(IMAGE_DIR)/build/shim/libnvidia-ml.so.1 \
+	  -ref $(IMAGE_REF)-next -revision "$$(git rev-parse HEAD)-next" -created "$$(git log -1 --format=%ct)" -out $(IMAGE_DIR)/next >$(IMAGE_DIR)/next/digest
+	$(GO) test -tags charte2e -count=1 -v -timeout 30m ./test/node/
 
 $(KUBE_PROXY): go.mod go.sum | preflight
 	$(call announce,"bin/kube/kube-proxy $(KUBE_VERSION) from source (first time: about 1 min after bin/kube; kept until go.mod changes)")

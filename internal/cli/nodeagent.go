@@ -107,6 +107,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.HealthAddr, "health-addr", opts.HealthAddr, "address of /healthz and /readyz (plain HTTP, for the kubelet's probes); empty disables")
 	f.StringVar(&opts.MetricsAddr, "metrics-addr", opts.MetricsAddr, "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", opts.ResyncPeriod, "how often to re-read the GPUs, republish and annotate reservation pods")
+	f.DurationVar(&opts.StopGrace, "stop-grace", opts.StopGrace, "how long a stopping agent, its node already marked not ready, keeps serving the runtime for the containers of pods placed just before (keep it below the pod's termination grace period)")
 	f.BoolVar(&opts.DRA.Enabled, "dra", false, "also serve GPU shares through Dynamic Resource Allocation (driver gpu.gpufrac.io): publish the node's shared GPUs as ResourceSlices and prepare claims as the NRI plugin injects annotated containers (Kubernetes 1.36+)")
 	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", opts.DRA.StandingGPUs, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")
 	// Empty defaults: the agent picks the kubelet's directories on a real

@@ -241,12 +241,13 @@ func replaceDaemon(ctx context.Context, client kubernetes.Interface, opts Option
 			last = "the new MPS daemon pod " + pod.Name + " is not Ready"
 		default:
 			ready, why, err := agentReady(ctx, client, opts.Node, pod)
-			if err != nil {
+			switch {
+			case err != nil:
 				last = err.Error()
-			} else if ready {
+			case ready:
 				fmt.Fprintf(opts.Out, "node %s: MPS daemon pod %s Ready, and the node agent reports the node ready\n", opts.Node, pod.Name)
 				return nil
-			} else {
+			default:
 				last = why
 			}
 		}

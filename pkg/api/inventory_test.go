@@ -49,6 +49,8 @@ func TestInventoryOf(t *testing.T) {
 			`node label gpufrac.io/gpu-memory-reserve-mib="81559" must be a number of MiB from 0 to below the GPU's 81559`},
 		{"not ready", node("8", full(), corev1.ConditionFalse), h100, false,
 			"node condition gpu-fractioning.nvidia.com/Ready is False (NoDriver: driver 550)"},
+		{"closed to new fractions, ready otherwise", node("8", with(LabelFractionsClosed, "mps-replace"), corev1.ConditionTrue), h100, false,
+			"node is closed to new fractions (label gpufrac.io/fractions-closed=mps-replace): its shares are being drained, e.g. for a replacement of its MPS daemon (gpufrac mps-replace)"},
 		{"no condition", node("8", full(), ""), h100, false,
 			"node does not report the condition gpu-fractioning.nvidia.com/Ready (is the gpufrac node agent running?)"},
 	} {

@@ -74,7 +74,7 @@ const DefaultReservationNamespace = "gpufrac-reservations"
 // another namespace than its own.
 const LabelReservationNamespace = "gpufrac.io/reservation-namespace"
 
-// LabelFractionsClosed, on a node, closes it to new fractions: the
+// LabelFractionsClosed closes the node that carries it to new fractions: the
 // scheduler places none there (Inventory), the node agent reports its
 // readiness condition False for every other scheduler (KAI's reads it) and
 // offers no DRA shares. Running shares are not touched by the label itself.

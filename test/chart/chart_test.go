@@ -931,3 +931,27 @@ func onlyScratch(volumes []corev1.Volume) bool {
 	}
 	return len(volumes) == 1
 }
+
+// With nodeAgent.yieldToDriverUpgrade (default), both node DaemonSets step
+// off a node while the GPU Operator replaces its driver (its upgrade
+// controller's state label at pod-restart-required or
+// validation-required), so that neither holds the driver; off, they stay.
+func TestNodePodsYieldToDriverUpgrades(t *testing.T) {
+	for _, tc := range []struct {
+		set  []string
+		want bool
+	}{{nil, true}, {[]string{"--set", "nodeAgent.yieldToDriverUpgrade=false"}, false}} {
+		objs := mustRender(t, tc.set...)
+		for _, name := range []string{"gpufrac-node-agent", "gpufrac-mps"} {
+			ds := find(objs, "DaemonSet", "gpufrac-system", name)
+			terms, _, _ := unstructured.NestedSlice(ds.Object, "spec", "template", "spec", "affinity", "nodeAffinity",
+				"requiredDuringSchedulingIgnoredDuringExecution", "nodeSelectorTerms")
+			got := fmt.Sprint(terms)
+			yields := strings.Contains(got, "key:nvidia.com/gpu-driver-upgrade-state") && strings.Contains(got, "operator:NotIn") &&
+				strings.Contains(got, "values:[pod-restart-required validation-required]")
+			if yields != tc.want {
+				t.Errorf("%v: DaemonSet %s steps aside for a driver upgrade: %v, want %v (node selector terms %s)", tc.set, name, yields, tc.want, got)
+			}
+		}
+	}
+}

@@ -39,6 +39,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -48,6 +49,7 @@ import (
 	nodev1 "k8s.io/api/node/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -55,6 +57,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/node/enforce"
+	"github.com/gpufrac/gpufrac/pkg/node/mps"
 	"github.com/gpufrac/gpufrac/pkg/node/mps/mpstest"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 )
@@ -87,12 +90,14 @@ func TestMain(m *testing.M) {
 
 func startChartNode() (*node, error) {
 	n, err := newNode("bin/kube/kube-apiserver", "bin/kube/etcd", "bin/kube/kube-controller-manager", "bin/kube/kube-proxy",
-		"bin/helm", "bin/image/gpufrac.oci.tar", "bin/node/nvidia-container-runtime")
+		"bin/helm", "bin/image/gpufrac.oci.tar", "bin/image/next/gpufrac.oci.tar", "bin/node/nvidia-container-runtime")
 	if err != nil {
 		return n, err
 	}
 	n.nvml = fakeNVMLDir
-	n.images = append(n.images, filepath.Join(n.repo, "bin", "image", "gpufrac.oci.tar"))
+	// The image, and the same one under the tag <appVersion>-next with
+	// another digest (make chart-e2e): what helm upgrade moves to.
+	n.images = append(n.images, filepath.Join(n.repo, "bin", "image", "gpufrac.oci.tar"), filepath.Join(n.repo, "bin", "image", "next", "gpufrac.oci.tar"))
 	return n, n.runSteps([]step{
 		{"etcd, kube-apiserver (package controlplane: client certificates, Node+RBAC)", n.startAPIServer},
 		{"kube-controller-manager, default scheduler", n.startControllers},
@@ -161,6 +166,9 @@ var chartControllers = []string{
 	"root-ca-certificate-publisher-controller", "endpointslice-controller", "garbage-collector-controller", "namespace-controller",
 	// Takes off the not-ready taint the API server puts on a new node.
 	"node-lifecycle-controller",
+	// Computes what each PodDisruptionBudget allows, which the Eviction
+	// API reads (without it every budget refuses, "still being processed").
+	"disruption-controller",
 }
 
 func (n *node) startControllers() error {
@@ -284,6 +292,10 @@ func (n *node) helmValues() []string {
 		"--set", "nodeAgent.nriSocketDir=" + filepath.Dir(n.nriSocket()),
 		"--set", "nodeAgent.podResourcesDir=" + filepath.Dir(n.podResourcesSocket()),
 		"--set", "nodeAgent.publishGPULabels=true",
+		// A shorter resync than the default 30s: the tests wait for the
+		// agent's resyncs (its readiness, what it does to stale
+		// containers), and the suite runs on two cores in CI.
+		"--set", "nodeAgent.resyncPeriod=10s",
 	}
 }
 
@@ -540,22 +552,32 @@ func agentPod(t *testing.T) *corev1.Pod {
 // The chart's pods serve their health endpoints as the kubelet probes
 // them: checked through the pod network, as a user's kubectl would.
 func TestChartPodsAreReady(t *testing.T) {
-	pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
+	// helm install --wait does not wait for a DaemonSet that updates
+	// OnDelete (the MPS daemon's), whose readiness probe may not have run
+	// yet: give every pod a probe period or two.
+	var pods *corev1.PodList
+	if err := waitFor("every pod of the release Ready", time.Minute, func() (bool, error) {
+		var err error
+		pods, err = theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, p := range pods.Items {
+			if !slices.ContainsFunc(p.Status.Conditions, func(c corev1.PodCondition) bool {
+				return c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue
+			}) {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Errorf("%v: %s", err, theNode.describeRelease())
 	}
 	components := map[string]int{}
 	for _, p := range pods.Items {
-		ready := false
-		for _, c := range p.Status.Conditions {
-			ready = ready || (c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue)
-		}
-		if !ready {
-			t.Errorf("pod %s is not Ready: %s", p.Name, theNode.describeRelease())
-		}
 		components[strings.TrimPrefix(p.Labels["app.kubernetes.io/name"], release+"-")]++
 	}
-	for c, want := range map[string]int{"scheduler": 2, "webhook": 2, "node-agent": 1} {
+	for c, want := range map[string]int{"scheduler": 2, "webhook": 2, "node-agent": 1, "mps": 1} {
 		if components[c] != want {
 			t.Errorf("%d %s pods, want %d (the chart's defaults): %v", components[c], c, want, components)
 		}
@@ -632,8 +654,9 @@ func TestChartPodsRunWithLeastPrivilege(t *testing.T) {
 	}
 	seen := map[string]bool{}
 	for _, p := range pods.Items {
-		if p.Spec.HostNetwork || p.Spec.HostIPC || (p.Spec.HostPID != strings.HasSuffix(p.Labels["app.kubernetes.io/name"], "node-agent")) {
-			t.Errorf("pod %s: hostNetwork %v, hostIPC %v, hostPID %v; only the node agent's pod shares one of the host's namespaces (PID)", p.Name, p.Spec.HostNetwork, p.Spec.HostIPC, p.Spec.HostPID)
+		name := p.Labels["app.kubernetes.io/name"]
+		if p.Spec.HostNetwork || p.Spec.HostIPC || (p.Spec.HostPID != (strings.HasSuffix(name, "-node-agent") || strings.HasSuffix(name, "-mps"))) {
+			t.Errorf("pod %s: hostNetwork %v, hostIPC %v, hostPID %v; only the node agent's and the MPS daemon's pods share one of the host's namespaces (PID)", p.Name, p.Spec.HostNetwork, p.Spec.HostIPC, p.Spec.HostPID)
 		}
 		for _, s := range p.Status.ContainerStatuses {
 			w, ok := want[s.Name]
@@ -854,28 +877,6 @@ func waitGone(t *testing.T, pod *corev1.Pod, why string) {
 	}
 }
 
-// The agent's pod deleted as a user would (kubectl delete pod) comes back
-// from its DaemonSet, and the node takes fractions again. The pod's MPS
-// daemon went with it: a fractional pod already running, an MPS client of
-// the old daemon, is evicted, as the chart README says, and one placed
-// afterwards runs with its limits.
-func TestAgentPodDeletedComesBack(t *testing.T) {
-	createPod(t, "before", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
-	before := running(t, "before")
-	checkLimits(t, before, assignment(t, before, "main"), theNode.probeReport(t, before, "main"))
-
-	old := agentPod(t)
-	if err := theNode.admin.CoreV1().Pods(releaseNS).Delete(context.Background(), old.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	replacedAgent(t, old)
-	waitGone(t, before, "evicted: its MPS daemon is gone")
-
-	createPod(t, "after", map[string]string{"gpu-memory": "2048"}, probe("main", nil))
-	after := running(t, "after")
-	checkLimits(t, after, assignment(t, after, "main"), theNode.probeReport(t, after, "main"))
-}
-
 // A fractional container that starts while the node has no agent (the
 // DaemonSet's pod is gone: here GPU Feature Discovery's label was taken
 // off, as a driver upgrade does) runs without its adjustment, since the
@@ -936,16 +937,317 @@ func TestContainerStartedWithoutTheAgentIsStopped(t *testing.T) {
 	waitGone(t, unadjusted, "evicted: it runs without its limits")
 }
 
-// helm upgrade with a changed value rolls the agent's DaemonSet: the new
-// pod runs with the value, and the node's fractional pods, MPS clients of
-// the replaced daemon, are evicted, as the chart README says.
-func TestHelmUpgradeRollsTheAgent(t *testing.T) {
-	createPod(t, "upgraded", map[string]string{"gpu-memory": "4096"}, probe("main", nil))
-	pod := running(t, "upgraded")
+// mpsRoot is the chart's nodeAgent.mpsPipeDir, the node's own /run.
+const mpsRoot = "/run/gpufrac/mps"
+
+// startShares runs a time-slicing and an sm-sharing share, each under a
+// PodDisruptionBudget that allows no disruption: what an upgrade or a
+// restart of gpufrac must leave running.
+func startShares(t *testing.T, prefix string) []string {
+	t.Helper()
+	names := []string{prefix + "-ts", prefix + "-sm"}
+	createPod(t, names[0], map[string]string{"gpu-memory": "2048"}, probe("main", nil))
+	createPod(t, names[1], map[string]string{"gpu-memory": "2048", api.KeyComputeSharingMode: string(api.SMSharing)}, probe("main", nil))
+	for _, n := range names {
+		pod := running(t, n)
+		checkLimits(t, pod, assignment(t, pod, "main"), theNode.probeReport(t, pod, "main"))
+		pinPod(t, n)
+	}
+	return names
+}
+
+// identity is what a pod that was neither deleted nor restarted keeps:
+// its UID, and its containers' IDs and restart counts.
+func identity(t *testing.T, name string) string {
+	t.Helper()
+	p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		return "gone: " + err.Error()
+	}
+	if p.DeletionTimestamp != nil {
+		return "being deleted"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "uid %s", p.UID)
+	for _, c := range p.Status.ContainerStatuses {
+		fmt.Fprintf(&b, "; %s %s restarts %d running %v", c.Name, c.ContainerID, c.RestartCount, c.State.Running != nil)
+	}
+	return b.String()
+}
+
+func identities(t *testing.T, names []string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for _, n := range names {
+		out[n] = identity(t, n)
+	}
+	return out
+}
+
+// daemonStatus is the node's MPS daemon as its supervisor records it.
+func daemonStatus(t *testing.T) mps.Status {
+	t.Helper()
+	st, err := mps.ReadStatus(mpsRoot)
+	if err != nil || !st.Running {
+		t.Fatalf("the node's MPS daemon: %+v, %v", st, err)
+	}
+	return st
+}
+
+// waitResyncs waits until the node agent has published its node n more
+// times: what it does to stale containers it does at a resync.
+func waitResyncs(t *testing.T, n int) {
+	t.Helper()
+	heartbeat := func() time.Time {
+		node, err := theNode.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+		if err != nil {
+			return time.Time{}
+		}
+		c, _ := api.FractioningCondition(node)
+		return c.LastHeartbeatTime.Time
+	}
+	last := heartbeat()
+	for i := 0; i < n; i++ {
+		if err := waitFor("the node agent's next resync", 2*time.Minute, func() (bool, error) {
+			h := heartbeat()
+			if h.After(last) {
+				last = h
+				return true, nil
+			}
+			return false, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// checkUntouched: after one more resync of the agent (the first, which
+// judges every running container, made the node ready), every share is the
+// same pod with the same containers, none restarted, its limits still what
+// the driver (the fake NVML) holds, on the same MPS daemon process.
+func checkUntouched(t *testing.T, what string, before map[string]string, daemon mps.Status) {
+	t.Helper()
+	waitResyncs(t, 1)
+	for name, was := range before {
+		if now := identity(t, name); now != was {
+			t.Errorf("%s: pod %s changed: was %s, now %s", what, name, was, now)
+			continue
+		}
+		pod := getPod(t, name)
+		checkLimits(t, pod, assignment(t, pod, "main"), theNode.probeReport(t, pod, "main"))
+	}
+	if now := daemonStatus(t); now.PID != daemon.PID || now.Generation != daemon.Generation {
+		t.Errorf("%s: the MPS daemon was replaced: pid %d generation %d, was pid %d generation %d (%s)", what, now.PID, now.Generation, daemon.PID, daemon.Generation, now.LastExit)
+	}
+}
+
+// newShareEnforced: a share placed now runs with its limits.
+func newShareEnforced(t *testing.T, name string) {
+	t.Helper()
+	createPod(t, name, map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	pod := running(t, name)
+	checkLimits(t, pod, assignment(t, pod, "main"), theNode.probeReport(t, pod, "main"))
+}
+
+// The node agent's pod deleted as a user would (kubectl delete pod) comes
+// back from its DaemonSet, and its container killed (SIGKILL, as the
+// kernel's OOM killer ends it) is restarted by the kubelet: either way the
+// node's running shares are untouched (no pod deleted or restarted, the
+// same MPS daemon, their limits in force), and a share placed afterwards
+// is enforced. The MPS daemon is a DaemonSet of its own; the new agent
+// adopts it.
+func TestAgentRestartsKillNobody(t *testing.T) {
+	names := startShares(t, "restart")
+	before, daemon := identities(t, names), daemonStatus(t)
+
 	old := agentPod(t)
+	if err := theNode.admin.CoreV1().Pods(releaseNS).Delete(context.Background(), old.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	agent := replacedAgent(t, old)
+	checkUntouched(t, "agent pod deleted", before, daemon)
+
+	var id string
+	var restarts int32
+	for _, c := range agent.Status.ContainerStatuses {
+		if c.Name == "agent" {
+			_, id, _ = strings.Cut(c.ContainerID, "://")
+			restarts = c.RestartCount
+		}
+	}
+	if err := syscall.Kill(containerProcess(t, id), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitFor("the agent container restarted", 2*time.Minute, func() (bool, error) {
+		p, err := theNode.admin.CoreV1().Pods(releaseNS).Get(context.Background(), agent.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range p.Status.ContainerStatuses {
+			if c.Name == "agent" && c.RestartCount > restarts && c.Ready {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := theNode.waitFractionReady(2 * time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	checkUntouched(t, "agent container killed", before, daemon)
+	newShareEnforced(t, "restart-after")
+}
+
+// mpsReplace runs gpufrac mps-replace on the node as an operator would.
+func mpsReplace(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(theNode.repo, "bin", "gpufrac"), append([]string{"mps-replace", nodeName, "--kubeconfig", theNode.kubeconfig,
+		"-n", releaseNS, "--selector", "app.kubernetes.io/name=" + release + "-mps", "--poll", "1s"}, args...)...)
+	out, err := cmd.CombinedOutput()
+	t.Logf("gpufrac mps-replace %v:\n%s", args, out)
+	return string(out), err
+}
+
+// Replacing the node's MPS daemon is a drain: gpufrac mps-replace closes
+// the node to fractions, evicts its shares as their disruption budgets
+// allow (one without a budget goes, one whose budget refuses stays, and
+// the command fails at its deadline naming it, leaving the daemon and the
+// node closed), touches no other pod, and once the budget allows it
+// replaces the daemon and reopens the node, where a share placed while it
+// was closed now runs enforced.
+func TestMPSReplaceDrainsByBudget(t *testing.T) {
+	ctx := context.Background()
+	createPod(t, "drain-free", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	createPod(t, "drain-pinned", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	createPod(t, "drain-plain", nil, probe("main", nil))
+	for _, n := range []string{"drain-free", "drain-pinned", "drain-plain"} {
+		running(t, n)
+	}
+	free := getPod(t, "drain-free")
+	pinPod(t, "drain-pinned")
+	kept := identities(t, []string{"drain-pinned", "drain-plain"})
+	daemon := daemonStatus(t)
+
+	out, err := mpsReplace(t, "--timeout", "20s")
+	if err == nil {
+		t.Fatal("mps-replace succeeded with a share its budget refuses to evict")
+	}
+	if !strings.Contains(out, ns+"/drain-pinned") || !strings.Contains(out, "disruption budget") {
+		t.Errorf("mps-replace does not name the share its budget holds: %s", out)
+	}
+	waitGone(t, free, "evicted by mps-replace")
+	for name, was := range kept {
+		if now := identity(t, name); now != was {
+			t.Errorf("pod %s changed while its budget refused: was %s, now %s", name, was, now)
+		}
+	}
+	if now := daemonStatus(t); now.PID != daemon.PID {
+		t.Errorf("the MPS daemon was replaced with a share left on it (pid %d, was %d)", now.PID, daemon.PID)
+	}
+	// Closed: a share created now is not placed on the node.
+	createPod(t, "drain-late", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	if err := waitFor("drain-late held back: the node is closed", time.Minute, func() (bool, error) {
+		p := getPod(t, "drain-late")
+		if p.Spec.NodeName != "" {
+			return false, fmt.Errorf("placed on the closed node %s", p.Spec.NodeName)
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, "closed to new fractions") {
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Error(err)
+	}
+
+	// The budget's owner lets it go.
+	if err := theNode.admin.PolicyV1().PodDisruptionBudgets(ns).Delete(ctx, "drain-pinned", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pinned := getPod(t, "drain-pinned")
+	if _, err := mpsReplace(t, "--timeout", "2m"); err != nil {
+		t.Fatal(err)
+	}
+	waitGone(t, pinned, "evicted by mps-replace")
+	if now := identity(t, "drain-plain"); now != kept["drain-plain"] {
+		t.Errorf("mps-replace touched a pod that holds no share: was %s, now %s", kept["drain-plain"], now)
+	}
+	if now := daemonStatus(t); now.PID == daemon.PID || now.Generation == daemon.Generation {
+		t.Errorf("the MPS daemon was not replaced: %+v", now)
+	}
+	node, err := theNode.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if by, closed := api.FractionsClosed(node.Labels); closed {
+		t.Errorf("the node is still closed (%s) after mps-replace succeeded", by)
+	}
+	late := running(t, "drain-late")
+	checkLimits(t, late, assignment(t, late, "main"), theNode.probeReport(t, late, "main"))
+}
+
+// createdThrough is what happened to pods created one after another while
+// the scheduler and the webhook were upgraded.
+type createdThrough struct {
+	names          []string
+	created, error int
+	errors         []string
+}
+
+// createWhile creates a fraction every interval until stop closes, as a
+// client would (no retries of its own beyond client-go's).
+func createWhile(stop <-chan struct{}, interval time.Duration) createdThrough {
+	var r createdThrough
+	off := false
+	for i := 0; ; i++ {
+		select {
+		case <-stop:
+			return r
+		case <-time.After(interval):
+		}
+		name := fmt.Sprintf("through-%d", i)
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: map[string]string{"gpu-memory": "256"}},
+			Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever, Containers: []corev1.Container{probe("main", nil)},
+				AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2)), SecurityContext: tenantUser()}}
+		r.created++
+		if _, err := theNode.admin.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+			r.error++
+			r.errors = append(r.errors, err.Error())
+			continue
+		}
+		r.names = append(r.names, name)
+	}
+}
+
+// helm upgrade to an image of another digest, with a changed node-agent
+// value, rolls the agent, the scheduler and the webhook, and kills nobody:
+// the node's shares (under budgets allowing no disruption) are the same
+// pods and containers, unrestarted, on the same MPS daemon (its DaemonSet
+// is OnDelete), their limits in force; the new agent runs with the value;
+// fractions created all through the upgrade are admitted and placed; and
+// a share placed afterwards is enforced.
+func TestHelmUpgradeRollsTheAgent(t *testing.T) {
+	names := startShares(t, "upgrade")
+	before, daemon := identities(t, names), daemonStatus(t)
+	old := agentPod(t)
+	oldMPS := mpsPod(t)
+	image := old.Spec.Containers[0].Image
+	_, tag, _ := strings.Cut(image, ":")
+
+	stop := make(chan struct{})
+	loop := make(chan createdThrough, 1)
+	go func() { loop <- createWhile(stop, time.Second) }()
 	args := append([]string{"upgrade", release, filepath.Join(theNode.repo, "deploy", "helm", "gpufrac"), "-n", releaseNS, "--wait", "--timeout", "3m"},
-		append(theNode.helmValues(), "--set", "nodeAgent.resyncPeriod=20s")...)
-	if _, err := theNode.helm(args...); err != nil {
+		append(theNode.helmValues(), "--set", "nodeAgent.resyncPeriod=20s", "--set", "image.tag="+tag+"-next")...)
+	_, err := theNode.helm(args...)
+	close(stop)
+	through := <-loop
+	for _, n := range through.names {
+		t.Cleanup(func() { deletePod(t, n) })
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 	agent := replacedAgent(t, old)
@@ -953,10 +1255,122 @@ func TestHelmUpgradeRollsTheAgent(t *testing.T) {
 	for _, c := range agent.Spec.Containers {
 		if c.Name == "agent" {
 			flags = c.Args
+			if c.Image == image {
+				t.Errorf("the new agent runs the old image %s", c.Image)
+			}
 		}
 	}
 	if !slices.Contains(flags, "--resync-period=20s") {
 		t.Errorf("the new agent runs with %v, not the upgraded value", flags)
 	}
-	waitGone(t, pod, "evicted: its MPS daemon was replaced")
+	// The scheduler and the webhook rolled too (the image changed): the
+	// fractions above were created and placed through their roll.
+	for _, name := range []string{release + "-scheduler", release + "-webhook"} {
+		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range pods.Items {
+			if p.DeletionTimestamp == nil && p.Spec.Containers[0].Image == image {
+				t.Errorf("%s pod %s still runs the old image %s after the upgrade", name, p.Name, image)
+			}
+		}
+	}
+	if now := mpsPod(t); now.UID != oldMPS.UID {
+		t.Errorf("helm upgrade replaced the MPS daemon's pod (%s, was %s)", now.Name, oldMPS.Name)
+	}
+	checkUntouched(t, "helm upgrade", before, daemon)
+
+	// Placed and running, each still the pod created: none deleted (a
+	// container created while no agent served would start unadjusted,
+	// and be deleted by the next agent).
+	placed, lost := 0, map[string]string{}
+	if err := waitFor("the pods created through the upgrade placed", 3*time.Minute, func() (bool, error) {
+		placed, lost = 0, map[string]string{}
+		for _, n := range through.names {
+			p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), n, metav1.GetOptions{})
+			switch {
+			case err != nil:
+				lost[n] = err.Error()
+			case p.DeletionTimestamp != nil:
+				lost[n] = "being deleted"
+			case p.Spec.NodeName != "":
+				placed++
+			}
+		}
+		return placed+len(lost) == len(through.names), nil
+	}); err != nil {
+		t.Error(err)
+	}
+	t.Logf("pods created through helm upgrade: %d created, %d admitted, %d placed, %d failed %v, %d lost %v", through.created, len(through.names), placed, through.error, through.errors, len(lost), lost)
+	if through.error > 0 || len(lost) > 0 {
+		t.Errorf("%d of %d creations failed during the upgrade (%v), %d pods lost (%v)", through.error, through.created, through.errors, len(lost), lost)
+	}
+	for _, n := range through.names {
+		deletePod(t, n)
+	}
+	newShareEnforced(t, "upgrade-after")
+}
+
+// mpsPod is the node's MPS daemon pod, once Running.
+func mpsPod(t *testing.T) *corev1.Pod {
+	t.Helper()
+	var pod *corev1.Pod
+	if err := waitFor("the MPS daemon's pod Running", 2*time.Minute, func() (bool, error) {
+		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + release + "-mps"})
+		if err != nil {
+			return false, err
+		}
+		for i, p := range pods.Items {
+			if p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning {
+				pod = &pods.Items[i]
+				return true, nil
+			}
+		}
+		return false, nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, theNode.describeRelease())
+	}
+	return pod
+}
+
+// The GPU Operator's upgrade controller at pod-restart-required (the
+// node's driver pod is being replaced, and its driver manager unloads the
+// modules): the node agent's and the MPS daemon's pods leave the node, as
+// the operator's own operands do, so that neither holds the driver. At
+// uncordon-required both are back, the node takes fractions again, and a
+// share placed then is enforced.
+func TestDriverUpgradeStepsAside(t *testing.T) {
+	ctx := context.Background()
+	setState := func(state string) {
+		t.Helper()
+		v := "null"
+		if state != "" {
+			v = strconv.Quote(state)
+		}
+		patch := []byte(`{"metadata":{"labels":{"nvidia.com/gpu-driver-upgrade-state":` + v + `}}}`)
+		if _, err := theNode.admin.CoreV1().Nodes().Patch(ctx, nodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { setState("") })
+	oldAgent, oldMPS := agentPod(t), mpsPod(t)
+	setState("pod-restart-required")
+	if err := waitFor("the agent's and the MPS daemon's pods gone from the node", 2*time.Minute, func() (bool, error) {
+		for _, name := range []string{release + "-node-agent", release + "-mps"} {
+			pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + name})
+			if err != nil || len(pods.Items) > 0 {
+				return false, err
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, theNode.describeRelease())
+	}
+	setState("uncordon-required")
+	replacedAgent(t, oldAgent)
+	if now := mpsPod(t); now.UID == oldMPS.UID {
+		t.Errorf("the MPS daemon's pod %s stayed through the driver's replacement", now.Name)
+	}
+	newShareEnforced(t, "after-driver")
 }

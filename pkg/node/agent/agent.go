@@ -87,6 +87,11 @@ type Options struct {
 	Injection    injection.Config
 	HealthAddr   string
 	ResyncPeriod time.Duration
+	// StopGrace is how long a stopping agent, its node already marked not
+	// ready, keeps serving the runtime: the containers of pods placed just
+	// before are still being created, and without the agent they would
+	// start unadjusted (and be stopped by the next agent). 0: none.
+	StopGrace time.Duration
 	// MetricsAddr serves /metrics over TLS to the callers MetricsAuth lets
 	// through; "" serves no metrics.
 	MetricsAddr string
@@ -172,6 +177,7 @@ func DefaultOptions() Options {
 		HealthAddr:   ":8082",
 		MetricsAddr:  ":8443",
 		ResyncPeriod: 30 * time.Second,
+		StopGrace:    5 * time.Second,
 		DRA:          DRAOptions{StandingGPUs: -1},
 	}
 }
@@ -209,9 +215,13 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := a.openState(ctx); err != nil {
 		return err
 	}
+	// What serves the runtime and the node outlives ctx by StopGrace (see
+	// the loop below).
+	serveCtx, stopServing := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopServing()
 	// The node's pods, listed before the NRI plugin's first audit (see
 	// enforce): a resized pod's containers are judged by its memory now.
-	pods := a.watchPods(ctx)
+	pods := a.watchPods(serveCtx)
 	a.startPlugin(pods)
 	if a.opts.DRA.Enabled {
 		stop, err := a.startDRA(ctx)
@@ -220,7 +230,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		defer stop()
 	}
-	wg := a.serve(ctx, pods)
+	wg := a.serve(serveCtx, pods)
 	a.markStarting(logger)
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
 	defer ticker.Stop()
@@ -229,6 +239,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			a.markStopped(logger)
+			// Schedulers place nothing more here; pods placed just before
+			// are having their containers created, through this agent
+			// while it still serves.
+			time.Sleep(a.opts.StopGrace)
+			stopServing()
 			wg.Wait()
 			a.plugin.WaitForEvictions()
 			return nil

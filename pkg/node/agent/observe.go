@@ -433,7 +433,7 @@ func (a *Agent) checkMPS(ctx context.Context, inv inventory.Inventory, invErr er
 		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon does not answer (%w); its supervisor's last word: %s", err, why)
 	}
 	if statusErr == nil && status.Protocol != want {
-		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: restart the node agent's mps container", status.Protocol, major, want)
+		return nodeapi.MPSNone, fmt.Errorf("the MPS control daemon speaks %q, and driver r%d needs %q: replace the node's MPS daemon (gpufrac mps-replace NODE drains the node first)", status.Protocol, major, want)
 	}
 	if statusErr == nil {
 		a.mu.Lock()

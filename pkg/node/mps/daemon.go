@@ -171,7 +171,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("mpsRoot", d.Root, "release", d.Release, "protocol", d.Protocol())
 	prev, _ := ReadStatus(d.Root)
 	// The last replacement's time survives the supervisor's restarts: the
-	// rate limit must not reset with the mps container.
+	// rate limit must not reset with the daemon's pod.
 	status := Status{Generation: prev.Generation, Protocol: d.Protocol(), Release: d.Release, Replaced: prev.Replaced}
 	args, err := d.prepare()
 	if err != nil {
@@ -261,7 +261,7 @@ func (d *Daemon) once(ctx context.Context, logger klog.Logger, args []string, st
 		case err := <-exited:
 			return fmt.Sprintf("exited: %v (its output is in %s)", errOrZero(err), filepath.Join(nodeapi.LogDir(d.Root), "daemon.out")), nil
 		case <-ctx.Done():
-			return fmt.Sprintf("stopped: its supervisor (the mps container) is shutting down (%s)", errOrZero(d.quit(stdin, cmd, exited))), nil
+			return fmt.Sprintf("stopped: its supervisor (the MPS daemon's pod) is shutting down (%s)", errOrZero(d.quit(stdin, cmd, exited))), nil
 		case <-probe.C:
 			if why, asked := replaceRequest(d.Root); asked {
 				if until := status.Replaced.Add(d.MinReplaceInterval); time.Now().Before(until) {
@@ -419,7 +419,7 @@ func (d *Daemon) writeStatus(logger klog.Logger, s Status) {
 }
 
 // ErrNoDaemon is the reason when no supervisor has ever run.
-var ErrNoDaemon = errors.New("no MPS control daemon has been started on this node (is the node agent's mps container running?)")
+var ErrNoDaemon = errors.New("no MPS control daemon has been started on this node (is the chart's <release>-mps DaemonSet's pod running on it?)")
 
 // processGone says whether a child has died: it is a zombie waiting to be
 // reaped, or no longer exists.

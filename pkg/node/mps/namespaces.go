@@ -4,8 +4,9 @@
 // memacct on, and one shared server whose namespaces are the sm-sharing
 // containers, each with its own active-thread ceiling.
 //
-// Daemon supervises that daemon (the node agent's mps container runs it, so
-// an agent restart does not end the tenants' contexts); Manager is the
+// Daemon supervises that daemon (a DaemonSet of its own runs it, never
+// rolled by an upgrade, so the node agent's upgrades and restarts do not
+// end the tenants' contexts); Manager is the
 // node agent's side: it creates each sm-sharing container's namespace
 // before the container starts, drains and deletes it at the end, and after
 // a daemon restart, which drops every runtime namespace, re-creates those

@@ -75,6 +75,10 @@ func TestCompute(t *testing.T) {
 			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "driver", api.LabelGPUMemoryReserve: "1024"}},
 		{"the heartbeat bound is published", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true, Heartbeat: 90 * time.Second}, nil,
 			corev1.ConditionTrue, ReasonReady, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "driver", api.LabelGPUMemoryReserve: "0", api.LabelAgentHeartbeat: "90"}},
+		{"closed to new fractions: not ready for other schedulers", State{Inventory: h100, Backend: nodeapi.BackendDriver, NRIRegistered: true}, map[string]string{api.LabelFractionsClosed: "mps-replace"},
+			corev1.ConditionFalse, ReasonClosed, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "driver"}},
+		{"closed, and not ready for a reason of its own: that reason", State{Inventory: h100, Backend: nodeapi.BackendDriver}, map[string]string{api.LabelFractionsClosed: "mps-replace"},
+			corev1.ConditionFalse, ReasonNRI, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "driver"}},
 		{"enforcement off, failing open", State{Inventory: h100, Backend: nodeapi.BackendOff, NRIRegistered: true, FailOpen: true}, nil,
 			corev1.ConditionTrue, ReasonFailOpen, map[string]string{LabelDriverVersion: "615.10.02", LabelCUDAVersion: "13.4", api.LabelMemoryEnforcement: "none"}},
 	}
