@@ -62,6 +62,9 @@ with no GPU, kubelet or container runtime.`,
 			if opts.ResyncPeriod < time.Second {
 				return fmt.Errorf("--resync-period %s must be at least 1s", opts.ResyncPeriod)
 			}
+			if opts.StopGrace < 0 || opts.StopGrace > 20*time.Second {
+				return fmt.Errorf("--stop-grace %s: must be from 0 to 20s (a pod's default termination grace period is 30s, and stopping takes more than the grace)", opts.StopGrace)
+			}
 			cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
 				&clientcmd.ClientConfigLoadingRules{ExplicitPath: kubeconfig}, &clientcmd.ConfigOverrides{}).ClientConfig()
 			if err != nil {

@@ -65,16 +65,35 @@ func Run(ctx context.Context, client kubernetes.Interface, opts Options) error {
 	if opts.Out == nil {
 		opts.Out = io.Discard
 	}
-	if _, err := client.CoreV1().Nodes().Get(ctx, opts.Node, metav1.GetOptions{}); err != nil {
+	node, err := client.CoreV1().Nodes().Get(ctx, opts.Node, metav1.GetOptions{})
+	if err != nil {
 		return fmt.Errorf("node %q: %w", opts.Node, err)
 	}
 	if opts.Reopen {
+		if by, closed := api.FractionsClosed(node.Labels); closed && by != ClosedBy {
+			return fmt.Errorf("node %s was closed to fractions by %q, not by mps-replace: remove the label %s yourself if you mean to reopen it", opts.Node, by, api.LabelFractionsClosed)
+		}
 		return reopen(ctx, client, opts)
 	}
+	if !opts.DrainOnly {
+		// Before anything is evicted: a wrong namespace or selector must
+		// not cost the tenants their pods.
+		pod, err := daemonPod(ctx, client, opts)
+		if err != nil {
+			return err
+		}
+		if pod == nil {
+			return fmt.Errorf("no MPS daemon pod on node %s (namespace %s, selector %s): nothing evicted; name the release's with -n and --selector", opts.Node, opts.Namespace, opts.Selector)
+		}
+	}
+	closedAt := time.Now()
 	if err := label(ctx, client, opts.Node, api.CloseToFractions(ClosedBy)); err != nil {
 		return fmt.Errorf("closing node %s to new fractions: %w", opts.Node, err)
 	}
 	fmt.Fprintf(opts.Out, "node %s: closed to new fractions (label %s=%s)\n", opts.Node, api.LabelFractionsClosed, ClosedBy)
+	if err := waitClosed(ctx, client, opts, closedAt); err != nil {
+		return err
+	}
 	if err := evictShares(ctx, client, opts); err != nil {
 		return err
 	}
@@ -171,7 +190,11 @@ func evictShares(ctx context.Context, client kubernetes.Interface, opts Options)
 			case apierrors.IsNotFound(err), apierrors.IsConflict(err):
 				// gone, or another pod of that name now
 			case apierrors.IsTooManyRequests(err):
-				blocked = append(blocked, fmt.Sprintf("%s/%s (%s)", p.Namespace, p.Name, reason(err)))
+				why, budget := reason(err)
+				if !budget {
+					why = "the API server asks to retry: " + why
+				}
+				blocked = append(blocked, fmt.Sprintf("%s/%s (%s)", p.Namespace, p.Name, why))
 			default:
 				return fmt.Errorf("evicting pod %s/%s: %w", p.Namespace, p.Name, err)
 			}
@@ -188,7 +211,7 @@ func evictShares(ctx context.Context, client kubernetes.Interface, opts Options)
 			slices.Sort(names)
 			msg := fmt.Sprintf("node %s: %d share(s) still on the node after %s: %s", opts.Node, len(left), opts.Timeout, strings.Join(names, ", "))
 			if len(blocked) > 0 {
-				msg += "; refused by their disruption budget: " + strings.Join(blocked, ", ")
+				msg += "; evictions refused: " + strings.Join(blocked, ", ")
 			}
 			return errors.New(msg + "; the MPS daemon was not replaced, and the node stays closed to new fractions (run again, or --reopen)")
 		}
@@ -200,16 +223,63 @@ func evictShares(ctx context.Context, client kubernetes.Interface, opts Options)
 	}
 }
 
-// reason is the API server's word on a refused eviction.
-func reason(err error) string {
+// reason is the API server's word on a refused eviction, and whether a
+// disruption budget refused it (429 is also the API server's throttling).
+func reason(err error) (string, bool) {
 	var status apierrors.APIStatus
-	if errors.As(err, &status) {
-		if s := status.Status(); s.Details != nil && len(s.Details.Causes) > 0 {
-			return s.Details.Causes[0].Message
-		}
-		return status.Status().Message
+	if !errors.As(err, &status) {
+		return err.Error(), false
 	}
-	return err.Error()
+	s := status.Status()
+	if s.Details != nil {
+		for _, c := range s.Details.Causes {
+			if c.Type == policyv1.DisruptionBudgetCause {
+				return c.Message, true
+			}
+		}
+	}
+	return s.Message, false
+}
+
+// waitClosed waits until the node agent has seen the closure: schedulers
+// other than gpufrac's read its readiness condition, and it offers no DRA
+// share once it has. Seen: its condition says ClosedToFractions, or (not
+// ready for a reason of its own, which then shows) it has published twice
+// since. An agent older than 0.2.0 never does: then the node must be
+// cordoned, which closes it to every new pod.
+func waitClosed(ctx context.Context, client kubernetes.Interface, opts Options, closedAt time.Time) error {
+	deadline := time.Now().Add(opts.ReadyTimeout)
+	var beats []time.Time
+	for {
+		n, err := client.CoreV1().Nodes().Get(ctx, opts.Node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if n.Spec.Unschedulable {
+			return nil
+		}
+		if c, ok := api.FractioningCondition(n); ok {
+			hb := c.LastHeartbeatTime.Time
+			if c.Reason == publish.ReasonClosed && !hb.Before(closedAt.Truncate(time.Second)) {
+				return nil
+			}
+			if hb.After(closedAt) && !slices.ContainsFunc(beats, hb.Equal) {
+				beats = append(beats, hb)
+			}
+			if len(beats) >= 2 {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("node %s: its node agent did not confirm the closure within %s (an agent older than 0.2.0 does not read %s: cordon the node, kubectl cordon %s, and run this again); nothing evicted, the node stays labelled closed",
+				opts.Node, opts.ReadyTimeout, api.LabelFractionsClosed, opts.Node)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(opts.Poll):
+		}
+	}
 }
 
 // replaceDaemon deletes the node's MPS daemon pod and waits for its
@@ -223,6 +293,14 @@ func replaceDaemon(ctx context.Context, client kubernetes.Interface, opts Option
 	}
 	if old == nil {
 		return fmt.Errorf("no MPS daemon pod on node %s (namespace %s, selector %s)", opts.Node, opts.Namespace, opts.Selector)
+	}
+	// Once more, just before: nothing may be left on the daemon.
+	left, err := shares(ctx, client, opts.Node)
+	if err != nil {
+		return fmt.Errorf("listing node %s's shares before replacing its MPS daemon: %w", opts.Node, err)
+	}
+	if len(left) > 0 {
+		return fmt.Errorf("node %s: %d share(s) appeared after the drain (%s/%s first): the MPS daemon was not replaced", opts.Node, len(left), left[0].Namespace, left[0].Name)
 	}
 	if err := client.CoreV1().Pods(old.Namespace).Delete(ctx, old.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &old.UID}}); err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("deleting the MPS daemon pod %s/%s: %w", old.Namespace, old.Name, err)

@@ -1281,11 +1281,11 @@ func TestHelmUpgradeRollsTheAgent(t *testing.T) {
 	}
 	checkUntouched(t, "helm upgrade", before, daemon)
 
-	// Placed and running, each still the pod created: none deleted (a
-	// container created while no agent served would start unadjusted,
-	// and be deleted by the next agent).
+	// Placed and running, each still the pod created, also after one more
+	// resync of the new agent: none deleted (a container created while no
+	// agent served would start unadjusted, and be deleted by the next).
 	placed, lost := 0, map[string]string{}
-	if err := waitFor("the pods created through the upgrade placed", 3*time.Minute, func() (bool, error) {
+	count := func() (bool, error) {
 		placed, lost = 0, map[string]string{}
 		for _, n := range through.names {
 			p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), n, metav1.GetOptions{})
@@ -1294,15 +1294,20 @@ func TestHelmUpgradeRollsTheAgent(t *testing.T) {
 				lost[n] = err.Error()
 			case p.DeletionTimestamp != nil:
 				lost[n] = "being deleted"
-			case p.Spec.NodeName != "":
+			case p.Status.Phase == corev1.PodRunning:
 				placed++
 			}
 		}
 		return placed+len(lost) == len(through.names), nil
-	}); err != nil {
+	}
+	if err := waitFor("the pods created through the upgrade placed and running", 3*time.Minute, count); err != nil {
 		t.Error(err)
 	}
-	t.Logf("pods created through helm upgrade: %d created, %d admitted, %d placed, %d failed %v, %d lost %v", through.created, len(through.names), placed, through.error, through.errors, len(lost), lost)
+	waitResyncs(t, 1)
+	if done, err := count(); !done || err != nil {
+		t.Errorf("after one more resync of the agent: %d of %d running, lost %v (%v)", placed, len(through.names), lost, err)
+	}
+	t.Logf("pods created through helm upgrade: %d created, %d admitted, %d placed and running, %d failed %v, %d lost %v", through.created, len(through.names), placed, through.error, through.errors, len(lost), lost)
 	if through.error > 0 || len(lost) > 0 {
 		t.Errorf("%d of %d creations failed during the upgrade (%v), %d pods lost (%v)", through.error, through.created, through.errors, len(lost), lost)
 	}

@@ -193,10 +193,16 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 }
 
 // Run works until ctx ends, then marks the node not ready for fractions
-// (nothing injects limits while the agent is away) and returns.
+// (nothing injects limits while the agent is away), serves the runtime
+// StopGrace more, and returns.
 func (a *Agent) Run(ctx context.Context) error {
 	logger := klog.FromContext(ctx).WithValues("node", a.opts.NodeName)
-	ctx = klog.NewContext(ctx, logger)
+	// Everything the agent serves (the runtime, the kubelet's DRA plugin
+	// registration, Events, the pods' watch) outlives the stop request by
+	// StopGrace (see the loop below).
+	stopRequested := ctx.Done()
+	ctx, stopServing := context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), logger))
+	defer stopServing()
 	if err := os.MkdirAll(a.opts.StateDir, 0o750); err != nil {
 		return fmt.Errorf("state directory %s: %w", a.opts.StateDir, err)
 	}
@@ -215,13 +221,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := a.openState(ctx); err != nil {
 		return err
 	}
-	// What serves the runtime and the node outlives ctx by StopGrace (see
-	// the loop below).
-	serveCtx, stopServing := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopServing()
 	// The node's pods, listed before the NRI plugin's first audit (see
 	// enforce): a resized pod's containers are judged by its memory now.
-	pods := a.watchPods(serveCtx)
+	pods := a.watchPods(ctx)
 	a.startPlugin(pods)
 	if a.opts.DRA.Enabled {
 		stop, err := a.startDRA(ctx)
@@ -230,14 +232,14 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		defer stop()
 	}
-	wg := a.serve(serveCtx, pods)
+	wg := a.serve(ctx, pods)
 	a.markStarting(logger)
 	ticker := time.NewTicker(a.opts.ResyncPeriod)
 	defer ticker.Stop()
 	for {
 		a.resync(ctx)
 		select {
-		case <-ctx.Done():
+		case <-stopRequested:
 			a.markStopped(logger)
 			// Schedulers place nothing more here; pods placed just before
 			// are having their containers created, through this agent

@@ -70,6 +70,10 @@ func takeReplaceRequest(root string) (string, bool) {
 	return why, ok
 }
 
+// WaitingPath is where a supervisor that waits for a daemon it did not
+// start (on its pipe directory) says so; it is gone once its own runs.
+func WaitingPath(root string) string { return filepath.Join(root, "supervisor-waiting") }
+
 // StatusPath is where the supervisor writes its Status under root.
 func StatusPath(root string) string { return filepath.Join(root, "daemon.json") }
 
@@ -187,10 +191,13 @@ func (d *Daemon) Run(ctx context.Context) error {
 		// directory (an upgrade from 0.1.0, whose daemon ran in the node
 		// agent's pod, until that pod is rolled): a second one there would
 		// take over its socket under its clients. Wait for it to end.
+		// The status file stays that daemon's supervisor's: this one says
+		// why it waits in a file of its own (WaitingPath).
 		if err := d.control().Ping(ctx); err == nil {
-			status.Running, status.PID = false, 0
-			status.LastExit = "waiting: another MPS control daemon answers on " + nodeapi.PipeDir(d.Root) + " (one this supervisor did not start); it starts once that one ends"
-			d.writeStatus(logger, status)
+			why := "another MPS control daemon answers on " + nodeapi.PipeDir(d.Root) + " (one this supervisor did not start); this one starts once that one ends"
+			if err := statefile.Write(WaitingPath(d.Root), []byte(why)); err != nil {
+				logger.Error(err, "Cannot record why the supervisor waits")
+			}
 			logger.Info("Another MPS control daemon answers on the pipe directory; waiting for it to end", "after", d.MaxBackoff)
 			select {
 			case <-ctx.Done():
@@ -199,6 +206,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 			}
 			continue
 		}
+		_ = os.Remove(WaitingPath(d.Root))
 		started := time.Now()
 		status.Generation++
 		reason, err := d.once(ctx, logger, args, &status)
@@ -330,13 +338,15 @@ func (d *Daemon) quit(stdin io.WriteCloser, cmd *exec.Cmd, exited chan error) er
 }
 
 // kill ends the daemon's process group and the MPS servers it started,
-// and returns how the daemon ended. A server is the daemon's child, found
-// before the daemon dies (its orphans are reparented to the host's init,
-// where nothing tells them from another stack's): only those are signalled,
-// never a server of another MPS daemon on the node (NVIDIA's device plugin,
-// a DRA driver's per-claim daemon).
+// and returns how the daemon ended. The daemon's servers are found before
+// it dies (its orphans are reparented to the host's init): its children,
+// and those whose environment names its pipe directory (servers started
+// for it are handed that directory; the supervisor starts no daemon where
+// another answers, so no other daemon serves it). Only those are
+// signalled, never a server of another MPS daemon on the node (NVIDIA's
+// device plugin's, a DRA driver's per-claim daemon).
 func (d *Daemon) kill(cmd *exec.Cmd, exited chan error) error {
-	servers := childrenNamed(d.ProcRoot, cmd.Process.Pid, d.ServerBinary)
+	servers := serversOf(d.ProcRoot, cmd.Process.Pid, nodeapi.PipeDir(d.Root), d.ServerBinary)
 	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 	var err error
 	select {
@@ -389,9 +399,9 @@ func readProc(procRoot string, pid int) (proc, bool) {
 	return proc{pid: pid, ppid: ppid, program: filepath.Base(argv0), started: fields[19]}, true
 }
 
-// childrenNamed lists the children of parent under procRoot whose program
-// is name's.
-func childrenNamed(procRoot string, parent int, name string) []proc {
+// serversOf lists the processes under procRoot whose program is name's
+// and which are parent's children or have CUDA_MPS_PIPE_DIRECTORY=pipeDir.
+func serversOf(procRoot string, parent int, pipeDir, name string) []proc {
 	if name == "" {
 		return nil
 	}
@@ -405,7 +415,7 @@ func childrenNamed(procRoot string, parent int, name string) []proc {
 		if err != nil {
 			continue
 		}
-		if p, ok := readProc(procRoot, pid); ok && p.ppid == parent && p.program == filepath.Base(name) {
+		if p, ok := readProc(procRoot, pid); ok && p.program == filepath.Base(name) && (p.ppid == parent || environ(procRoot, pid)["CUDA_MPS_PIPE_DIRECTORY"] == pipeDir) {
 			found = append(found, p)
 		}
 	}
@@ -431,4 +441,19 @@ func processGone(pid int) bool {
 	// The state follows the command name, which is in parentheses.
 	i := bytes.LastIndexByte(raw, ')')
 	return i < 0 || i+2 >= len(raw) || raw[i+2] == 'Z' || raw[i+2] == 'X'
+}
+
+// environ is a process's environment under procRoot (empty if unreadable).
+func environ(procRoot string, pid int) map[string]string {
+	raw, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "environ"))
+	env := map[string]string{}
+	if err != nil {
+		return env
+	}
+	for _, kv := range strings.Split(string(raw), "\x00") {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			env[k] = v
+		}
+	}
+	return env
 }

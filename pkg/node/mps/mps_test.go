@@ -535,9 +535,12 @@ func TestSupervisorWaitsForAnotherDaemon(t *testing.T) {
 
 	mpstest.StartDaemon(t, root, 580)
 	waitFor(t, "the supervisor to say it waits", func() bool {
-		s, _ := mps.ReadStatus(root)
-		return !s.Running && strings.Contains(s.LastExit, "another MPS control daemon answers")
+		why, err := os.ReadFile(mps.WaitingPath(root))
+		return err == nil && strings.Contains(string(why), "another MPS control daemon answers")
 	})
+	if _, err := mps.ReadStatus(root); err == nil {
+		t.Error("the waiting supervisor wrote the daemon status, which is the other daemon's supervisor's")
+	}
 	if starts := readLines(t, filepath.Join(nodeapi.LogDir(root), "starts")); len(starts) != 1 {
 		t.Fatalf("%d daemon starts on one pipe directory, want only the other one's: %v", len(starts), starts)
 	}
@@ -546,6 +549,9 @@ func TestSupervisorWaitsForAnotherDaemon(t *testing.T) {
 		s, _ := mps.ReadStatus(root)
 		return s.Running && s.PID != other.Process.Pid && c.Ping(context.Background()) == nil
 	})
+	if _, err := os.Stat(mps.WaitingPath(root)); err == nil {
+		t.Error("the supervisor still says it waits, with its own daemon running")
+	}
 }
 
 func readLines(t *testing.T, path string) []string {
