@@ -28,7 +28,7 @@ func newMPSDaemonCommand() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "mps-daemon",
-		Short: "Run and supervise the node's one MPS control daemon (the node agent's mps container)",
+		Short: "Run and supervise the node's one MPS control daemon (the chart's <release>-mps DaemonSet)",
 		Long: `mps-daemon runs the node's MPS control daemon for all its GPUs and keeps it
 running. On driver r615 and later it starts MPS v3 (nvidia-cuda-mps-control
 -p 3 -m -f -a CONFIG) from a configuration generated for the driver release:

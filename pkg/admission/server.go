@@ -2,6 +2,7 @@ package admission
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 
@@ -53,16 +54,25 @@ func (s *Server) Start(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	errs := make(chan error, 2)
+	servers := 1
 	go func() { errs <- s.webhook.Start(ctx) }()
 	if s.opts.HealthAddr != "" {
+		servers++
 		go func() {
 			errs <- health.Serve(ctx, s.opts.HealthAddr, func() error { return s.StartedChecker()(nil) }, nil)
 		}()
 	}
 	logger.Info("Serving admission webhooks", "address", net.JoinHostPort(s.opts.Host, fmt.Sprint(s.opts.Port)),
 		"certDir", s.opts.CertDir, "health", s.opts.HealthAddr, "schedulerUsers", s.opts.Identity.Users)
+	// The first to end ends the other; both are waited for: a webhook
+	// server still answering the API server's requests (its graceful
+	// shutdown) must not be cut off by the process's exit, which the API
+	// server sees as EOF and, failing closed, refuses the pod.
 	err := <-errs
 	cancel()
+	for range servers - 1 {
+		err = errors.Join(err, <-errs)
+	}
 	return err
 }
 

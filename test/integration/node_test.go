@@ -461,7 +461,7 @@ func TestNodeAgentReadinessFollowsTheMPSDaemon(t *testing.T) {
 
 	stopDaemon()
 	<-daemonDone
-	condition(corev1.ConditionFalse, publish.ReasonMPS, "its supervisor (the mps container) is shutting down")
+	condition(corev1.ConditionFalse, publish.ReasonMPS, "its supervisor (the MPS daemon's pod) is shutting down")
 }
 
 // The agent's Events and evictions reach the API server.

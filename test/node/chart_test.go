@@ -299,6 +299,17 @@ func (n *node) helmValues() []string {
 	}
 }
 
+// draValues turn on the chart's DRA front door on the test node: the
+// kubelet's plugin directories under its root, prepared claims' CDI specs
+// where containerd reads them, and two GPUs standing for shares, as in
+// the node's own tests.
+func (n *node) draValues() []string {
+	return []string{"--set", "nodeAgent.dra.enabled=true", "--set", "nodeAgent.dra.standingGPUs=" + strconv.Itoa(standingGPUs),
+		"--set", "nodeAgent.dra.pluginDir=" + filepath.Join(n.kubeletRoot(), "plugins", api.DRADriver),
+		"--set", "nodeAgent.dra.registrarDir=" + filepath.Join(n.kubeletRoot(), "plugins_registry"),
+		"--set", "nodeAgent.dra.cdiDir=" + n.cdiDir()}
+}
+
 func (n *node) helm(args ...string) ([]byte, error) {
 	cmd := exec.Command(filepath.Join(n.repo, "bin", "helm"), append(args, "--kubeconfig", n.kubeconfig)...)
 	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+n.path("helm", "cache"), "HELM_CONFIG_HOME="+n.path("helm", "config"), "HELM_DATA_HOME="+n.path("helm", "data"))
@@ -1034,11 +1045,22 @@ func checkUntouched(t *testing.T, what string, before map[string]string, daemon 
 			continue
 		}
 		pod := getPod(t, name)
-		checkLimits(t, pod, assignment(t, pod, "main"), theNode.probeReport(t, pod, "main"))
+		checkLimits(t, pod, shareOf(t, pod), theNode.probeReport(t, pod, "main"))
 	}
 	if now := daemonStatus(t); now.PID != daemon.PID || now.Generation != daemon.Generation {
 		t.Errorf("%s: the MPS daemon was replaced: pid %d generation %d, was pid %d generation %d (%s)", what, now.PID, now.Generation, daemon.PID, daemon.Generation, now.LastExit)
 	}
+}
+
+// shareOf is the share of a pod's container main: its claim's, for a pod
+// with a claim of gpufrac's DRA driver, else its annotations'.
+func shareOf(t *testing.T, pod *corev1.Pod) api.Assignment {
+	t.Helper()
+	if len(pod.Spec.ResourceClaims) > 0 && pod.Spec.ResourceClaims[0].ResourceClaimName != nil {
+		a, _ := claimShare(t, *pod.Spec.ResourceClaims[0].ResourceClaimName)
+		return a
+	}
+	return assignment(t, pod, "main")
 }
 
 // newShareEnforced: a share placed now runs with its limits.
@@ -1223,13 +1245,34 @@ func createWhile(stop <-chan struct{}, interval time.Duration) createdThrough {
 
 // helm upgrade to an image of another digest, with a changed node-agent
 // value, rolls the agent, the scheduler and the webhook, and kills nobody:
-// the node's shares (under budgets allowing no disruption) are the same
+// the node's shares, time-slicing and sm-sharing by annotation and by DRA
+// claim (the chart's DRA front door turned on first, by an upgrade too),
+// under budgets allowing no disruption, are the same
 // pods and containers, unrestarted, on the same MPS daemon (its DaemonSet
 // is OnDelete), their limits in force; the new agent runs with the value;
 // fractions created all through the upgrade are admitted and placed; and
 // a share placed afterwards is enforced.
 func TestHelmUpgradeRollsTheAgent(t *testing.T) {
+	// The DRA front door first: an upgrade too (values only), after which
+	// DRA shares run beside the annotated ones.
+	chart := filepath.Join(theNode.repo, "deploy", "helm", "gpufrac")
+	withDRA := append(theNode.helmValues(), theNode.draValues()...)
+	first := agentPod(t)
+	if _, err := theNode.helm(append([]string{"upgrade", release, chart, "-n", releaseNS, "--wait", "--timeout", "3m"}, withDRA...)...); err != nil {
+		t.Fatal(err)
+	}
+	replacedAgent(t, first)
 	names := startShares(t, "upgrade")
+	shareClaim(t, "upgrade-ts-claim", api.DRADriver, "2Gi", "", "4Gi")
+	claimPod(t, "upgrade-dra-ts", "upgrade-ts-claim")
+	shareClaim(t, "upgrade-sm-claim", "sm-sharing."+api.DRADriver, "1Gi", "25", "1Gi")
+	claimPod(t, "upgrade-dra-sm", "upgrade-sm-claim")
+	for _, n := range []string{"upgrade-dra-ts", "upgrade-dra-sm"} {
+		pod := running(t, n)
+		checkLimits(t, pod, shareOf(t, pod), theNode.probeReport(t, pod, "main"))
+		pinPod(t, n)
+		names = append(names, n)
+	}
 	before, daemon := identities(t, names), daemonStatus(t)
 	old := agentPod(t)
 	oldMPS := mpsPod(t)
@@ -1239,8 +1282,8 @@ func TestHelmUpgradeRollsTheAgent(t *testing.T) {
 	stop := make(chan struct{})
 	loop := make(chan createdThrough, 1)
 	go func() { loop <- createWhile(stop, time.Second) }()
-	args := append([]string{"upgrade", release, filepath.Join(theNode.repo, "deploy", "helm", "gpufrac"), "-n", releaseNS, "--wait", "--timeout", "3m"},
-		append(theNode.helmValues(), "--set", "nodeAgent.resyncPeriod=20s", "--set", "image.tag="+tag+"-next")...)
+	args := append([]string{"upgrade", release, chart, "-n", releaseNS, "--wait", "--timeout", "3m"},
+		append(withDRA, "--set", "nodeAgent.resyncPeriod=20s", "--set", "image.tag="+tag+"-next")...)
 	_, err := theNode.helm(args...)
 	close(stop)
 	through := <-loop
