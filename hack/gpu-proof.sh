@@ -28,7 +28,9 @@
 #               GPU in EXCLUSIVE_PROCESS: with the daemon's server up, a
 #               process without the pipe directory cannot create a context,
 #               and a second client still can; --restore gives Default back;
-# and records, as INFO, what escapes exist in the default compute mode and
+# and records, as INFO, whose child an MPS server is and the pipe directory
+# in its environment (what the supervisor kills a wedged daemon's servers
+# by), what escapes exist in the default compute mode and
 # through the control socket (get_server_list, quit), so that the node-side
 # hardening is designed on facts.
 #
@@ -297,6 +299,14 @@ if until_true 60 holding "$work/pinned-below.txt"; then
   else
     result attach FAIL "pid $cpid is not among the clients '$(tr '\n' ' ' <"$work/clients.txt")' of servers '$(tr '\n' ' ' <"$work/servers.txt")'"
   fi
+  # Whose child a server is, and what pipe directory its environment
+  # names: the supervisor kills a wedged daemon's servers by these two
+  # marks only (never another stack's), which a GPU must confirm.
+  for s in $(cat "$work/servers.txt"); do
+    sppid=$(ps -o ppid= -p "$s" 2>/dev/null | tr -d ' ')
+    spipe=$(tr '\0' '\n' <"/proc/$s/environ" 2>/dev/null | sed -n 's/^CUDA_MPS_PIPE_DIRECTORY=//p')
+    result server-marks INFO "MPS server $s ($(ps -o comm= -p "$s" 2>/dev/null)): parent $sppid (the daemon is $(field pid)); CUDA_MPS_PIPE_DIRECTORY='$spipe' (the daemon's: $mpsroot/pipe)"
+  done
 else
   result attach FAIL "the client never held its memory: $(tr '\n' ' ' <"$work/pinned-below.txt")"
 fi
