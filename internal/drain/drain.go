@@ -75,6 +75,10 @@ func Run(ctx context.Context, client kubernetes.Interface, opts Options) error {
 		}
 		return reopen(ctx, client, opts)
 	}
+	if by, closed := api.FractionsClosed(node.Labels); closed && by != ClosedBy {
+		// Someone else's closure: reopening at the end would undo it.
+		return fmt.Errorf("node %s is already closed to fractions by %q (label %s): nothing done; drain it when they are done", opts.Node, by, api.LabelFractionsClosed)
+	}
 	if !opts.DrainOnly {
 		// Before anything is evicted: a wrong namespace or selector must
 		// not cost the tenants their pods.
