@@ -541,9 +541,22 @@ func (n *node) checkHostFiles() error {
 // agentPod is the node agent's pod on the node, once Running.
 func agentPod(t *testing.T) *corev1.Pod {
 	t.Helper()
+	return runningPod(t, "node-agent", "the node agent's pod")
+}
+
+// mpsPod is the node's MPS daemon pod, once Running.
+func mpsPod(t *testing.T) *corev1.Pod {
+	t.Helper()
+	return runningPod(t, "mps", "the MPS daemon's pod")
+}
+
+// runningPod is the release's pod of a component on the node, once
+// Running (not being deleted).
+func runningPod(t *testing.T, component, what string) *corev1.Pod {
+	t.Helper()
 	var pod *corev1.Pod
-	if err := waitFor("the node agent's pod Running", 2*time.Minute, func() (bool, error) {
-		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + release + "-node-agent"})
+	if err := waitFor(what+" Running", 2*time.Minute, func() (bool, error) {
+		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + release + "-" + component})
 		if err != nil {
 			return false, err
 		}
@@ -1358,28 +1371,6 @@ func TestHelmUpgradeRollsTheAgent(t *testing.T) {
 		deletePod(t, n)
 	}
 	newShareEnforced(t, "upgrade-after")
-}
-
-// mpsPod is the node's MPS daemon pod, once Running.
-func mpsPod(t *testing.T) *corev1.Pod {
-	t.Helper()
-	var pod *corev1.Pod
-	if err := waitFor("the MPS daemon's pod Running", 2*time.Minute, func() (bool, error) {
-		pods, err := theNode.admin.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + release + "-mps"})
-		if err != nil {
-			return false, err
-		}
-		for i, p := range pods.Items {
-			if p.DeletionTimestamp == nil && p.Status.Phase == corev1.PodRunning {
-				pod = &pods.Items[i]
-				return true, nil
-			}
-		}
-		return false, nil
-	}); err != nil {
-		t.Fatalf("%v\n%s", err, theNode.describeRelease())
-	}
-	return pod
 }
 
 // The GPU Operator's upgrade controller at pod-restart-required (the
