@@ -84,5 +84,7 @@ they change.`,
 	f.StringVar(&opts.SchedulerName, "scheduler-name", "", "schedulerName to give fractional pods that use the default scheduler (empty: leave it)")
 	f.StringSliceVar(&opts.Identity.Schedulers, "trusted-scheduler", []string{"gpufrac"},
 		"schedulerNames trusted to place GPU fractions (with --scheduler-name's), each a name or a glob (gpufrac-*): a fractional pod created for another, or with spec.nodeName, is refused; repeatable (KAI: kai-scheduler)")
+	f.BoolVar(&opts.Identity.AllowRootMPSClients, "allow-root-mps-clients", false,
+		"the node agents' --allow-root-mps-clients: let a pod holding a GPU share gain privileges (allowPrivilegeEscalation, privileged), share its process namespace and be debugged with a targeted ephemeral container outside a user namespace; by default the webhook sets allowPrivilegeEscalation false on its containers and refuses the rest, since a client of the node's MPS daemon that becomes root may quit it")
 	return cmd
 }

@@ -82,8 +82,12 @@ func (c Charger) Charge(ctx context.Context, pod *corev1.Pod) (mib int64, charge
 // or the first), as request and limit (an extended resource's must be
 // equal), and off every other container, so that what quota counts is
 // exactly what the webhook sized and never what the pod's author wrote.
+// mib below 0 writes none: every charge comes off.
 func chargePatches(pod *corev1.Pod, mib int64) []jsonpatch.JsonPatchOperation {
 	target := chargedContainer(pod)
+	if mib < 0 {
+		target = -1
+	}
 	name := strings.ReplaceAll(string(api.ResourceGPUMemory), "/", "~1") // JSON pointer: "/" is "~1"
 	q := api.ChargeQuantity(mib)
 	var patches []jsonpatch.JsonPatchOperation

@@ -52,7 +52,16 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 				return admission.Errored(http.StatusBadRequest, err)
 			}
 		}
-		warnings, err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
+		switch req.SubResource {
+		case "ephemeralcontainers":
+			err = v.Identity.ReviewEphemeral(old, pod)
+		case "status":
+			if err = v.Identity.ReviewPhase(req.UserInfo.Username, req.UserInfo.Groups, old, pod); err == nil {
+				warnings, err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
+			}
+		default:
+			warnings, err = v.Identity.ReviewPod(op, req.UserInfo.Username, old, pod)
+		}
 	case req.Kind.Group == "" && req.Kind.Kind == "Binding":
 		var b corev1.Binding
 		if err := json.Unmarshal(req.Object.Raw, &b); err != nil {
@@ -91,6 +100,10 @@ type Mutator struct {
 	SchedulerName string
 	// Charger sizes the pod's GPU memory charge.
 	Charger Charger
+	// AllowRootMPSClients is the node agents' --allow-root-mps-clients:
+	// a pod holding a share may then gain privileges and share its
+	// process namespace (clientPatches).
+	AllowRootMPSClients bool
 }
 
 var _ admission.Handler = (*Mutator)(nil)
@@ -122,6 +135,15 @@ func (m *Mutator) Handle(ctx context.Context, req admission.Request) admission.R
 	}
 	if charged {
 		patches = append(patches, chargePatches(pod, mib)...)
+	} else {
+		patches = append(patches, stripCharge(pod)...)
+	}
+	if fractional || mib > 0 {
+		client, err := clientPatches(pod, m.AllowRootMPSClients)
+		if err != nil {
+			return admission.Denied(err.Error())
+		}
+		patches = append(patches, client...)
 	}
 	// A pod with a share, by annotations or by claims of gpufrac's driver
 	// (a charge above 0 without a fraction), goes to gpufrac's scheduler,

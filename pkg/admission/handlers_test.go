@@ -84,8 +84,9 @@ func TestMutatorHandle(t *testing.T) {
 	p := pod(ann{"gpu-memory": "1024"}, "")
 	p.Spec.SchedulerName = corev1.DefaultSchedulerName
 	resp := m.Handle(context.Background(), request(t, admissionv1.Create, podKind, "alice", nil, p))
-	// Annotations, labels, schedulerName, and the charge as request and limit.
-	if !resp.Allowed || len(resp.Patches) != 5 {
+	// Annotations, labels, schedulerName, the charge as request and
+	// limit, and allowPrivilegeEscalation false (clients.go).
+	if !resp.Allowed || len(resp.Patches) != 6 {
 		t.Fatalf("allowed=%v patches=%v", resp.Allowed, resp.Patches)
 	}
 	byPath := map[string]any{}

@@ -50,6 +50,10 @@ type Identity struct {
 	// fractional pod that chose none (--scheduler-name); "" for none. A
 	// workload's template is judged as its pods will be once mutated.
 	DefaultScheduler string
+	// AllowRootMPSClients is the node agents' --allow-root-mps-clients: a
+	// pod holding a share may then be one that can become root
+	// (CheckMPSClientPod), as its containers may run as root.
+	AllowRootMPSClients bool
 }
 
 // IsScheduler reports whether user is one of the scheduler's identities.
@@ -86,23 +90,82 @@ func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (wa
 			return nil, api.ErrorList{{Key: key, Value: pod.Annotations[key],
 				Rule: "cannot be set when a pod is created: it resizes the GPU share of a pod already running (set the memory request itself at creation)"}}
 		}
+		if key := firstKey(pod.Annotations, func(k string) bool { return api.IsDecisionKey(k) && !api.IsSchedulerOwned(k) }); key != "" {
+			return nil, api.ErrorList{{Key: key, Value: pod.Annotations[key],
+				Rule: fmt.Sprintf("is written by the scheduler (%s) with its decision and cannot be set when a pod is created: remove it", strings.Join(i.Users, ", "))}}
+		}
 	}
-	if op == Update && old != nil && !scheduler && !hasFractionKeys(old.Annotations) {
-		// Gaining a fraction after creation skips the create-time checks
-		// below, and the scheduler may have placed the pod already.
+	if op == Update && old != nil && !scheduler {
+		// A pod's fraction is fixed when it is created, for everyone but
+		// the scheduler: its quota charge is sized then (the mutating
+		// webhook) and only then are the create-time checks made. A key
+		// added, changed or removed later (even one the parser ignores, so
+		// that the pod was no fraction at creation) would be placed
+		// uncharged and unchecked.
 		key := changedFractionKeys(old.Annotations, pod.Annotations)[0]
-		return nil, api.ErrorList{{Key: key, Value: pod.Annotations[key],
-			Rule: "cannot be added to a pod after it is created: a pod asks for a GPU fraction when it is created; delete and recreate it with the annotation"}}
+		return nil, api.ErrorList{{Key: key, Value: describeChange(old.Annotations, pod.Annotations, key),
+			Rule: "cannot be added, changed or removed after the pod is created: a pod's GPU fraction is fixed (and charged to its namespace's quota) at creation; delete and recreate the pod with the annotations it needs"}}
 	}
 	if scheduler {
 		// What the scheduler wrote is not user intent.
 		pod = api.Intent(pod)
 	}
 	reqs, warnings, err := api.Check(pod.Annotations, &pod.Spec)
-	if err != nil || len(reqs) == 0 || scheduler || op != Create {
+	if err != nil || scheduler || op != Create {
 		return warnings, err
 	}
+	if !i.AllowRootMPSClients && HoldsShare(pod) {
+		if err := CheckMPSClientPod(&pod.Spec); err != nil {
+			return warnings, err
+		}
+	}
+	if len(reqs) == 0 {
+		return warnings, nil
+	}
 	return warnings, i.placedByTrusted(pod)
+}
+
+// ReviewPhase refuses a move of a pod that holds a share to a terminal
+// phase (Failed, Succeeded) by anyone but its node's kubelet (group
+// system:nodes; NodeRestriction keeps each node to its own pods) and the
+// cluster's own controllers (kube-system's service accounts, the
+// controller manager's user, system:masters). The scheduler's ledger,
+// the audit and ResourceQuota free a terminal pod's share at once, while
+// its containers run on until the kubelet stops them: a tenant's
+// pods/status write would free GPU memory a running container still holds.
+func (i Identity) ReviewPhase(user string, groups []string, old, pod *corev1.Pod) error {
+	phase := pod.Status.Phase
+	if old == nil || (phase != corev1.PodFailed && phase != corev1.PodSucceeded) || phase == old.Status.Phase {
+		return nil
+	}
+	if slices.Contains(groups, "system:nodes") || slices.Contains(groups, "system:masters") ||
+		strings.HasPrefix(user, "system:serviceaccount:kube-system:") || user == "system:kube-controller-manager" {
+		return nil
+	}
+	if !HoldsShare(old) {
+		return nil
+	}
+	return api.ErrorList{{Key: "status.phase", Value: string(phase),
+		Rule: fmt.Sprintf("can be set only by the pod's node (its kubelet) or the cluster's controllers, not by %s: the pod holds a GPU share, whose memory (and quota charge) is freed only when its containers have stopped; delete the pod to end it", user)}}
+}
+
+// HoldsShare says whether the pod asks for a share (its annotations), has
+// one placed (a decision) or was charged for one (its claims of gpufrac's
+// driver).
+func HoldsShare(pod *corev1.Pod) bool {
+	if mib, _ := api.ChargedMiB(&pod.Spec); mib > 0 {
+		return true
+	}
+	return firstKey(pod.Annotations, func(k string) bool { return api.IsFractionKey(k) || api.IsDecisionKey(k) }) != ""
+}
+
+// ReviewEphemeral refuses an ephemeral container a share's pod must not
+// have (CheckEphemeralContainers).
+func (i Identity) ReviewEphemeral(old, pod *corev1.Pod) error {
+	if i.AllowRootMPSClients || old == nil || !HoldsShare(old) {
+		return nil
+	}
+	return CheckEphemeralContainers(old, pod)
 }
 
 // placedByTrusted refuses a new fractional pod that no trusted scheduler
@@ -127,16 +190,6 @@ func (i Identity) placedByTrusted(pod *corev1.Pod) error {
 			Rule: fmt.Sprintf("is not trusted to place GPU fractions: set schedulerName to one that is (%s)", trusted)}}
 	}
 	return nil
-}
-
-// hasFractionKeys says whether annotations ask for anything of gpufrac.
-func hasFractionKeys(annotations map[string]string) bool {
-	for k := range annotations {
-		if api.IsFractionKey(k) {
-			return true
-		}
-	}
-	return false
 }
 
 // ReviewBinding decides whether user may bind a pod with a Binding that
@@ -172,7 +225,7 @@ func (i Identity) guardUpdate(user string, scheduler bool, old, pod *corev1.Pod)
 	}
 	var errs api.ErrorList
 	for _, key := range changedKeys(old.Annotations, pod.Annotations) {
-		if !api.IsSchedulerOwned(key) {
+		if !api.IsDecisionKey(key) {
 			continue
 		}
 		c, _, _ := api.SplitContainerKey(key)
@@ -296,19 +349,26 @@ func (i Identity) ReviewWorkload(kind string, raw []byte) (warnings []string, er
 		return warnings, err
 	}
 	pod := &corev1.Pod{ObjectMeta: obj.Template.ObjectMeta, Spec: obj.Template.Spec}
+	if !i.AllowRootMPSClients {
+		if err := CheckMPSClientPod(&pod.Spec); err != nil {
+			return warnings, prefixTemplate(err)
+		}
+	}
 	if i.DefaultScheduler != "" && (pod.Spec.SchedulerName == "" || pod.Spec.SchedulerName == corev1.DefaultSchedulerName) {
 		pod.Spec.SchedulerName = i.DefaultScheduler
 	}
-	if err := i.placedByTrusted(pod); err != nil {
-		var list api.ErrorList
-		if errors.As(err, &list) {
-			for _, e := range list {
-				e.Key = "pod template " + e.Key
-			}
+	return warnings, prefixTemplate(i.placedByTrusted(pod))
+}
+
+// prefixTemplate names the pod template in err's fields.
+func prefixTemplate(err error) error {
+	var list api.ErrorList
+	if errors.As(err, &list) {
+		for _, e := range list {
+			e.Key = "pod template " + e.Key
 		}
-		return warnings, err
 	}
-	return warnings, nil
+	return err
 }
 
 // Normalise returns the annotations and labels a valid fractional pod

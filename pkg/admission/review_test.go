@@ -51,6 +51,7 @@ func checkReviews(t *testing.T, id Identity, tests []reviewCase) {
 }
 
 func TestReviewPod(t *testing.T) {
+	const fixed = `cannot be added, changed or removed after the pod is created: a pod's GPU fraction is fixed (and charged to its namespace's quota) at creation; delete and recreate the pod with the annotations it needs`
 	devices := "nvidia.com/container.main.gpus.devices"
 	portion := "nvidia.com/container.main.gpu-compute.portion"
 	resolvedReq := "nvidia.com/container.main.gpu-memory.request"
@@ -81,9 +82,21 @@ func TestReviewPod(t *testing.T) {
 		{"user adds a fraction key to a bound pod", Update, "alice", pod(nil, "n1"), pod(ann{"gpu-memory": "1024"}, "n1"),
 			`gpu-memory "1024" cannot change: the pod is already scheduled to node n1, so its GPU-fraction annotations are fixed; resize its memory with gpufrac.io/resize.gpu-memory.request (and gpufrac.io/resize.gpu-memory.limit), or delete and recreate the pod to ask for another fraction`},
 		{"user edits other annotations of a bound pod", Update, "alice", pod(scheduled, "n1"), pod(with(scheduled, "team", "ml"), "n1"), ""},
-		{"user fixes the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.25"}, ""), ""},
-		{"user breaks the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "50"}, ""),
-			`container "main": gpu-fraction "50" must be greater than 0 and less than 1`},
+		// Fixed at creation, when its charge was sized: a pending pod too.
+		{"user changes the fraction of a pending pod", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.25"}, ""),
+			`gpu-fraction "0.25" ` + fixed},
+		// Issue 53: a key the parser ignores made the pod no fraction at
+		// creation (no charge, no check); the fraction added later was
+		// taken as a change of one it already had.
+		{"a fraction added beside an ignored key", Update, "alice", pod(ann{"gpu-fraction-container-name": "main"}, ""),
+			pod(ann{"gpu-fraction-container-name": "main", "gpu-fraction": "0.5"}, ""), `gpu-fraction "0.5" ` + fixed},
+		{"a fraction added beside KAI's prefix", Update, "alice", pod(ann{"kai.scheduler/container.main.x": "1"}, ""),
+			pod(ann{"kai.scheduler/container.main.x": "1", "gpu-memory": "80Gi"}, ""), `gpu-memory "80Gi" ` + fixed},
+		{"a fraction removed", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(nil, ""), `gpu-fraction "(removed; was 0.5)" ` + fixed},
+		{"the scheduler's groups forged on create", Create, "alice", nil, pod(ann{"gpu-fraction": "0.5", "gpufrac.io/gpu-groups": "g1"}, ""),
+			`gpufrac.io/gpu-groups "g1" is written by the scheduler (` + scheduler + `) with its decision and cannot be set when a pod is created: remove it`},
+		{"the scheduler's resolved keys forged on update", Update, "alice", pod(ann{"gpu-fraction": "0.5"}, ""), pod(ann{"gpu-fraction": "0.5", "gpufrac.io/resolved-keys": ".gpu-memory.request"}, ""),
+			`gpufrac.io/resolved-keys ".gpu-memory.request" can be set, changed or removed only by the scheduler (` + scheduler + `), not by alice`},
 	}
 	checkReviews(t, identity, tests)
 }
@@ -91,6 +104,7 @@ func TestReviewPod(t *testing.T) {
 // Squatting: with trusted schedulers configured, a fraction is created
 // only for one of them to place, and never gained afterwards.
 func TestOnlyATrustedSchedulerPlacesAFraction(t *testing.T) {
+	const fixed = `cannot be added, changed or removed after the pod is created: a pod's GPU fraction is fixed (and charged to its namespace's quota) at creation; delete and recreate the pod with the annotations it needs`
 	id := Identity{Users: []string{scheduler}, Schedulers: []string{"gpufrac", "kai-scheduler", "team-*"}}
 	onScheduler := func(name, node string, a ann) *corev1.Pod {
 		p := pod(a, node)
@@ -110,7 +124,7 @@ func TestOnlyATrustedSchedulerPlacesAFraction(t *testing.T) {
 			`spec.schedulerName "default-scheduler" is not trusted to place GPU fractions: set schedulerName to one that is (gpufrac, kai-scheduler, team-*)`},
 		{"a pod asking nothing may be created bound", Create, "alice", nil, onScheduler("", "n1", ann{"team": "ml"}), ""},
 		{"a fraction gained by UPDATE", Update, "alice", onScheduler("my-scheduler", "", nil), onScheduler("my-scheduler", "", ask),
-			`gpu-memory "999999" cannot be added to a pod after it is created: a pod asks for a GPU fraction when it is created; delete and recreate it with the annotation`},
+			`gpu-memory "999999" ` + fixed},
 		{"the scheduler creates what it places", Create, scheduler, nil, onScheduler("gpufrac", "n1", ask), ""},
 	})
 	// Without trusted schedulers configured, nothing of this is checked.

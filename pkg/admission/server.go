@@ -44,7 +44,7 @@ func NewServer(opts ServerOptions) *Server {
 	identity := opts.Identity
 	identity.DefaultScheduler = opts.SchedulerName
 	ws.Register(ValidatePath, &webhook.Admission{Handler: &Validator{Identity: identity}})
-	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName, Charger: opts.Charger}})
+	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName, Charger: opts.Charger, AllowRootMPSClients: identity.AllowRootMPSClients}})
 	return &Server{opts: opts, webhook: ws}
 }
 

@@ -54,6 +54,13 @@ type Args struct {
 	// decided only by the replica that leads, whose cache holds the pods it
 	// is placing. Unset: every replica decides them (one replica).
 	LeaderLease string `json:"leaderLease,omitempty"`
+	// AllowUncharged places a share whose pod carries no GPU memory charge
+	// (api.ResourceGPUMemory): set it where the webhook runs with
+	// --gpu-memory-quota=false, and only there. By default such a pod is
+	// unschedulable: the webhook charges every pod that asks for a share
+	// when it is created, so one without gained its share after (a claim
+	// replaced, keys the webhook never saw) and its quota never counted it.
+	AllowUncharged bool `json:"allowUncharged,omitempty"`
 }
 
 // Device namings.

@@ -206,16 +206,26 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev
 	case len(reqs) > 0:
 		ask.Fraction = &reqs[0]
 	}
-	if _, charged := api.ChargedMiB(&pod.Spec); charged {
+	if _, charged := api.ChargedMiB(&pod.Spec); charged || !p.args.AllowUncharged {
 		claimsMiB, err := p.claimsChargeMiB(pod)
 		if err != nil {
 			return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, err.Error())
 		}
-		if ask.ChargeMiB, ask.Charged = api.ShareBudgetMiB(&pod.Spec, claimsMiB); ask.ChargeMiB < 0 {
+		if !charged && (ask.Fraction != nil || claimsMiB > 0) {
+			// Every pod that asks for a share at creation is charged by
+			// the webhook; one without is a share gained after (claims
+			// swapped, keys the webhook did not see) and would hold GPU
+			// memory its namespace's quota never counted.
+			return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
+				"the pod holds a GPU share but carries no %s charge, which gpufrac's webhook writes on every pod that asks for one when it is created: it asked after creation (a claim made or replaced after its pod), or the webhook did not see it; create the claim first, then the pod again",
+				api.ResourceGPUMemory))
+		}
+		if ask.ChargeMiB, _ = api.ShareBudgetMiB(&pod.Spec, claimsMiB); ask.ChargeMiB < 0 {
 			return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
 				"the pod's claims of %s hold %s of GPU memory, more than the %s charged to its namespace's quota (%s) when the pod was created (a claim made after its pod is charged nothing): create the claim first, then the pod again",
 				api.DRADriver, api.FormatMiB(claimsMiB), api.FormatMiB(ask.ChargeMiB+claimsMiB), api.ResourceGPUMemory))
 		}
+		ask.Charged = true
 	}
 	policy, err := p.policy()
 	if err != nil {

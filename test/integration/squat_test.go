@@ -95,9 +95,9 @@ func TestTenantCannotSquatANode(t *testing.T) {
 		t.Fatalf("a pod asking nothing: %v", err)
 	}
 	_, err = tenant.CoreV1().Pods(ns).Patch(ctx, "plain", types.MergePatchType, []byte(`{"metadata":{"annotations":{"gpu-memory":"999999"}}}`), metav1.PatchOptions{})
-	refused("a fraction gained by an update", err, `gpu-memory "999999" cannot be added to a pod after it is created`)
+	refused("a fraction gained by an update", err, `gpu-memory "999999" cannot be added, changed or removed after the pod is created`)
 	_, err = tenant.CoreV1().Pods(ns).Patch(ctx, "plain", types.MergePatchType, []byte(`{"metadata":{"annotations":{"gpu-memory":"999999"}}}`), metav1.PatchOptions{}, "status")
-	refused("a fraction gained through pods/status", err, `gpu-memory "999999" cannot be added to a pod after it is created`)
+	refused("a fraction gained through pods/status", err, `gpu-memory "999999" cannot be added, changed or removed after the pod is created`)
 
 	// Defence in depth: the squatter exists all the same.
 	if _, err := shared.scheduler.CoreV1().Pods(ns).Create(ctx, bound, metav1.CreateOptions{}); err != nil {

@@ -57,10 +57,17 @@ anything under nvidia.com/container. `has` is the CEL test for a map of
 annotations `a`.
 */}}
 {{- define "gpufrac.hasKeys" -}}
-{{ . }}.exists(k, k.startsWith('nvidia.com/container.') ||
+{{ . }}.exists(k, k.startsWith('nvidia.com/container.') || k.startsWith('kai.scheduler/container.') ||
   k in ['gpu-fraction', 'gpu-memory', 'gpu-fraction.limit', 'gpu-memory.limit',
         'gpu-fraction-num-devices', 'gpu-fraction-container-name',
-        'kai.scheduler/gpu-compute-sharing-mode'])
+        'kai.scheduler/gpu-compute-sharing-mode',
+        'gpufrac.io/gpu-groups', 'gpufrac.io/resolved-keys'])
+{{- end -}}
+
+{{/* A CEL test: the pod (the variable named) carries a GPU memory charge
+(gpufrac.io/gpu-memory) on a container or an init container. */}}
+{{- define "gpufrac.hasCharge" -}}
+({{ . }}.spec.containers.exists(c, has(c.resources.requests) && 'gpufrac.io/gpu-memory' in c.resources.requests || has(c.resources.limits) && 'gpufrac.io/gpu-memory' in c.resources.limits) || (has({{ . }}.spec.initContainers) && {{ . }}.spec.initContainers.exists(c, has(c.resources.requests) && 'gpufrac.io/gpu-memory' in c.resources.requests || has(c.resources.limits) && 'gpufrac.io/gpu-memory' in c.resources.limits)))
 {{- end -}}
 
 {{/* What every webhook of the chart shares: pass a dict of name, ns,
