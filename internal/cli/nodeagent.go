@@ -65,6 +65,9 @@ with no GPU, kubelet or container runtime.`,
 			if opts.StopGrace < 0 || opts.StopGrace > 20*time.Second {
 				return fmt.Errorf("--stop-grace %s: must be from 0 to 20s (a pod's default termination grace period is 30s, and stopping takes more than the grace)", opts.StopGrace)
 			}
+			if opts.SecurityStopGrace < 0 || opts.SecurityStopGrace > 5*time.Minute || opts.SecurityStopGrace%time.Second != 0 {
+				return fmt.Errorf("--security-stop-grace %s: must be whole seconds from 0 to 5m (a pod's deletion grace is counted in seconds; more leaves an unenforced container running as long)", opts.SecurityStopGrace)
+			}
 			cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
 				&clientcmd.ClientConfigLoadingRules{ExplicitPath: kubeconfig}, &clientcmd.ConfigOverrides{}).ClientConfig()
 			if err != nil {
@@ -110,6 +113,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.HealthAddr, "health-addr", opts.HealthAddr, "address of /healthz and /readyz (plain HTTP, for the kubelet's probes); empty disables")
 	f.StringVar(&opts.MetricsAddr, "metrics-addr", opts.MetricsAddr, "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", opts.ResyncPeriod, "how often to re-read the GPUs, republish and annotate reservation pods")
+	f.DurationVar(&opts.SecurityStopGrace, "security-stop-grace", opts.SecurityStopGrace, "the most grace the agent's deletions give a pod it must stop (a container unenforced, a root MPS client, a share no reservation holds), whatever terminationGracePeriodSeconds or preStop hook its tenant wrote")
 	f.DurationVar(&opts.StopGrace, "stop-grace", opts.StopGrace, "how long a stopping agent, its node already marked not ready, keeps serving the runtime for the containers of pods placed just before (keep it below the pod's termination grace period)")
 	f.BoolVar(&opts.DRA.Enabled, "dra", false, "also serve GPU shares through Dynamic Resource Allocation (driver gpu.gpufrac.io): publish the node's shared GPUs as ResourceSlices and prepare claims as the NRI plugin injects annotated containers (Kubernetes 1.36+)")
 	f.IntVar(&opts.DRA.StandingGPUs, "dra-standing-gpus", opts.DRA.StandingGPUs, "with --dra, how many of the node's GPUs to hold for shares at all times (claims and annotation shares; no whole-GPU pod gets them): -1 for all")

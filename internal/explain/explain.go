@@ -234,11 +234,18 @@ func containerEnv(c corev1.Container) []string {
 // containerFacts are the facts the node judges container c by, as far as
 // a manifest tells them: its literal environment, its user (runAsUser;
 // unknown where neither the container nor the pod says), its user
-// namespace (hostUsers: false), and, where the node polices it, its grant
+// namespace (hostUsers: false), its process namespace and privileges, and, where the node polices it, its grant
 // as the device plugin would allocate it (placeholders, one per
 // nvidia.com/gpu of its limits).
 func containerFacts(pod injection.Pod, spec corev1.PodSpec, c corev1.Container, cfg injection.Config) injection.Container {
-	fact := injection.Container{Pod: pod, Name: c.Name, Env: containerEnv(c), UserNamespace: spec.HostUsers != nil && !*spec.HostUsers}
+	fact := injection.Container{Pod: pod, Name: c.Name, Env: containerEnv(c), UserNamespace: spec.HostUsers != nil && !*spec.HostUsers,
+		SharedPID: spec.ShareProcessNamespace != nil && *spec.ShareProcessNamespace}
+	// As admitted: gpufrac's webhook sets allowPrivilegeEscalation false
+	// where a share's container leaves it unset.
+	if sc := c.SecurityContext; sc != nil {
+		escalates := (sc.AllowPrivilegeEscalation != nil && *sc.AllowPrivilegeEscalation) || (sc.Privileged != nil && *sc.Privileged)
+		fact.MayEscalate = &escalates
+	}
 	if sc := c.SecurityContext; sc != nil && sc.RunAsUser != nil {
 		uid := uint32(*sc.RunAsUser)
 		fact.UID = &uid

@@ -108,6 +108,7 @@ func (n *node) startAgent() error {
 		"--nri-socket", n.nriSocket(), "--pod-resources-socket", n.podResourcesSocket(),
 		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
 		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", "", "--resync-period", "2s",
+		"--security-stop-grace", "2s",
 		// The DRA driver: registered with this kubelet, its prepared
 		// claims' CDI specs where containerd reads them.
 		"--dra", "--dra-standing-gpus", strconv.Itoa(standingGPUs),

@@ -886,6 +886,8 @@ type report struct {
 	Env    map[string]string `json:"env"`
 	MPSDir []string          `json:"mpsDir"`
 	Cgroup string            `json:"cgroup"`
+	// NoNewPrivs is the probe's /proc/self/status NoNewPrivs.
+	NoNewPrivs string `json:"noNewPrivs"`
 }
 
 // probeReport waits for container c of pod to print its report and

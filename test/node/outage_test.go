@@ -151,7 +151,13 @@ func TestAgentOutageStopsOnlyTheUnenforced(t *testing.T) {
 	})
 	// Small enough for the GPU enforced already holds, so no new
 	// reservation pod (whose GPU only the agent would name) is needed.
-	createPod(t, "unadjusted", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	// Issue 53: its tenant gives it a year to stop, and a preStop hook
+	// that takes as long; the agent's stop must not wait for either.
+	year := int64(365 * 24 * 3600)
+	createPodWith(t, "unadjusted", map[string]string{"gpu-memory": "1024"}, func(p *corev1.Pod) {
+		p.Spec.TerminationGracePeriodSeconds = &year
+		p.Spec.Containers[0].Lifecycle = &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{Command: []string{"/bin/sleep", "31536000"}}}}
+	}, probe("main", nil))
 	unadjusted := running(t, "unadjusted")
 	r := theNode.probeReport(t, unadjusted, "main")
 	if v, ok := r.Env[nodeapi.EnvMemoryLimit]; ok {
@@ -164,13 +170,19 @@ func TestAgentOutageStopsOnlyTheUnenforced(t *testing.T) {
 	if err := theNode.startAgent(); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitFor("the unadjusted pod to be evicted", 90*time.Second, func() (bool, error) {
+	// Gone, not only asked to go: its containers stopped and the kubelet
+	// removed it, within the agent's security grace (2s here) and a resync.
+	if err := waitFor("the unadjusted pod to be stopped and gone", 90*time.Second, func() (bool, error) {
 		p, err := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), "unadjusted", metav1.GetOptions{})
-		if apierrors.IsNotFound(err) || (err == nil && (p.UID != unadjusted.UID || p.DeletionTimestamp != nil)) {
+		if apierrors.IsNotFound(err) || (err == nil && p.UID != unadjusted.UID) {
 			return true, nil
 		}
 		return false, err
 	}); err != nil {
+		p, _ := theNode.admin.CoreV1().Pods(ns).Get(context.Background(), "unadjusted", metav1.GetOptions{})
+		if p != nil {
+			t.Logf("deletion %v, grace %v", p.DeletionTimestamp, p.DeletionGracePeriodSeconds)
+		}
 		t.Fatal(err)
 	}
 	// The audit is done; the enforced pod stays through two more resyncs

@@ -75,12 +75,22 @@ func tenantUser() *corev1.PodSecurityContext {
 // end of the test, waiting until the kubelet has stopped its containers.
 func createPod(t *testing.T, name string, annotations map[string]string, containers ...corev1.Container) *corev1.Pod {
 	t.Helper()
+	return createPodWith(t, name, annotations, nil, containers...)
+}
+
+// createPodWith is createPod with the pod changed by edit before it is
+// created.
+func createPodWith(t *testing.T, name string, annotations map[string]string, edit func(*corev1.Pod), containers ...corev1.Container) *corev1.Pod {
+	t.Helper()
 	off := false
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
 		Spec: corev1.PodSpec{SchedulerName: "gpufrac", RestartPolicy: corev1.RestartPolicyNever, Containers: containers,
 			AutomountServiceAccountToken: &off, EnableServiceLinks: &off, TerminationGracePeriodSeconds: new(int64(2)),
 			SecurityContext: tenantUser()},
+	}
+	if edit != nil {
+		edit(pod)
 	}
 	created, err := theNode.admin.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{})
 	if err != nil {
@@ -632,4 +642,33 @@ func mustJSON(t *testing.T, v any) string {
 		t.Fatal(err)
 	}
 	return string(raw)
+}
+
+// Issue 53: a share's container cannot become root after the node read
+// its uid. The webhook sets allowPrivilegeEscalation false on it, so the
+// kernel runs its processes with no_new_privs (a setuid-root program
+// gains nothing), where an ordinary pod's keep the default; a share that
+// would share its process namespace is refused before it runs.
+func TestShareCannotGainPrivileges(t *testing.T) {
+	createPod(t, "confined", map[string]string{"gpu-memory": "1024"}, probe("main", nil))
+	share := running(t, "confined")
+	if r := theNode.probeReport(t, share, "main"); r.NoNewPrivs != "1" {
+		t.Errorf("the share's process runs with NoNewPrivs %q, want 1", r.NoNewPrivs)
+	}
+	createPod(t, "ordinary", nil, probe("main", nil))
+	plain := running(t, "ordinary")
+	if r := theNode.probeReport(t, plain, "main"); r.NoNewPrivs != "0" {
+		t.Errorf("an ordinary pod's process runs with NoNewPrivs %q, want 0 (Kubernetes' default): the test would prove nothing", r.NoNewPrivs)
+	}
+	on := true
+	off := false
+	shared := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "shared-pid", Namespace: ns, Annotations: map[string]string{"gpu-memory": "1024"}},
+		Spec: corev1.PodSpec{SchedulerName: "gpufrac", ShareProcessNamespace: &on, AutomountServiceAccountToken: &off,
+			SecurityContext: tenantUser(), Containers: []corev1.Container{probe("main", nil)}}}
+	if _, err := theNode.admin.CoreV1().Pods(ns).Create(context.Background(), shared, metav1.CreateOptions{}); err == nil || !strings.Contains(err.Error(), "spec.shareProcessNamespace") {
+		if err == nil {
+			deletePod(t, "shared-pid")
+		}
+		t.Errorf("a share sharing its process namespace: %v, want it refused", err)
+	}
 }

@@ -92,6 +92,13 @@ type Options struct {
 	// before are still being created, and without the agent they would
 	// start unadjusted (and be stopped by the next agent). 0: none.
 	StopGrace time.Duration
+	// SecurityStopGrace is the most grace the agent's deletions of a pod
+	// give it (a container unenforced, a root MPS client, a share no
+	// reservation holds): the pod's own terminationGracePeriodSeconds and
+	// preStop hooks are its tenant's, and would otherwise decide how long
+	// an unenforced container keeps running. Past it, and a margin, a
+	// container still running is killed on the node (its cgroup).
+	SecurityStopGrace time.Duration
 	// MetricsAddr serves /metrics over TLS to the callers MetricsAuth lets
 	// through; "" serves no metrics.
 	MetricsAddr string
@@ -174,11 +181,12 @@ func DefaultOptions() Options {
 		MemoryLimits:                 "auto",
 		Injection: injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: "/run/gpufrac/mps",
 			RestrictVisibility: true, ExclusiveProcess: true},
-		HealthAddr:   ":8082",
-		MetricsAddr:  ":8443",
-		ResyncPeriod: 30 * time.Second,
-		StopGrace:    5 * time.Second,
-		DRA:          DRAOptions{StandingGPUs: -1},
+		HealthAddr:        ":8082",
+		MetricsAddr:       ":8443",
+		ResyncPeriod:      30 * time.Second,
+		StopGrace:         5 * time.Second,
+		SecurityStopGrace: 10 * time.Second,
+		DRA:               DRAOptions{StandingGPUs: -1},
 	}
 }
 
@@ -311,7 +319,7 @@ func (a *Agent) startPlugin(pods *podWatch) {
 	if a.exclusive != nil {
 		ensureExclusive = a.exclusive.Ensure
 	}
-	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
+	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, MayEscalate: pods.mayEscalate, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: a.env.gpus(), ProcRoot: a.opts.ProcRoot, Leases: a.leases, BootID: a.boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
 		EnsureExclusive: ensureExclusive, Grants: a.grants})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
@@ -530,7 +538,20 @@ func (a *Agent) ReleaseFailed(pod nriplugin.PodRef, container string, err error)
 // and could use to keep an unenforced container running for good. The
 // node agent may delete only the pods of its own node (deploy/'s and the
 // chart's own-node policy).
+//
+// The deletion gives the pod at most SecurityStopGrace to stop, whatever
+// grace (or preStop hook) its tenant wrote: a container that started
+// unenforced must not keep every GPU for as long as its tenant likes.
+// The API server takes the shorter of this and a deletion under way.
 func (a *Agent) Evict(ctx context.Context, pod nriplugin.PodRef, _ string) error {
 	uid := types.UID(pod.UID)
-	return a.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+	grace := int64(a.opts.SecurityStopGrace / time.Second)
+	a.mu.Lock()
+	pods := a.pods
+	a.mu.Unlock()
+	if own, ok := pods.grace(pod.Namespace, pod.Name, pod.UID); ok && own < grace {
+		grace = own
+	}
+	return a.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+		Preconditions: &metav1.Preconditions{UID: &uid}, GracePeriodSeconds: &grace})
 }

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -39,6 +40,9 @@ func (a *Agent) watchPods(ctx context.Context) *podWatch {
 		o.FieldSelector = "spec.nodeName=" + a.opts.NodeName
 	}))
 	pods := w.factory.Core().V1().Pods()
+	if err := pods.Informer().SetTransform(slimPod); err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot slim the node's cached pods; whole pods are kept")
+	}
 	wake := func(obj any) {
 		if pod, ok := obj.(*corev1.Pod); ok && resizing(pod) {
 			select {
@@ -55,6 +59,101 @@ func (a *Agent) watchPods(ctx context.Context) *podWatch {
 	w.lister, w.synced = pods.Lister(), pods.Informer().HasSynced
 	w.factory.Start(ctx.Done())
 	return w
+}
+
+// slimPod keeps of a pod only what the agent reads of it (its resize, its
+// decision, the grace its security stops may give it) before the informer
+// caches it. A tenant's pods may be fat (256KiB of annotations, thousands
+// of environment variables); whole, a node's worth of them would push the
+// agent past its memory limit, and an agent killed for memory is the
+// outage in which containers start unenforced.
+func slimPod(obj any) (any, error) {
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil // a tombstone: its object was slimmed when cached
+	}
+	slim := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID,
+			ResourceVersion: pod.ResourceVersion, DeletionTimestamp: pod.DeletionTimestamp},
+		Spec: corev1.PodSpec{NodeName: pod.Spec.NodeName, TerminationGracePeriodSeconds: pod.Spec.TerminationGracePeriodSeconds,
+			HostUsers: pod.Spec.HostUsers},
+		Status: corev1.PodStatus{Phase: pod.Status.Phase},
+	}
+	// Of each container, its name and whether it may gain privileges.
+	slimContainer := func(c corev1.Container) corev1.Container {
+		out := corev1.Container{Name: c.Name}
+		if sc := c.SecurityContext; sc != nil {
+			out.SecurityContext = &corev1.SecurityContext{AllowPrivilegeEscalation: sc.AllowPrivilegeEscalation, Privileged: sc.Privileged}
+		}
+		return out
+	}
+	for _, c := range pod.Spec.InitContainers {
+		slim.Spec.InitContainers = append(slim.Spec.InitContainers, slimContainer(c))
+	}
+	for _, c := range pod.Spec.Containers {
+		slim.Spec.Containers = append(slim.Spec.Containers, slimContainer(c))
+	}
+	for _, e := range pod.Spec.EphemeralContainers {
+		c := slimContainer(corev1.Container(e.EphemeralContainerCommon))
+		slim.Spec.EphemeralContainers = append(slim.Spec.EphemeralContainers, corev1.EphemeralContainer{EphemeralContainerCommon: corev1.EphemeralContainerCommon(c), TargetContainerName: e.TargetContainerName})
+	}
+	for k, v := range pod.Annotations {
+		if api.IsFractionKey(k) || api.IsDecisionKey(k) || api.IsResizeKey(k) || api.IsResizeRecordKey(k) {
+			if slim.Annotations == nil {
+				slim.Annotations = map[string]string{}
+			}
+			slim.Annotations[k] = v
+		}
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == api.ConditionResizePending || c.Type == api.ConditionResizeInProgress {
+			slim.Status.Conditions = append(slim.Status.Conditions, c)
+		}
+	}
+	return slim, nil
+}
+
+// grace is the grace period (seconds) the pod gives its containers, as the
+// watch knows it; ok is false when it does not know the pod.
+func (w *podWatch) grace(namespace, name, uid string) (int64, bool) {
+	if w == nil || !w.synced() {
+		return 0, false
+	}
+	pod, err := w.lister.Pods(namespace).Get(name)
+	if err != nil || string(pod.UID) != uid || pod.Spec.TerminationGracePeriodSeconds == nil {
+		return 0, false
+	}
+	return *pod.Spec.TerminationGracePeriodSeconds, true
+}
+
+// mayEscalate is nriplugin.Options.MayEscalate: whether the container of
+// the pod may gain privileges, as its spec says (Kubernetes sets
+// no_new_privs only where allowPrivilegeEscalation is false, which it
+// refuses beside privileged); nil when the watch does not know the pod or
+// the container.
+func (w *podWatch) mayEscalate(namespace, name, uid, container string) *bool {
+	if w == nil || !w.synced() {
+		return nil
+	}
+	pod, err := w.lister.Pods(namespace).Get(name)
+	if err != nil || string(pod.UID) != uid {
+		return nil
+	}
+	judge := func(sc *corev1.SecurityContext) *bool {
+		escalates := sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || (sc.Privileged != nil && *sc.Privileged)
+		return &escalates
+	}
+	for _, c := range append(slices.Clone(pod.Spec.InitContainers), pod.Spec.Containers...) {
+		if c.Name == container {
+			return judge(c.SecurityContext)
+		}
+	}
+	for _, e := range pod.Spec.EphemeralContainers {
+		if e.Name == container {
+			return judge(e.SecurityContext)
+		}
+	}
+	return nil
 }
 
 // resized is nriplugin.Options.Resized: a resized pod's allocation now.

@@ -43,6 +43,15 @@ type Container struct {
 	// say (NRI before 0.10). UserNamespace: it has one of its own.
 	UID           *uint32
 	UserNamespace bool
+	// SharedPID: its process namespace is another's (the pod's, with
+	// shareProcessNamespace; a debug container's target's), from which
+	// another container reaches its files through /proc as root.
+	SharedPID bool
+	// MayEscalate says, from its pod's spec as the API has it, whether its
+	// processes may gain privileges (allowPrivilegeEscalation not false,
+	// or privileged): a setuid-root program would become root after the
+	// uid was checked. nil where the node does not know the pod's spec.
+	MayEscalate *bool
 	// CDIDevices are the CDI devices the kubelet named for it (its DRA
 	// shares among them).
 	CDIDevices []string
@@ -297,11 +306,25 @@ func keepShare(c *Container, cfg *Config, d *Decision) string {
 // daemon, which must not be root on the host.
 func admitClientUser(c *Container, cfg *Config, d *Decision) {
 	if d.Assignment == nil && len(DRAShares(c.CDIDevices)) == 0 {
+		// Not a client itself; but one that shares a client's process
+		// namespace (a debug container aimed at it) reaches the client's
+		// MPS pipe directory through /proc. Refused, never failed open:
+		// hiding its GPUs would not hide the client's files.
+		if c.SharedPID && !c.UserNamespace && !cfg.AllowRootMPSClients && holdsAnnotationShare(c.Pod) {
+			*d = Decision{Verdict: Refuse, Reason: fmt.Errorf("container %q: %w", c.Name, CheckMPSClient(Container{SharedPID: true}, *cfg))}
+		}
 		return
 	}
-	if err := CheckMPSClientUser(c.UID, c.UserNamespace, *cfg); err != nil {
+	if err := CheckMPSClient(*c, *cfg); err != nil {
 		*d = Unenforceable(*cfg, fmt.Errorf("container %q: %w", c.Name, err))
 	}
+}
+
+// holdsAnnotationShare says whether the pod's annotations give one of its
+// containers a share.
+func holdsAnnotationShare(p Pod) bool {
+	as, err := api.ParseAssignments(p.Annotations)
+	return err == nil && len(as) > 0
 }
 
 // keepClientUser: a root client found running is stopped as one about to

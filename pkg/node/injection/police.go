@@ -157,7 +157,26 @@ func lookupSet(env []string, key string) (string, bool) {
 // not known, and not refused), userNamespace whether the container has a
 // user namespace of its own (its uid 0 is then no host root).
 func CheckMPSClientUser(uid *uint32, userNamespace bool, cfg Config) error {
-	if cfg.AllowRootMPSClients || uid == nil || *uid != 0 || userNamespace {
+	return CheckMPSClient(Container{UID: uid, UserNamespace: userNamespace}, cfg)
+}
+
+// CheckMPSClient refuses a container that is or may become root on the
+// host as a client of the node's MPS daemon: root by uid
+// (CheckMPSClientUser), or by what its pod lets it do after the uid was
+// read (c.SharedPID, c.MayEscalate). In a user namespace none of these is
+// host root.
+func CheckMPSClient(c Container, cfg Config) error {
+	if cfg.AllowRootMPSClients || c.UserNamespace {
+		return nil
+	}
+	if c.SharedPID {
+		return fmt.Errorf("it shares its process namespace with another container (the pod's shareProcessNamespace, or a debug container's target), which could reach its MPS pipe directory through /proc as root and quit the node's MPS daemon, ending every tenant's GPU context: drop shareProcessNamespace and targeted debug containers, or run the pod in a user namespace (hostUsers: false)")
+	}
+	if c.MayEscalate != nil && *c.MayEscalate {
+		return fmt.Errorf("it may gain privileges (securityContext.allowPrivilegeEscalation is not false, or it is privileged): a setuid-root program would make it root, and root may quit the node's MPS daemon, ending every tenant's GPU context: set allowPrivilegeEscalation false (gpufrac's webhook does at creation), or run the pod in a user namespace (hostUsers: false)")
+	}
+	uid := c.UID
+	if uid == nil || *uid != 0 {
 		return nil
 	}
 	return fmt.Errorf("it runs as root (uid 0, no user namespace), and as a client of the node's MPS daemon root may quit it, ending every tenant's GPU context: run it as another user (securityContext.runAsUser, runAsNonRoot), in a user namespace (hostUsers: false), or have the admin start the agent with --allow-root-mps-clients")

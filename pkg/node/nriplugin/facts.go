@@ -22,7 +22,10 @@ import (
 func (p *Plugin) gather(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, cfg injection.Config) injection.Container {
 	current, resized := p.podOf(pod)
 	c := injection.Container{Pod: current, Resized: resized, Name: ctr.GetName(), Env: ctr.GetEnv(), Mounts: ctr.GetMounts(),
-		UID: uidOf(ctr), UserNamespace: hasUserNamespace(ctr)}
+		UID: uidOf(ctr), UserNamespace: hasUserNamespace(ctr), SharedPID: sharesPIDNamespace(ctr)}
+	if p.opts.MayEscalate != nil {
+		c.MayEscalate = p.opts.MayEscalate(pod.GetNamespace(), pod.GetName(), pod.GetUid(), ctr.GetName())
+	}
 	for _, d := range ctr.GetCDIDevices() {
 		c.CDIDevices = append(c.CDIDevices, d.GetName())
 	}
@@ -52,6 +55,11 @@ type running struct {
 // environment), and why it must not keep running ("" when it may).
 func (p *Plugin) judgeRunning(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, cfg injection.Config) (injection.Decision, running, string) {
 	c := p.gather(ctx, pod, ctr, cfg)
+	// Whether it may gain privileges is judged when it is created, not
+	// once it runs: a share created before the webhook set
+	// allowPrivilegeEscalation false (an upgrade) keeps running; only its
+	// next container is refused.
+	c.MayEscalate = nil
 	var r running
 	if cfg.Backend == nodeapi.BackendDriver && p.opts.NVML != nil && ctr.GetPid() > 0 {
 		r.cgroup, _ = enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))
@@ -126,6 +134,19 @@ func uidOf(ctr *nriapi.Container) *uint32 {
 		return &uid
 	}
 	return nil
+}
+
+// sharesPIDNamespace says whether the container joins a process
+// namespace made before it: the runtime names one by path (the sandbox's
+// with shareProcessNamespace, the target's for a debug container), and
+// gives a container of its own a new one, with none.
+func sharesPIDNamespace(ctr *nriapi.Container) bool {
+	for _, ns := range ctr.GetLinux().GetNamespaces() {
+		if ns.GetType() == "pid" && ns.GetPath() != "" {
+			return true
+		}
+	}
+	return false
 }
 
 func hasUserNamespace(ctr *nriapi.Container) bool {

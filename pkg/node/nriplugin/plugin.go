@@ -85,6 +85,10 @@ type Options struct {
 	// annotations, the pod's at that time. ok is false otherwise, and when
 	// the pod is not known (yet).
 	Resized func(namespace, name, uid string) (container string, m api.Memory, ok bool)
+	// MayEscalate says, from the pod's spec as the API has it, whether the
+	// named container may gain privileges (injection.Container.MayEscalate);
+	// nil (the func or its answer): not known.
+	MayEscalate func(namespace, name, uid, container string) *bool
 	// FailOpen starts unenforceable fractional containers with no GPU
 	// instead of refusing them.
 	FailOpen bool

@@ -352,6 +352,66 @@ func TestRootMPSClientsAreRefused(t *testing.T) {
 	}
 }
 
+// Issue 53: a client of the MPS daemon that may become root after its uid
+// was checked is refused as a root one is: one sharing a process namespace
+// (the pod's, or a debug container aimed at the share), one whose pod lets
+// it gain privileges; in a user namespace neither is host root.
+func TestMPSClientsThatMayBecomeRootAreRefused(t *testing.T) {
+	rt := startRuntime(t, nil, nil)
+	rec := &recorder{}
+	escalates := map[string]bool{"escalating": true}
+	open := cfg
+	open.FailOpen = true
+	startPlugin(t, rt, Options{Injection: open, Reporter: rec, Evictor: rec,
+		MayEscalate: func(_, name, _, _ string) *bool { e := escalates[name]; return &e }})
+	ctx := context.Background()
+	create := func(id, name string, ann map[string]string, edit func(*nriapi.Container)) error {
+		pod := sandbox(id, id, ann)
+		if err := rt.RunPodSandbox(ctx, &nriapi.RunPodSandboxRequest{Pod: pod}); err != nil {
+			t.Fatal(err)
+		}
+		ctr := container("c-"+id+"-"+name, id, name)
+		ctr.User = &nriapi.User{Uid: 1000}
+		if edit != nil {
+			edit(ctr)
+		}
+		_, err := rt.CreateContainer(ctx, &nriapi.CreateContainerRequest{Pod: pod, Container: ctr})
+		return err
+	}
+	sharedPID := func(c *nriapi.Container) {
+		if c.Linux == nil {
+			c.Linux = &nriapi.LinuxContainer{}
+		}
+		c.Linux.Namespaces = append(c.Linux.Namespaces, &nriapi.LinuxNamespace{Type: "pid", Path: "/proc/4242/ns/pid"})
+	}
+	const shared = "shares its process namespace with another container"
+	if err := create("shared", "main", scheduled, sharedPID); err == nil || !strings.Contains(err.Error(), shared) {
+		t.Errorf("a fraction in a shared process namespace: %v, want refused", err)
+	}
+	// A debug container aimed at the share: refused, even on a node that
+	// fails open (hiding its GPUs would not hide the share's files).
+	if err := create("debugged", "debug", scheduled, sharedPID); err == nil || !strings.Contains(err.Error(), shared) {
+		t.Errorf("a container sharing a fraction's process namespace: %v, want refused", err)
+	}
+	if err := create("escalating", "main", scheduled, nil); err == nil || !strings.Contains(err.Error(), "it may gain privileges") {
+		t.Errorf("a fraction that may gain privileges: %v, want refused", err)
+	}
+	inUserNS := func(c *nriapi.Container) {
+		sharedPID(c)
+		escalates["userns"] = true
+		c.Linux.Namespaces = append(c.Linux.Namespaces, &nriapi.LinuxNamespace{Type: "user"})
+	}
+	if err := create("userns", "main", scheduled, inUserNS); err != nil {
+		t.Errorf("a fraction in a user namespace: %v", err)
+	}
+	if err := create("plain", "main", nil, sharedPID); err != nil {
+		t.Errorf("an ordinary pod sharing its process namespace: %v", err)
+	}
+	if err := create("confined", "main", scheduled, nil); err != nil {
+		t.Errorf("a fraction that cannot gain privileges: %v", err)
+	}
+}
+
 // A DRA share is enforced on one container at a time: a second container
 // consuming the same share (another container of the pod, or another pod)
 // is refused while the first runs; the same container's restart, or a

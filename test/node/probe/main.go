@@ -23,6 +23,9 @@ type Report struct {
 	MPSDir []string `json:"mpsDir,omitempty"`
 	// Cgroup is the cgroup v2 path of /proc/self/cgroup ("0::" line).
 	Cgroup string `json:"cgroup"`
+	// NoNewPrivs is /proc/self/status's NoNewPrivs: "1" when setuid
+	// programs and file capabilities gain the process nothing.
+	NoNewPrivs string `json:"noNewPrivs"`
 }
 
 func main() {
@@ -43,6 +46,13 @@ func main() {
 		for _, line := range strings.Split(string(raw), "\n") {
 			if path, ok := strings.CutPrefix(line, "0::"); ok {
 				r.Cgroup = path
+			}
+		}
+	}
+	if raw, err := os.ReadFile("/proc/self/status"); err == nil {
+		for _, line := range strings.Split(string(raw), "\n") {
+			if v, ok := strings.CutPrefix(line, "NoNewPrivs:"); ok {
+				r.NoNewPrivs = strings.TrimSpace(v)
 			}
 		}
 	}
