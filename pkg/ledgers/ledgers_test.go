@@ -224,3 +224,28 @@ func TestReservationPodsAreInTheNamespaceTheNodePublishes(t *testing.T) {
 		t.Errorf("whole GPUs %d, want 2: the reservation pod's and the stray pod's", got.WholeGPUs)
 	}
 }
+
+// Issue 53: a tenant on its way out holds its memory until its containers
+// stop, and the scheduler charges it so: the books (audit, top, the
+// dashboard) count it too, so that two shares over a GPU while one of
+// them terminates are seen; an ended one holds nothing.
+func TestBuildCountsTerminatingTenants(t *testing.T) {
+	leaving := pod("leaving", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga"))
+	leaving.DeletionTimestamp = &metav1.Time{}
+	ended := pod("ended", "n1", decision(50000, api.TimeSlicing, "", "GPU-aa", "ga"))
+	ended.Status.Phase = corev1.PodFailed
+	c := Build([]corev1.Node{node("n1", 1)}, []corev1.Pod{
+		reservation("n1", "ga", "GPU-aa"), leaving, ended,
+		pod("next", "n1", decision(40000, api.TimeSlicing, "", "GPU-aa", "ga")),
+	}, nil)
+	n := c.Nodes["n1"]
+	if _, ok := n.Tenants["uid-leaving"]; !ok {
+		t.Fatalf("tenants %v: the terminating one is not booked", n.Tenants)
+	}
+	if _, ok := n.Tenants["uid-ended"]; ok {
+		t.Error("an ended tenant is booked")
+	}
+	if v := n.Ledger.Violations(); len(v) != 1 || v[0].Kind != gpu.OverCommitted {
+		t.Errorf("violations %v, want the GPU over its memory while one tenant terminates", v)
+	}
+}

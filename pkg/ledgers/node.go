@@ -353,15 +353,19 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		n.Ready, n.Why = ready, why
 		c.Nodes[n.Name] = n
 	}
+	// A pod on its way out (a deletion timestamp) holds its GPU memory
+	// until its containers have stopped, and the scheduler charges it so
+	// until it is gone: so do these books. A reservation pod being deleted
+	// holds its GPU for no new share.
 	live := func(p *corev1.Pod) *Node {
-		if p.Spec.NodeName == "" || p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+		if p.Spec.NodeName == "" || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 			return nil
 		}
 		return c.Nodes[p.Spec.NodeName]
 	}
 	for i := range pods {
 		p := &pods[i]
-		if n := live(p); n != nil && p.Namespace == reservations[n.Name] {
+		if n := live(p); n != nil && p.Namespace == reservations[n.Name] && p.DeletionTimestamp == nil {
 			n.WholeGPUs += api.WholeGPUs(&p.Spec)
 			if meta, ok := api.ReservationOf(p); ok {
 				r, seen := reservationOf(p, meta)

@@ -521,7 +521,8 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 			plural[gv.WithKind(r.Kind)] = r.Name
 		}
 	}
-	for _, o := range mustRender(t) {
+	// A log shipper's path allowed; everything else stays refused.
+	for _, o := range mustRender(t, "--set", "podSecurity.allowedHostPaths={/data,/opt/models/,/var}") {
 		gvk := o.GroupVersionKind()
 		res, ok := plural[gvk]
 		if !ok {
@@ -665,14 +666,18 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal("a tenant could still mount /var/lib/gpufrac after 30s")
 	}
+	// Issue 53: a list of gpufrac's directories was walked around through
+	// /proc (/proc/1/root/var/lib/gpufrac): only allowed paths pass now,
+	// and never gpufrac's directories under an allowed one (/var).
 	for _, path := range []string{"/var/lib/gpufrac", "/var/lib/gpufrac/leases.json", "/run/gpufrac/mps/pipe", "/var/run/gpufrac/mps",
-		"/run/nri", "/var/run/cdi/", "/", "/var", "/opt/gpufrac", "/var//lib/gpufrac", "/var/lib/./gpufrac", "/var/lib/kubelet/pod-resources"} {
+		"/run/nri", "/var/run/cdi/", "/", "/var", "/opt/gpufrac", "/var//lib/gpufrac", "/var/lib/./gpufrac", "/var/lib/kubelet/pod-resources",
+		"/proc", "/proc/1/root", "/sys", "/datasets", "/opt/models-other", "/home"} {
 		err := hostPathPod("team-a", path)
-		if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "reaches gpufrac's host directories") {
+		if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "is not allowed outside the namespaces gpufrac exempts") {
 			t.Errorf("a tenant mounting %s: %v, want forbidden", path, err)
 		}
 	}
-	for _, path := range []string{"/data", "/var/lib/gpufrac-not", "/opt/models", "/var/lib/kubelet-data"} {
+	for _, path := range []string{"/data", "/data/x", "/var/lib/gpufrac-not", "/opt/models", "/opt/models/llama", "/var/lib/kubelet-data"} {
 		if err := hostPathPod("team-a", path); err != nil {
 			t.Errorf("a tenant mounting %s: %v, want allowed", path, err)
 		}
