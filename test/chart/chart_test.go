@@ -27,6 +27,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -782,6 +783,34 @@ func TestChartDashboard(t *testing.T) {
 	}
 	if c.LivenessProbe == nil || c.LivenessProbe.HTTPGet.Path != "/livez" || c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet.Path != "/healthz" {
 		t.Errorf("dashboard probes: liveness %+v, readiness %+v", c.LivenessProbe, c.ReadinessProbe)
+	}
+
+	// Issue 53: no pod outside the release namespace (and those listed)
+	// reaches the dashboard through its Service; the webhook only from the
+	// API server's addresses, where they are given.
+	policy := func(objs []*unstructured.Unstructured, name string) *networkingv1.NetworkPolicy {
+		o := find(objs, "NetworkPolicy", namespace, name)
+		if o == nil {
+			return nil
+		}
+		var np networkingv1.NetworkPolicy
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &np); err != nil {
+			t.Fatal(err)
+		}
+		return np.DeepCopy()
+	}
+	np := policy(chart, "gpufrac-dashboard")
+	if np == nil || len(np.Spec.Ingress) != 1 || len(np.Spec.Ingress[0].From) != 1 || np.Spec.Ingress[0].From[0].NamespaceSelector == nil ||
+		!slices.Equal(np.Spec.Ingress[0].From[0].NamespaceSelector.MatchExpressions[0].Values, []string{namespace}) ||
+		np.Spec.PodSelector.MatchLabels["app.kubernetes.io/name"] != "gpufrac-dashboard" {
+		t.Errorf("dashboard NetworkPolicy: %+v", np)
+	}
+	if policy(chart, "gpufrac-webhook") != nil {
+		t.Error("a webhook NetworkPolicy without the API server's addresses would refuse the API server")
+	}
+	withCIDRs := mustRender(t, "--set", "networkPolicy.apiServerCIDRs={10.0.0.0/24}")
+	if wp := policy(withCIDRs, "gpufrac-webhook"); wp == nil || wp.Spec.Ingress[0].From[0].IPBlock == nil || wp.Spec.Ingress[0].From[0].IPBlock.CIDR != "10.0.0.0/24" {
+		t.Errorf("webhook NetworkPolicy: %+v", wp)
 	}
 }
 
