@@ -490,6 +490,25 @@ func Resize(lib nvml.Interface, cgroup string, devices []string, from, to Limits
 			return err
 		}
 	}
+	// What the container used was read before the new limit was set; it
+	// may have allocated since. A shrink that lands below its use now is
+	// taken back: the memory it holds would be counted free by the books.
+	if to.LimitMiB < from.LimitMiB {
+		for i, dev := range devs {
+			got, ret := dev.GetMemoryLimits_v1(cgroup)
+			if ret != nvml.SUCCESS || got.CurrentUsed <= to.LimitMiB*mebibyte {
+				continue // unread: check has just read the limits themselves
+			}
+			err := fmt.Errorf("%w: GPU %s: cgroup %s grew to %dMi while its hard limit was lowered to %dMi; the old limits are put back",
+				ErrInUse, devices[i], cgroup, (got.CurrentUsed+mebibyte-1)/mebibyte, to.LimitMiB)
+			for j, d := range devs {
+				if ret := d.SetMemoryLimits_v1(cgroup, from.RequestMiB*mebibyte, from.LimitMiB*mebibyte); ret != nvml.SUCCESS {
+					err = errors.Join(err, fmt.Errorf("GPU %s: put back soft %dMi, hard %dMi for cgroup %s: %w", devices[j], from.RequestMiB, from.LimitMiB, cgroup, ret))
+				}
+			}
+			return err
+		}
+	}
 	return nil
 }
 

@@ -410,6 +410,33 @@ func TestResizeChangesARunningContainersLimits(t *testing.T) {
 	}
 }
 
+// Issue 53: a shrink read the container's use before setting the new
+// limit and never after: one that allocated in between kept more than
+// its new limit while the books counted the rest free.
+func TestShrinkRacedByAnAllocationIsTakenBack(t *testing.T) {
+	lib, d, uuids := newMachine(t, 2)
+	from := Limits{Devices: uuids, RequestMiB: 8192, LimitMiB: 16384}
+	if err := Apply(lib, cg, from); err != nil {
+		t.Fatal(err)
+	}
+	d.SetUsed(uuids[0], cg, 2000<<20)
+	d.UseOnSet = 7000 << 20
+	err := Resize(lib, cg, uuids, from, Limits{Devices: uuids, RequestMiB: 4096, LimitMiB: 6000})
+	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), "grew to 7000Mi while its hard limit was lowered to 6000Mi") {
+		t.Errorf("a shrink raced by an allocation: %v", err)
+	}
+	for _, u := range uuids {
+		if got := d.Get(u, cg); got.SoftLimit != 8192<<20 || got.HardLimit != 16384<<20 {
+			t.Errorf("GPU %s keeps %+v, want the old limits back", u, got)
+		}
+	}
+	// A grow never takes anything back.
+	d.UseOnSet = 20000 << 20
+	if err := Resize(lib, cg, uuids, from, Limits{Devices: uuids, RequestMiB: 8192, LimitMiB: 32768}); err != nil {
+		t.Errorf("a grow: %v", err)
+	}
+}
+
 func TestResizeThatFailsMidwayPutsBackWhatItChanged(t *testing.T) {
 	lib, d, uuids := newMachine(t, 2)
 	from := Limits{Devices: uuids, RequestMiB: 8192, LimitMiB: 8192}

@@ -30,6 +30,10 @@ type Driver struct {
 	// FailGets makes the next FailGets GetMemoryLimits_v1 calls fail
 	// (ERROR_UNKNOWN), as a transient driver error would.
 	FailGets int
+	// UseOnSet, when set, is the memory (bytes) a cgroup is found using
+	// once a limit has been set on it: a tenant that allocated between a
+	// resize's read of its use and the new limit.
+	UseOnSet uint64
 }
 
 // NewMachine returns n mock H100s sharing one limit table, and their UUIDs.
@@ -53,6 +57,9 @@ func NewMachine(n int) (*server.Server, *Driver, []string) {
 				return nvml.ERROR_OPERATING_SYSTEM
 			}
 			d.limits[uuid+cgroup] = nvml.MemoryLimits_v1{NameSpace: cgroup, SoftLimit: soft, HardLimit: hard}
+			if d.UseOnSet > 0 {
+				d.used[uuid+cgroup] = d.UseOnSet
+			}
 			return nvml.SUCCESS
 		}
 		dev.GetMemoryLimits_v1Func = func(cgroup string) (nvml.MemoryLimits_v1, nvml.Return) {
