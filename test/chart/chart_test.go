@@ -819,7 +819,8 @@ func TestChartDashboard(t *testing.T) {
 // clients by host PID), root without privilege escalation, read-only root
 // file systems, the host's /proc and cgroup file system read only, and no
 // capability but the agent's SYS_ADMIN, which setting a GPU's compute mode
-// needs (--exclusive-process, on by default; off, none). Nothing
+// needs (--exclusive-process, on by default), and KILL, which its security
+// stops need when no kubelet acts (issue 53). Nothing
 // privileged, no host network or IPC.
 func TestNodeAgentPrivileges(t *testing.T) {
 	rendered := mustRender(t)
@@ -848,18 +849,18 @@ func TestNodeAgentPrivileges(t *testing.T) {
 			t.Errorf("%s: the MPS daemon has a memory limit %s: an OOM kill there ends every tenant", name, l)
 		}
 	}
-	// Off, the agent keeps no capability and says so.
+	// Off, the agent keeps only KILL (its security stops) and says so.
 	off := find(mustRender(t, "--set", "nodeAgent.exclusiveProcess=false"), "DaemonSet", "gpufrac-system", "gpufrac-node-agent")
 	agent, _, _ := unstructured.NestedSlice(off.Object, "spec", "template", "spec", "containers")
 	c := agent[0].(map[string]any)
 	caps, _, _ := unstructured.NestedMap(c, "securityContext", "capabilities")
-	if caps["add"] != nil || !slices.Contains(c["args"].([]any), any("--exclusive-process=false")) {
+	if fmt.Sprint(caps["add"]) != "[KILL]" || !slices.Contains(c["args"].([]any), any("--exclusive-process=false")) {
 		t.Errorf("exclusiveProcess=false: capabilities %v, args %v", caps, c["args"])
 	}
 }
 
 // checkNodePod: a node pod shares the host's PID namespace only, and its
-// one container (want) runs with no privilege but the agent's SYS_ADMIN,
+// one container (want) runs with no privilege but the agent's KILL and SYS_ADMIN,
 // the host's directories read only.
 func checkNodePod(t *testing.T, name, want string, ds *unstructured.Unstructured) {
 	t.Helper()
@@ -877,7 +878,7 @@ func checkNodePod(t *testing.T, name, want string, ds *unstructured.Unstructured
 		args, _ := c["args"].([]any)
 		wantAdd := "<nil>"
 		if c["name"] == "agent" {
-			wantAdd = "[SYS_ADMIN]"
+			wantAdd = "[KILL SYS_ADMIN]"
 			if !slices.ContainsFunc(args, func(a any) bool { return a == "--exclusive-process" || a == "--exclusive-process=true" }) {
 				t.Errorf("%s: the agent runs without --exclusive-process: %v", name, args)
 			}

@@ -651,7 +651,10 @@ type privileges struct {
 	mounts map[string]string
 }
 
-const capSysAdmin = 1 << 21
+const (
+	capKill     = 1 << 5
+	capSysAdmin = 1 << 21
+)
 
 func TestChartPodsRunWithLeastPrivilege(t *testing.T) {
 	// The stand-in runtime class nvidia's injections: what NVIDIA's
@@ -660,7 +663,7 @@ func TestChartPodsRunWithLeastPrivilege(t *testing.T) {
 	want := map[string]privileges{
 		"scheduler": {uid: "65532", mounts: map[string]string{"/etc/gpufrac": "ro", "/tmp": "rw"}},
 		"webhook":   {uid: "65532", mounts: map[string]string{"/etc/gpufrac/webhook-certs": "ro", "/tmp": "rw"}},
-		"agent": {uid: "0", caps: capSysAdmin, mounts: map[string]string{
+		"agent": {uid: "0", caps: capKill | capSysAdmin, mounts: map[string]string{
 			filepath.Dir(theNode.nriSocket()): "rw", filepath.Dir(theNode.podResourcesSocket()): "ro", "/var/lib/gpufrac": "rw",
 			"/host/proc": "ro", "/host/sys/fs/cgroup": "ro", "/run/gpufrac/mps": "rw", "/tmp": "rw",
 			// The dmem stand-in's cgroup.controllers (nvidiaruntime).

@@ -319,7 +319,8 @@ func (a *Agent) startPlugin(pods *podWatch) {
 	if a.exclusive != nil {
 		ensureExclusive = a.exclusive.Ensure
 	}
-	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, MayEscalate: pods.mayEscalate, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
+	plugin := nriplugin.New(nriplugin.Options{Injection: a.opts.Injection, Resized: pods.resized, MayEscalate: pods.mayEscalate,
+		KillAfter: a.opts.SecurityStopGrace + killMargin, FailOpen: a.opts.FailOpen, Reporter: a, Evictor: a,
 		NVML: a.env.gpus(), ProcRoot: a.opts.ProcRoot, Leases: a.leases, BootID: a.boot, MPS: a.mps, ObserveHook: a.metrics.ObserveHook,
 		EnsureExclusive: ensureExclusive, Grants: a.grants})
 	a.mu.Lock() // Ready may be asked from another goroutine at any time
@@ -531,6 +532,12 @@ func (a *Agent) ReleaseFailed(pod nriplugin.PodRef, container string, err error)
 	a.recorder.Eventf(podRef(pod), corev1.EventTypeWarning, "GPUMemoryReleaseFailed",
 		"container %s stopped but its GPU soft limit could not be released: %v", container, err)
 }
+
+// killMargin is how long past its security grace a container the agent
+// asked to stop may still run before the agent kills its processes: the
+// kubelet's own stop takes a few seconds past the grace; one that has not
+// acted by then is not going to (down, or cut off from the API).
+const killMargin = 30 * time.Second
 
 // Evict removes a pod found running without its enforcement: it deletes
 // it (named by UID, so a new pod that took the name is never touched),

@@ -13,12 +13,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	rspec "github.com/opencontainers/runtime-spec/specs-go"
@@ -541,4 +544,38 @@ func Held(lib nvml.Interface, cgroup string, devices []string) (Limits, error) {
 		held = l
 	}
 	return held, nil
+}
+
+// KillCgroup sends SIGKILL to every process of the cgroup (its
+// cgroup.procs, read again until it lists none not killed already, as
+// processes may fork while it is read) and says how many it killed. It
+// needs CAP_KILL (or root with every capability) and the host's PID
+// namespace; the cgroup file system may be mounted read-only.
+func KillCgroup(cgroup string) (int, error) {
+	killed := map[int]bool{}
+	for range 10 {
+		raw, err := os.ReadFile(filepath.Join(cgroup, "cgroup.procs"))
+		if errors.Is(err, fs.ErrNotExist) {
+			return len(killed), nil // the cgroup is gone: so are its processes
+		}
+		if err != nil {
+			return len(killed), fmt.Errorf("list the processes of cgroup %s: %w", cgroup, err)
+		}
+		fresh := 0
+		for _, f := range strings.Fields(string(raw)) {
+			pid, err := strconv.Atoi(f)
+			if err != nil || pid <= 0 || killed[pid] {
+				continue
+			}
+			if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+				return len(killed), fmt.Errorf("kill process %d of cgroup %s: %w", pid, cgroup, err)
+			}
+			killed[pid], fresh = true, fresh+1
+		}
+		if fresh == 0 {
+			return len(killed), nil
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return len(killed), fmt.Errorf("cgroup %s kept listing new processes while they were killed", cgroup)
 }

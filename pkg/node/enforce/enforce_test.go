@@ -2,13 +2,17 @@ package enforce
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
@@ -450,5 +454,35 @@ func TestResizeThatFailsMidwayPutsBackWhatItChanged(t *testing.T) {
 	}
 	if got := d.Get(uuids[0], cg); got.SoftLimit != 8192<<20 || got.HardLimit != 8192<<20 {
 		t.Errorf("the GPU changed before the failure keeps %+v, want the old limits back", got)
+	}
+}
+
+// KillCgroup kills every process its cgroup lists (here a real process,
+// listed in a stand-in cgroup directory).
+func TestKillCgroupKillsEveryProcess(t *testing.T) {
+	cmd := exec.Command("sleep", "600")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(fmt.Sprintf("%d\n", cmd.Process.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	n, err := KillCgroup(dir)
+	if err != nil || n != 1 {
+		t.Fatalf("KillCgroup: %d killed, %v", n, err)
+	}
+	select {
+	case err := <-done:
+		if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || ws.Signal() != syscall.SIGKILL {
+			t.Errorf("the process ended with %v, want SIGKILL", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the process still runs")
+	}
+	if n, err := KillCgroup(filepath.Join(dir, "gone")); err != nil || n != 0 {
+		t.Errorf("a cgroup that is gone: %d, %v", n, err)
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"k8s.io/klog/v2"
+
+	"github.com/gpufrac/gpufrac/pkg/node/enforce"
 )
 
 // Evictions: a pod that must not keep running is deleted, off any NRI
@@ -20,12 +22,26 @@ import (
 // all: no memacct, no ceiling, no pinned limit. Their pods are told why,
 // and come back on the new daemon. A container whose creation time the
 // runtime did not give is not taken as stale.
+//
+// A pod asked to go that still runs KillAfter later (the API refused or
+// could not be reached, or no kubelet acts on the deletion) has its
+// container's processes killed by the node itself: an unenforced
+// container stops when the node says, not when its tenant allows.
 func (p *Plugin) RetryEvictions(ctx context.Context, mpsStarted time.Time) {
+	now := time.Now()
 	for id, t := range p.tenants.ids() {
+		stale := !mpsStarted.IsZero() && !t.started.IsZero() && t.started.Before(mpsStarted)
+		mustStop := stale || (t.State == StateUnenforced && !p.opts.FailOpen)
+		if mustStop && t.stopAsked.IsZero() {
+			p.tenants.update(id, func(t *Tenant) { t.stopAsked = now })
+			t.stopAsked = now
+		}
+		if mustStop && p.opts.KillAfter > 0 && !t.killed && t.pid > 0 && now.Sub(t.stopAsked) >= p.opts.KillAfter {
+			p.kill(ctx, id, t)
+		}
 		if t.evicted {
 			continue
 		}
-		stale := !mpsStarted.IsZero() && !t.started.IsZero() && t.started.Before(mpsStarted)
 		switch {
 		case stale:
 			detail := fmt.Sprintf("the node's MPS daemon started at %s, after the container (created %s); its MPS mounts name the old daemon",
@@ -38,6 +54,34 @@ func (p *Plugin) RetryEvictions(ctx context.Context, mpsStarted time.Time) {
 		case t.State == StateUnenforced && !p.opts.FailOpen:
 			p.evict(ctx, t.Pod, t.Container, "it runs without its GPU-fraction enforcement")
 		}
+	}
+}
+
+// kill stops a container whose pod was asked to go KillAfter ago and
+// still runs: every process of its cgroup gets SIGKILL. The kubelet then
+// sees it exited, and the pod's deletion (or the next) completes.
+func (p *Plugin) kill(ctx context.Context, id string, t Tenant) {
+	logger := klog.FromContext(ctx).WithValues("pod", t.Pod.Namespace+"/"+t.Pod.Name, "container", t.Container)
+	killContainer := p.opts.KillContainer
+	if killContainer == nil {
+		killContainer = func(pid uint32) (int, error) {
+			cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(pid))
+			if err != nil {
+				return 0, err
+			}
+			return enforce.KillCgroup(cgroup)
+		}
+	}
+	n, err := killContainer(t.pid)
+	if err != nil {
+		logger.Error(err, "Cannot kill a container that must stop; retrying at the next resync")
+		return
+	}
+	p.tenants.update(id, func(t *Tenant) { t.killed = true })
+	reason := fmt.Sprintf("its pod was asked to go %s ago and it still ran: the node killed its %d process(es)", time.Since(t.stopAsked).Round(time.Second), n)
+	logger.Info("Killed a container that must stop", "reason", reason)
+	if p.opts.Reporter != nil {
+		p.opts.Reporter.Evicted(t.Pod, t.Container, reason)
 	}
 }
 

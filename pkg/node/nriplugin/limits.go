@@ -45,6 +45,7 @@ func (p *Plugin) PostStartContainer(ctx context.Context, pod *nriapi.PodSandbox,
 		}
 		return nil
 	}
+	p.tenants.update(ctr.GetId(), func(t *Tenant) { t.pid = ctr.GetPid() })
 	if cfg.Backend != nodeapi.BackendDriver || p.opts.NVML == nil || p.opts.Leases == nil {
 		return nil
 	}

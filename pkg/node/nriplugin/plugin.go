@@ -85,6 +85,13 @@ type Options struct {
 	// annotations, the pod's at that time. ok is false otherwise, and when
 	// the pod is not known (yet).
 	Resized func(namespace, name, uid string) (container string, m api.Memory, ok bool)
+	// KillAfter is how long after the node asked for a pod to go (its
+	// eviction) a container that must stop may still run before the node
+	// kills its processes itself; 0: never. KillContainer kills every
+	// process of the container whose first process is pid and says how
+	// many (nil: its cgroup, enforce.KillCgroup).
+	KillAfter     time.Duration
+	KillContainer func(pid uint32) (int, error)
 	// MayEscalate says, from the pod's spec as the API has it, whether the
 	// named container may gain privileges (injection.Container.MayEscalate);
 	// nil (the func or its answer): not known.

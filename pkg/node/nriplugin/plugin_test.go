@@ -572,6 +572,44 @@ func TestSynchronizeAuditsRunningContainers(t *testing.T) {
 	}
 }
 
+// Issue 53: a container asked to stop (its pod's deletion accepted) that
+// still runs KillAfter later is killed by the node itself; one whose pod
+// is enforced never is, and one is killed only once.
+func TestAContainerThatOutlivesItsStopIsKilled(t *testing.T) {
+	enforcedEnv := []string{"NVIDIA_VISIBLE_DEVICES=GPU-a", "NVIDIA_GPU_MEMORY_REQUEST=40448", "NVIDIA_GPU_MEMORY_LIMIT=60672", "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia/mps"}
+	pods := []*nriapi.PodSandbox{sandbox("p1", "enforced", scheduled), sandbox("p2", "unenforced", scheduled)}
+	enforced, unenforced := container("c1", "p1", "main", enforcedEnv...), container("c2", "p2", "main", "NVIDIA_VISIBLE_DEVICES=GPU-a")
+	enforced.Pid, unenforced.Pid = 101, 202
+	rt := startRuntime(t, pods, []*nriapi.Container{enforced, unenforced})
+	rec := &recorder{}
+	var mu sync.Mutex
+	var killed []uint32
+	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, KillAfter: 50 * time.Millisecond,
+		KillContainer: func(pid uint32) (int, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			killed = append(killed, pid)
+			return 3, nil
+		}})
+	p.WaitForEvictions()
+	ctx := context.Background()
+	p.RetryEvictions(ctx, time.Time{}) // asks again; too soon to kill
+	mu.Lock()
+	if len(killed) != 0 {
+		t.Errorf("killed %v before KillAfter", killed)
+	}
+	mu.Unlock()
+	time.Sleep(60 * time.Millisecond)
+	p.RetryEvictions(ctx, time.Time{})
+	p.RetryEvictions(ctx, time.Time{})
+	p.WaitForEvictions()
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(killed, []uint32{202}) {
+		t.Errorf("killed %v, want the unenforced container's 202 once", killed)
+	}
+}
+
 // With grants known, a container that started while the agent was away
 // and sees GPUs it was not granted is stopped too; one whose grant covers
 // what it names is left alone.

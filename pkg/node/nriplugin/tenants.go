@@ -65,6 +65,12 @@ type Tenant struct {
 	// evicted: its pod's eviction was accepted; mpsReported: its pod was
 	// told the MPS daemon was replaced under it.
 	evicted, mpsReported bool
+	// pid is its first process (host PID), once started; stopAsked is
+	// when the node first asked for its pod to go, killed whether the
+	// node has since killed its processes itself (Options.KillAfter).
+	pid       uint32
+	stopAsked time.Time
+	killed    bool
 }
 
 // tenants tracks the fractional containers by container ID.
@@ -160,7 +166,7 @@ func runningTenant(pod *nriapi.PodSandbox, ctr *nriapi.Container, d injection.De
 		created = time.Unix(0, ns)
 	}
 	t := tenantOf(pod, d, backend, StateEnforced, created)
-	t.cgroup = r.cgroup
+	t.cgroup, t.pid = r.cgroup, ctr.GetPid()
 	if r.held != nil {
 		t.RequestMiB, t.LimitMiB = int64(r.held.RequestMiB), int64(r.held.LimitMiB)
 		t.assignment.RequestMiB, t.assignment.LimitMiB = t.RequestMiB, t.LimitMiB
