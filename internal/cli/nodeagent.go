@@ -65,8 +65,8 @@ with no GPU, kubelet or container runtime.`,
 			if opts.StopGrace < 0 || opts.StopGrace > 20*time.Second {
 				return fmt.Errorf("--stop-grace %s: must be from 0 to 20s (a pod's default termination grace period is 30s, and stopping takes more than the grace)", opts.StopGrace)
 			}
-			if opts.SecurityStopGrace < 0 || opts.SecurityStopGrace > 5*time.Minute || opts.SecurityStopGrace%time.Second != 0 {
-				return fmt.Errorf("--security-stop-grace %s: must be whole seconds from 0 to 5m (a pod's deletion grace is counted in seconds; more leaves an unenforced container running as long)", opts.SecurityStopGrace)
+			if opts.SecurityStopGrace < time.Second || opts.SecurityStopGrace > 5*time.Minute || opts.SecurityStopGrace%time.Second != 0 {
+				return fmt.Errorf("--security-stop-grace %s: must be whole seconds from 1s to 5m (0 would remove the pod from the API, and its share from every book, before its containers stop; more leaves an unenforced container running as long)", opts.SecurityStopGrace)
 			}
 			cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
 				&clientcmd.ClientConfigLoadingRules{ExplicitPath: kubeconfig}, &clientcmd.ConfigOverrides{}).ClientConfig()

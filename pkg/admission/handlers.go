@@ -27,6 +27,9 @@ const (
 // gpufrac's DRA driver for a share.
 type Validator struct {
 	Identity Identity
+	// Guard reviews a new claim of gpufrac's driver against the charges
+	// of the pods that name it; nil: not reviewed (quota off).
+	Guard *ClaimGuard
 }
 
 var _ admission.Handler = (*Validator)(nil)
@@ -73,7 +76,12 @@ func (v *Validator) Handle(ctx context.Context, req admission.Request) admission
 		if err := json.Unmarshal(req.Object.Raw, &c); err != nil {
 			return admission.Errored(http.StatusBadRequest, fmt.Errorf("decode ResourceClaim: %w", err))
 		}
-		err = manifest.ValidateClaim(c.Spec, "spec")
+		if err = manifest.ValidateClaim(c.Spec, "spec"); err == nil && v.Guard != nil {
+			if c.Namespace == "" {
+				c.Namespace = req.Namespace
+			}
+			err = v.Guard.Review(ctx, &c)
+		}
 	case req.Kind.Group == "resource.k8s.io" && req.Kind.Kind == "ResourceClaimTemplate":
 		var c resourceapi.ResourceClaimTemplate
 		if err := json.Unmarshal(req.Object.Raw, &c); err != nil {

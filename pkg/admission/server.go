@@ -43,7 +43,11 @@ func NewServer(opts ServerOptions) *Server {
 	ws := webhook.NewServer(webhook.Options{Host: opts.Host, Port: opts.Port, CertDir: opts.CertDir})
 	identity := opts.Identity
 	identity.DefaultScheduler = opts.SchedulerName
-	ws.Register(ValidatePath, &webhook.Admission{Handler: &Validator{Identity: identity}})
+	validator := &Validator{Identity: identity}
+	if pods, ok := opts.Charger.Claims.(PodSource); ok && !opts.Charger.Off {
+		validator.Guard = &ClaimGuard{Claims: opts.Charger.Claims, Pods: pods}
+	}
+	ws.Register(ValidatePath, &webhook.Admission{Handler: validator})
 	ws.Register(MutatePath, &webhook.Admission{Handler: &Mutator{SchedulerName: opts.SchedulerName, Charger: opts.Charger, AllowRootMPSClients: identity.AllowRootMPSClients}})
 	return &Server{opts: opts, webhook: ws}
 }

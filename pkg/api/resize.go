@@ -218,6 +218,12 @@ func ResizeCondition(kind string, status corev1.ConditionStatus, reason, message
 	return corev1.PodCondition{Type: corev1.PodConditionType(kind), Status: status, Reason: reason, Message: message}
 }
 
+// IsResizeCondition says whether a pod condition is one of a resize's
+// (ConditionResizePending, ConditionResizeInProgress).
+func IsResizeCondition(t corev1.PodConditionType) bool {
+	return t == ConditionResizePending || t == ConditionResizeInProgress
+}
+
 // PodResizeCondition is the pod's condition of type kind, if any.
 func PodResizeCondition(pod *corev1.Pod, kind string) (corev1.PodCondition, bool) {
 	for _, c := range pod.Status.Conditions {

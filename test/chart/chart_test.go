@@ -523,7 +523,7 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 		}
 	}
 	// A log shipper's path allowed; everything else stays refused.
-	for _, o := range mustRender(t, "--set", "podSecurity.allowedHostPaths={/data,/opt/models/,/var}") {
+	for _, o := range mustRender(t, "--set", "podSecurity.allowedHostPaths={/data,/opt/models/,/var/log}") {
 		gvk := o.GroupVersionKind()
 		res, ok := plural[gvk]
 		if !ok {
@@ -668,20 +668,32 @@ func TestChartInstallsAndBoundsTheNodeAgent(t *testing.T) {
 		t.Fatal("a tenant could still mount /var/lib/gpufrac after 30s")
 	}
 	// Issue 53: a list of gpufrac's directories was walked around through
-	// /proc (/proc/1/root/var/lib/gpufrac): only allowed paths pass now,
-	// and never gpufrac's directories under an allowed one (/var).
+	// /proc (/proc/1/root/var/lib/gpufrac): only allowed paths pass now.
 	for _, path := range []string{"/var/lib/gpufrac", "/var/lib/gpufrac/leases.json", "/run/gpufrac/mps/pipe", "/var/run/gpufrac/mps",
 		"/run/nri", "/var/run/cdi/", "/", "/var", "/opt/gpufrac", "/var//lib/gpufrac", "/var/lib/./gpufrac", "/var/lib/kubelet/pod-resources",
-		"/proc", "/proc/1/root", "/sys", "/datasets", "/opt/models-other", "/home"} {
+		"/var/lib/kubelet/pods", "/proc", "/proc/1/root", "/sys", "/datasets", "/opt/models-other", "/home", "/var/lib/gpufrac-not"} {
 		err := hostPathPod("team-a", path)
 		if !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "is not allowed outside the namespaces gpufrac exempts") {
 			t.Errorf("a tenant mounting %s: %v, want forbidden", path, err)
 		}
 	}
-	for _, path := range []string{"/data", "/data/x", "/var/lib/gpufrac-not", "/opt/models", "/opt/models/llama", "/var/lib/kubelet-data"} {
+	for _, path := range []string{"/data", "/data/x", "/opt/models", "/opt/models/llama", "/var/log", "/var/log/pods"} {
 		if err := hostPathPod("team-a", path); err != nil {
 			t.Errorf("a tenant mounting %s: %v, want allowed", path, err)
 		}
+	}
+	// A namespace Pod Security labels privileged (an admin's
+	// infrastructure, a log shipper's) mounts what it needs, but never
+	// gpufrac's directories; an upgrade refuses no update of a running pod.
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "logging",
+		Labels: map[string]string{"pod-security.kubernetes.io/enforce": "privileged"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := hostPathPod("logging", "/var/lib/docker/containers"); err != nil {
+		t.Errorf("a privileged namespace mounting /var/lib/docker/containers: %v", err)
+	}
+	if err := hostPathPod("logging", "/var/lib/gpufrac"); !apierrors.IsForbidden(err) {
+		t.Errorf("a privileged namespace mounting /var/lib/gpufrac: %v, want forbidden", err)
 	}
 	if err := hostPathPod(namespace, "/var/lib/gpufrac"); err != nil {
 		t.Errorf("the release namespace mounting /var/lib/gpufrac: %v", err)

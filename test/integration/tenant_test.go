@@ -96,15 +96,24 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("the decoy claim is not gone: %v", err)
 	}
-	if _, err := tenant.ResourceV1().ResourceClaims(ns).Create(ctx, memoryClaim(ns, "swapped", "40Gi", ""), metav1.CreateOptions{}); err != nil {
+	_, err = tenant.ResourceV1().ResourceClaims(ns).Create(ctx, memoryClaim(ns, "swapped", "40Gi", ""), metav1.CreateOptions{})
+	refused("a claim of gpufrac's swapped in after its pod was charged nothing", err,
+		`resourceclaim swapped "40Gi" cannot be created now: pod swap names it and was charged 0`)
+	// (gpufrac's scheduler would refuse the pod too: it places no share
+	// whose pod carries no charge.)
+
+	// The same swap for a pod any other scheduler with DRA places (the
+	// default one allocates gpufrac's claims from its published slices):
+	// the claim itself is refused while the pod's charge does not cover it,
+	// and so is a claim made after the pod that names it.
+	elsewhere := claimPod(ns, "elsewhere", "default-scheduler", "uncharged", "swapped-too")
+	elsewhere.Spec.SchedulingGates = []corev1.PodSchedulingGate{{Name: "tenant/hold"}}
+	if _, err := tenant.CoreV1().Pods(ns).Create(ctx, elsewhere, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := tenant.CoreV1().Pods(ns).Patch(ctx, "swap", types.JSONPatchType, []byte(`[{"op":"remove","path":"/spec/schedulingGates"}]`), metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if why := pending(t, ns, "swap"); !strings.Contains(why, "carries no "+string(api.ResourceGPUMemory)+" charge") {
-		t.Errorf("the pod whose claim was swapped for gpufrac's: %q, want it refused for carrying no charge", why)
-	}
+	_, err = tenant.ResourceV1().ResourceClaims(ns).Create(ctx, memoryClaim(ns, "swapped-too", "40Gi", ""), metav1.CreateOptions{})
+	refused("a claim of gpufrac's made after the default scheduler's pod that names it", err,
+		`resourceclaim swapped-too "40Gi" cannot be created now: pod elsewhere names it and was charged 0`)
 
 	// 5. A charge written by the tenant on a pod with no share is taken
 	// off: 4095Ti of it would use up a GPU node's 4Pi for every share.

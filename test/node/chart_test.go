@@ -810,7 +810,7 @@ func TestChartServiceAccountsHoldLeastPrivilege(t *testing.T) {
 	}
 	cases := map[string][]ask{
 		release + "-webhook": {
-			{"list", "nodes", "", "", true}, {"get", "resourceclaims", "", ns, true},
+			{"list", "nodes", "", "", true}, {"get", "resourceclaims", "", ns, true}, {"list", "pods", "", ns, true},
 			{"update", "pods", "", ns, false}, {"create", "pods", "", ns, false}, {"get", "secrets", "", releaseNS, false},
 		},
 		release + "-scheduler": {

@@ -94,10 +94,12 @@ type Options struct {
 	StopGrace time.Duration
 	// SecurityStopGrace is the most grace the agent's deletions of a pod
 	// give it (a container unenforced, a root MPS client, a share no
-	// reservation holds): the pod's own terminationGracePeriodSeconds and
-	// preStop hooks are its tenant's, and would otherwise decide how long
-	// an unenforced container keeps running. Past it, and a margin, a
-	// container still running is killed on the node (its cgroup).
+	// reservation holds), and at least 1s: the pod's own
+	// terminationGracePeriodSeconds and preStop hooks are its tenant's,
+	// and would otherwise decide how long an unenforced container keeps
+	// running. Past it, and killMargin, a fractional container still
+	// running unenforced (or on a replaced MPS daemon) is killed on the
+	// node (its cgroup's processes).
 	SecurityStopGrace time.Duration
 	// MetricsAddr serves /metrics over TLS to the callers MetricsAuth lets
 	// through; "" serves no metrics.
@@ -559,6 +561,10 @@ func (a *Agent) Evict(ctx context.Context, pod nriplugin.PodRef, _ string) error
 	if own, ok := pods.grace(pod.Namespace, pod.Name, pod.UID); ok && own < grace {
 		grace = own
 	}
+	// Never 0: a deletion without grace removes the pod from the API at
+	// once, and with it its share from every book, while its containers
+	// still run.
+	grace = max(grace, 1)
 	return a.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
 		Preconditions: &metav1.Preconditions{UID: &uid}, GracePeriodSeconds: &grace})
 }

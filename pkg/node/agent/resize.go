@@ -15,6 +15,7 @@ import (
 	corev1listers "k8s.io/client-go/listers/core/v1"
 	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
@@ -106,7 +107,7 @@ func slimPod(obj any) (any, error) {
 		}
 	}
 	for _, c := range pod.Status.Conditions {
-		if c.Type == api.ConditionResizePending || c.Type == api.ConditionResizeInProgress {
+		if api.IsResizeCondition(c.Type) {
 			slim.Status.Conditions = append(slim.Status.Conditions, c)
 		}
 	}
@@ -127,10 +128,14 @@ func (w *podWatch) grace(namespace, name, uid string) (int64, bool) {
 }
 
 // mayEscalate is nriplugin.Options.MayEscalate: whether the container of
-// the pod may gain privileges, as its spec says (Kubernetes sets
-// no_new_privs only where allowPrivilegeEscalation is false, which it
-// refuses beside privileged); nil when the watch does not know the pod or
-// the container.
+// the pod may gain privileges, as its spec says: true where it asks to
+// (allowPrivilegeEscalation true, or privileged), false where it may not
+// (allowPrivilegeEscalation false: Kubernetes sets no_new_privs); nil
+// where the spec leaves it unset, or the watch does not know the pod or
+// the container. Unset is not refused here: gpufrac's webhook sets it
+// false on every share it admits, and a share admitted by another's
+// (KAI's admission before gpufrac's node side) or before an upgrade would
+// otherwise be refused at its every start.
 func (w *podWatch) mayEscalate(namespace, name, uid, container string) *bool {
 	if w == nil || !w.synced() {
 		return nil
@@ -140,8 +145,15 @@ func (w *podWatch) mayEscalate(namespace, name, uid, container string) *bool {
 		return nil
 	}
 	judge := func(sc *corev1.SecurityContext) *bool {
-		escalates := sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || (sc.Privileged != nil && *sc.Privileged)
-		return &escalates
+		switch {
+		case sc == nil:
+			return nil
+		case sc.Privileged != nil && *sc.Privileged, sc.AllowPrivilegeEscalation != nil && *sc.AllowPrivilegeEscalation:
+			return ptr.To(true)
+		case sc.AllowPrivilegeEscalation != nil:
+			return ptr.To(false)
+		}
+		return nil
 	}
 	for _, c := range append(slices.Clone(pod.Spec.InitContainers), pod.Spec.Containers...) {
 		if c.Name == container {

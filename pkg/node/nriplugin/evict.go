@@ -2,7 +2,10 @@ package nriplugin
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
+	"strings"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -64,16 +67,15 @@ func (p *Plugin) kill(ctx context.Context, id string, t Tenant) {
 	logger := klog.FromContext(ctx).WithValues("pod", t.Pod.Namespace+"/"+t.Pod.Name, "container", t.Container)
 	killContainer := p.opts.KillContainer
 	if killContainer == nil {
-		killContainer = func(pid uint32) (int, error) {
-			cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(pid))
-			if err != nil {
-				return 0, err
-			}
-			return enforce.KillCgroup(cgroup)
-		}
+		killContainer = p.killContainer
 	}
-	n, err := killContainer(t.pid)
-	if err != nil {
+	n, err := killContainer(id, t.pid)
+	switch {
+	case errors.Is(err, errContainerGone):
+		p.tenants.update(id, func(t *Tenant) { t.killed = true })
+		logger.V(2).Info("A container that must stop is gone already", "reason", err.Error())
+		return
+	case err != nil:
 		logger.Error(err, "Cannot kill a container that must stop; retrying at the next resync")
 		return
 	}
@@ -83,6 +85,28 @@ func (p *Plugin) kill(ctx context.Context, id string, t Tenant) {
 	if p.opts.Reporter != nil {
 		p.opts.Reporter.Evicted(t.Pod, t.Container, reason)
 	}
+}
+
+// errContainerGone: the process a container started with is gone, or its
+// PID now belongs to another cgroup (reused): nothing of it is left to kill.
+var errContainerGone = errors.New("the container's first process is gone")
+
+// killContainer kills every process of container id's cgroup, found from
+// its first process (pid) and checked to be the container's own (its
+// path names the container ID, as containerd's cgroups do): a PID reused
+// by another process after the container ended must kill nothing.
+func (p *Plugin) killContainer(id string, pid uint32) (int, error) {
+	cgroup, err := enforce.CgroupOf(p.opts.ProcRoot, int(pid))
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, errContainerGone
+	}
+	if err != nil {
+		return 0, err
+	}
+	if !strings.Contains(cgroup, id) {
+		return 0, fmt.Errorf("%w: pid %d is in cgroup %s, not the container's", errContainerGone, pid, cgroup)
+	}
+	return enforce.KillCgroup(cgroup)
 }
 
 // evict asks for the pod's eviction in the background, with a deadline of

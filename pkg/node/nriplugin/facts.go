@@ -55,11 +55,12 @@ type running struct {
 // environment), and why it must not keep running ("" when it may).
 func (p *Plugin) judgeRunning(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container, cfg injection.Config) (injection.Decision, running, string) {
 	c := p.gather(ctx, pod, ctr, cfg)
-	// Whether it may gain privileges is judged when it is created, not
-	// once it runs: a share created before the webhook set
-	// allowPrivilegeEscalation false (an upgrade) keeps running; only its
-	// next container is refused.
-	c.MayEscalate = nil
+	// Whether it may become root by what its pod allows (escalation, a
+	// shared process namespace) is judged when it is created, not once it
+	// runs: a share created before these checks (an upgrade) keeps
+	// running, and is judged at its next container. The webhook, failing
+	// closed, refuses such pods before they reach a node.
+	c.MayEscalate, c.SharedPID = nil, false
 	var r running
 	if cfg.Backend == nodeapi.BackendDriver && p.opts.NVML != nil && ctr.GetPid() > 0 {
 		r.cgroup, _ = enforce.CgroupOf(p.opts.ProcRoot, int(ctr.GetPid()))

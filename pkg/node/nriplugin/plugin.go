@@ -88,10 +88,10 @@ type Options struct {
 	// KillAfter is how long after the node asked for a pod to go (its
 	// eviction) a container that must stop may still run before the node
 	// kills its processes itself; 0: never. KillContainer kills every
-	// process of the container whose first process is pid and says how
-	// many (nil: its cgroup, enforce.KillCgroup).
+	// process of container id, whose first process is pid, and says how
+	// many (nil: its cgroup's, checked to be the container's).
 	KillAfter     time.Duration
-	KillContainer func(pid uint32) (int, error)
+	KillContainer func(id string, pid uint32) (int, error)
 	// MayEscalate says, from the pod's spec as the API has it, whether the
 	// named container may gain privileges (injection.Container.MayEscalate);
 	// nil (the func or its answer): not known.

@@ -585,7 +585,7 @@ func TestAContainerThatOutlivesItsStopIsKilled(t *testing.T) {
 	var mu sync.Mutex
 	var killed []uint32
 	p := startPlugin(t, rt, Options{Injection: cfg, Reporter: rec, Evictor: rec, KillAfter: 50 * time.Millisecond,
-		KillContainer: func(pid uint32) (int, error) {
+		KillContainer: func(_ string, pid uint32) (int, error) {
 			mu.Lock()
 			defer mu.Unlock()
 			killed = append(killed, pid)
@@ -607,6 +607,42 @@ func TestAContainerThatOutlivesItsStopIsKilled(t *testing.T) {
 	defer mu.Unlock()
 	if !slices.Equal(killed, []uint32{202}) {
 		t.Errorf("killed %v, want the unenforced container's 202 once", killed)
+	}
+}
+
+// The node's own kill finds a container's cgroup from its first process
+// and kills nothing when that PID now lives in another cgroup (reused).
+func TestKillFindsTheContainersOwnCgroup(t *testing.T) {
+	proc := t.TempDir()
+	write := func(path, content string) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(proc, path)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(proc, path), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cgroupfs := t.TempDir()
+	write("self/mountinfo", "30 1 0:26 / "+cgroupfs+" rw,nosuid shared:4 - cgroup2 cgroup2 rw\n")
+	write("self/cgroup", "0::/\n")
+	write("77/cgroup", "0::/kubepods/pod-1/ctr-abc\n")
+	write("78/cgroup", "0::/kubepods/pod-2/ctr-other\n")
+	if err := os.MkdirAll(filepath.Join(cgroupfs, "kubepods/pod-1/ctr-abc"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(cgroupfs, "kubepods/pod-1/ctr-abc/cgroup.procs"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p := New(Options{ProcRoot: proc})
+	if n, err := p.killContainer("ctr-abc", 77); err != nil || n != 0 {
+		t.Errorf("the container's own, empty cgroup: %d killed, %v", n, err)
+	}
+	if _, err := p.killContainer("ctr-abc", 78); !errors.Is(err, errContainerGone) {
+		t.Errorf("a PID reused in another cgroup: %v, want errContainerGone", err)
+	}
+	if _, err := p.killContainer("ctr-abc", 79); !errors.Is(err, errContainerGone) {
+		t.Errorf("a PID gone: %v, want errContainerGone", err)
 	}
 }
 
