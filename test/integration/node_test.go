@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -703,5 +704,73 @@ func TestNodeAgentPublishesWhatStandingGPUsOffer(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("agent stopped with error: %v", err)
+	}
+}
+
+// Issue 54: a simulated node is the same node after its agent restarts:
+// its GPUs keep their UUIDs, so the state file, the reservation pods and
+// the books that name them still do, and the node is ready for fractions
+// again (it used to stay ComputeModeNotExclusive, "no such GPU").
+func TestSimulatedAgentRestartsToItsOwnGPUs(t *testing.T) {
+	nodeName := uniqueName("restarting-node")
+	if _, err := shared.admin.CoreV1().Nodes().Create(context.Background(), &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ns := createNamespace(t, "gpufrac-reserve-r")
+	reservationPod(t, ns, "gpu-group-0", nodeName)
+	state := t.TempDir()
+	ready := func() (corev1.NodeCondition, error) {
+		n, err := shared.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+		if err != nil {
+			return corev1.NodeCondition{}, err
+		}
+		for _, c := range n.Status.Conditions {
+			if c.Type == publish.ConditionReady {
+				return c, nil
+			}
+		}
+		return corev1.NodeCondition{}, nil
+	}
+	run := func(which string) string {
+		t.Helper()
+		ctx, cancel := context.WithCancel(context.Background())
+		a := agent.New(agent.Options{
+			NodeName: nodeName, SimulateGPUs: "dgxh100", ReservationNamespace: ns, StateDir: state,
+			PublishGPULabels: true, ResyncPeriod: 200 * time.Millisecond,
+			Injection: injection.Config{ExclusiveProcess: true},
+		}, shared.admin)
+		done := make(chan error, 1)
+		go func() { done <- a.Run(ctx) }()
+		var last corev1.NodeCondition
+		var gpu string
+		err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+			c, err := ready()
+			last, gpu = c, reservedGPU(t, ns, "gpu-group-0")
+			return err == nil && c.Status == corev1.ConditionTrue && gpu != "", err
+		})
+		cancel()
+		if derr := <-done; derr != nil {
+			t.Errorf("%s agent: %v", which, derr)
+		}
+		if err != nil {
+			t.Fatalf("the %s agent: the node never became ready with its reservation annotated: %+v", which, last)
+		}
+		return gpu
+	}
+	first := run("first")
+	if again := run("restarted"); again != first {
+		t.Errorf("the reservation's GPU is %s after the restart, %s before", again, first)
+	}
+	// The GPU its books name is one the node has, whenever it is read.
+	lib, err := inventory.SimulatedFor("dgxh100", nodeName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := inventory.Read(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(inv.GPUs, func(g inventory.GPU) bool { return g.UUID == first }) {
+		t.Errorf("the reservation holds %s, which is none of the node's GPUs %+v", first, inv.GPUs)
 	}
 }

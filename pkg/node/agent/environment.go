@@ -141,7 +141,7 @@ type simulatedNode struct {
 }
 
 func newSimulatedNode(ctx context.Context, opts Options) (*simulatedNode, error) {
-	lib, err := inventory.Simulated(opts.SimulateGPUs)
+	lib, err := inventory.SimulatedFor(opts.SimulateGPUs, opts.NodeName)
 	if err != nil {
 		return nil, err
 	}

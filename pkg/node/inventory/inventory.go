@@ -5,6 +5,7 @@
 package inventory
 
 import (
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"regexp"
@@ -148,10 +149,21 @@ func CheckMachine(machine string) error {
 	return nil
 }
 
-// Simulated returns the NVML library of a go-nvml mock machine. PCI bus ids,
-// which the mocks leave empty, are filled in as 0000:<index+0x18>:00.0 so
-// that every GPU is addressable like a real one.
+// Simulated returns the NVML library of a go-nvml mock machine whose GPUs
+// get new UUIDs at every call (the mock's own): for a view that nothing
+// outlives. A simulated node's agent uses SimulatedFor.
 func Simulated(machine string) (nvml.Interface, error) {
+	return SimulatedFor(machine, "")
+}
+
+// SimulatedFor returns the NVML library of a go-nvml mock machine as node
+// has it: PCI bus ids, which the mocks leave empty, are filled in as
+// 0000:<index+0x18>:00.0 so that every GPU is addressable like a real one,
+// and (node not "") each GPU's UUID is derived from the node's name and
+// its index, so that the node's GPUs are the same ones after an agent's
+// restart, as a real node's are: its books, reservation pods and state
+// file name them. Two nodes' GPUs never share a UUID.
+func SimulatedFor(machine, node string) (nvml.Interface, error) {
 	if err := CheckMachine(machine); err != nil {
 		return nil, err
 	}
@@ -185,6 +197,9 @@ func Simulated(machine string) (nvml.Interface, error) {
 			continue
 		}
 		simulateComputeMode(dev)
+		if node != "" {
+			dev.UUID = simulatedUUID(node, i)
+		}
 		busID := fmt.Sprintf("0000:%02x:00.0", 0x18+i)
 		base := dev.GetPciInfoFunc
 		dev.GetPciInfoFunc = func() (nvml.PciInfo, nvml.Return) {
@@ -196,6 +211,13 @@ func Simulated(machine string) (nvml.Interface, error) {
 		}
 	}
 	return s, nil
+}
+
+// simulatedUUID is GPU index of node's UUID: GPU- and the first 16 bytes
+// of SHA-256(node/index), in a UUID's form.
+func simulatedUUID(node string, index int) string {
+	h := sha256.Sum256([]byte(node + "/" + strconv.Itoa(index)))
+	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", h[0:4], h[4:6], h[6:8], h[8:10], h[10:16])
 }
 
 // Read initialises lib, reads every GPU and shuts the library down again.

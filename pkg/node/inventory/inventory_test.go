@@ -1,6 +1,7 @@
 package inventory
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -162,4 +163,40 @@ func FuzzSimulated(f *testing.F) {
 			t.Fatalf("Simulated(%q) accepted, read %d GPUs, %v", machine, len(inv.GPUs), err)
 		}
 	})
+}
+
+// Issue 54: a simulated node's GPUs are the same after a restart (a new
+// library for the same node), as a real node's are, and no two nodes'
+// GPUs share a UUID.
+func TestSimulatedNodesKeepTheirGPUs(t *testing.T) {
+	read := func(node string) []string {
+		t.Helper()
+		lib, err := SimulatedFor("dgxh100", node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		inv, err := Read(lib)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var uuids []string
+		for _, g := range inv.GPUs {
+			if !strings.HasPrefix(g.UUID, "GPU-") || len(g.UUID) != len("GPU-")+36 {
+				t.Errorf("UUID %q is not in a GPU UUID's form", g.UUID)
+			}
+			uuids = append(uuids, g.UUID)
+		}
+		return uuids
+	}
+	first, again, other := read("gpu-node-1"), read("gpu-node-1"), read("gpu-node-2")
+	if len(first) != 8 || !slices.Equal(first, again) {
+		t.Errorf("gpu-node-1's GPUs after a restart: %v, before %v", again, first)
+	}
+	seen := map[string]bool{}
+	for _, u := range append(first, other...) {
+		if seen[u] {
+			t.Errorf("UUID %s is two GPUs'", u)
+		}
+		seen[u] = true
+	}
 }
