@@ -82,6 +82,18 @@ func TestShareClientsCannotBecomeRoot(t *testing.T) {
 	if patches, denied := mutate(plain); denied != "" || len(patches) != 0 {
 		t.Errorf("plain pod: denied %q, patches %v", denied, patches)
 	}
+	// At validation: a pod whose only key is one the parser ignores asks
+	// for no share, and is not judged as one.
+	ignored := pod(ann{"gpu-fraction-container-name": "main"}, "")
+	ignored.Spec.ShareProcessNamespace = ptr.To(true)
+	if _, err := identity.ReviewPod(Create, "alice", nil, ignored); err != nil {
+		t.Errorf("a pod with only an ignored key: %v", err)
+	}
+	sharing := pod(ann{"gpu-memory": "1024"}, "")
+	sharing.Spec.ShareProcessNamespace = ptr.To(true)
+	if _, err := identity.ReviewPod(Create, "alice", nil, sharing); err == nil || !strings.Contains(err.Error(), "spec.shareProcessNamespace") {
+		t.Errorf("a share sharing its process namespace, at validation: %v", err)
+	}
 	// The admin who accepts root clients accepts this too.
 	m.AllowRootMPSClients = true
 	if _, denied := mutate(share(func(p *corev1.Pod) { p.Spec.ShareProcessNamespace = ptr.To(true) })); denied != "" {

@@ -114,7 +114,10 @@ func (i Identity) ReviewPod(op Operation, user string, old, pod *corev1.Pod) (wa
 	if err != nil || scheduler || op != Create {
 		return warnings, err
 	}
-	if !i.AllowRootMPSClients && HoldsShare(pod) {
+	// A share asked by its annotations, or charged for its claims (the
+	// mutating webhook ran first); not a pod whose only key is one the
+	// parser ignores.
+	if charged, _ := api.ChargedMiB(&pod.Spec); !i.AllowRootMPSClients && (len(reqs) > 0 || charged > 0) {
 		if err := CheckMPSClientPod(&pod.Spec); err != nil {
 			return warnings, err
 		}
