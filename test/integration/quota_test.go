@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -29,16 +28,7 @@ func TestNamespaceGPUMemoryQuota(t *testing.T) {
 	publishSlices(t, node, "dgxh100", 1024)
 	tenant := tenantUser(t, ns, "quota-user")
 	ctx := context.Background()
-	claims := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "tenant-claims", Namespace: ns}, Rules: []rbacv1.PolicyRule{
-		{APIGroups: []string{"resource.k8s.io"}, Resources: []string{"resourceclaims"}, Verbs: []string{"get", "list", "create", "delete"}}}}
-	if _, err := shared.admin.RbacV1().Roles(ns).Create(ctx, claims, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := shared.admin.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "tenant-claims", Namespace: ns},
-		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "tenant-claims"},
-		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "quota-user"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	grantClaims(t, ns, "quota-user")
 
 	budget := corev1.ResourceList{"requests." + api.ResourceGPUMemory: resource.MustParse("50Gi")}
 	quota, err := shared.admin.CoreV1().ResourceQuotas(ns).Create(ctx, &corev1.ResourceQuota{

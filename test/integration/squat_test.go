@@ -44,6 +44,31 @@ func tenantUser(t *testing.T, ns, name string) *kubernetes.Clientset {
 	return client
 }
 
+// grantClaims lets the namespace user created by tenantUser get, list,
+// create and delete ResourceClaims in ns too.
+func grantClaims(t *testing.T, ns, user string) {
+	t.Helper()
+	ctx := context.Background()
+	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "tenant-claims", Namespace: ns}, Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{"resource.k8s.io"}, Resources: []string{"resourceclaims"}, Verbs: []string{"get", "list", "create", "delete"}}}}
+	if _, err := shared.admin.RbacV1().Roles(ns).Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := shared.admin.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "tenant-claims", Namespace: ns},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "tenant-claims"},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// refused fails the test unless err refuses what with a message holding want.
+func refused(t *testing.T, what string, err error, want string) {
+	t.Helper()
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("%s: %v; want it refused with %q", what, err, want)
+	}
+}
+
 // Issue 38's squatting, played as an ordinary namespace user: one pod
 // created bound (spec.nodeName) with gpu-memory "999999" used to be
 // admitted and to close its node to every fraction. Now admission refuses
@@ -59,20 +84,13 @@ func TestTenantCannotSquatANode(t *testing.T) {
 	cleanUp(t, ns, "squat-0")
 	tenant := tenantUser(t, ns, "tenant-user")
 	ctx := context.Background()
-	refused := func(what string, err error, want string) {
-		t.Helper()
-		if err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("%s: %v; want it refused with %q", what, err, want)
-		}
-	}
-
 	bound := workload(ns, "squatter", testScheduler, "squat", map[string]string{api.KeyMemory: "999999"})
 	bound.Spec.NodeName = "squat-0"
 	_, err := tenant.CoreV1().Pods(ns).Create(ctx, bound, metav1.CreateOptions{})
-	refused("a fraction created bound", err, `spec.nodeName "squat-0" cannot be set on a pod that asks for a GPU fraction`)
+	refused(t, "a fraction created bound", err, `spec.nodeName "squat-0" cannot be set on a pod that asks for a GPU fraction`)
 
 	_, err = tenant.CoreV1().Pods(ns).Create(ctx, workload(ns, "elsewhere", "my-scheduler", "squat", map[string]string{api.KeyMemory: "1024"}), metav1.CreateOptions{})
-	refused("a fraction for another scheduler", err, `spec.schedulerName "my-scheduler" is not trusted to place GPU fractions`)
+	refused(t, "a fraction for another scheduler", err, `spec.schedulerName "my-scheduler" is not trusted to place GPU fractions`)
 
 	// The same through a workload: refused at the template, not pod by pod
 	// behind a controller that would retry for ever.
@@ -83,7 +101,7 @@ func TestTenantCannotSquatANode(t *testing.T) {
 			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "fleet"}, Annotations: template.Annotations}, Spec: template.Spec}}}
 	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}} // admission runs; nothing is stored
 	_, err = tenant.AppsV1().Deployments(ns).Create(ctx, deployment, dryRun)
-	refused("a fractional Deployment for another scheduler", err, `pod template spec.schedulerName "my-scheduler" is not trusted to place GPU fractions`)
+	refused(t, "a fractional Deployment for another scheduler", err, `pod template spec.schedulerName "my-scheduler" is not trusted to place GPU fractions`)
 	deployment.Spec.Template.Spec.SchedulerName = testScheduler
 	if _, err := tenant.AppsV1().Deployments(ns).Create(ctx, deployment, dryRun); err != nil {
 		t.Errorf("a fractional Deployment for the trusted scheduler: %v", err)
@@ -95,9 +113,9 @@ func TestTenantCannotSquatANode(t *testing.T) {
 		t.Fatalf("a pod asking nothing: %v", err)
 	}
 	_, err = tenant.CoreV1().Pods(ns).Patch(ctx, "plain", types.MergePatchType, []byte(`{"metadata":{"annotations":{"gpu-memory":"999999"}}}`), metav1.PatchOptions{})
-	refused("a fraction gained by an update", err, `gpu-memory "999999" cannot be added, changed or removed after the pod is created`)
+	refused(t, "a fraction gained by an update", err, `gpu-memory "999999" cannot be added, changed or removed after the pod is created`)
 	_, err = tenant.CoreV1().Pods(ns).Patch(ctx, "plain", types.MergePatchType, []byte(`{"metadata":{"annotations":{"gpu-memory":"999999"}}}`), metav1.PatchOptions{}, "status")
-	refused("a fraction gained through pods/status", err, `gpu-memory "999999" cannot be added, changed or removed after the pod is created`)
+	refused(t, "a fraction gained through pods/status", err, `gpu-memory "999999" cannot be added, changed or removed after the pod is created`)
 
 	// Defence in depth: the squatter exists all the same.
 	if _, err := shared.scheduler.CoreV1().Pods(ns).Create(ctx, bound, metav1.CreateOptions{}); err != nil {

@@ -2,12 +2,10 @@ package integration
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -27,23 +25,8 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 	publishSlices(t, node, "dgxh100", 1024)
 	tenant := tenantUser(t, ns, "uncharged-user")
 	ctx := context.Background()
-	claims := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "tenant-claims", Namespace: ns}, Rules: []rbacv1.PolicyRule{
-		{APIGroups: []string{"resource.k8s.io"}, Resources: []string{"resourceclaims"}, Verbs: []string{"get", "list", "create", "delete"}}}}
-	if _, err := shared.admin.RbacV1().Roles(ns).Create(ctx, claims, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := shared.admin.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "tenant-claims", Namespace: ns},
-		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "tenant-claims"},
-		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "uncharged-user"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	grantClaims(t, ns, "uncharged-user")
 	sched := "gpufrac-uncharged"
-	refused := func(what string, err error, want string) {
-		t.Helper()
-		if err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("%s: %v; want it refused with %q", what, err, want)
-		}
-	}
 	const fixed = "cannot be added, changed or removed after the pod is created"
 
 	// 1a. A key the parser ignores, a scheduling gate, then the fraction.
@@ -53,7 +36,7 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := tenant.CoreV1().Pods(ns).Patch(ctx, "gated", types.MergePatchType, []byte(`{"metadata":{"annotations":{"gpu-fraction":"0.5"}}}`), metav1.PatchOptions{})
-	refused("a fraction added to a pod created with an ignored key", err, `gpu-fraction "0.5" `+fixed)
+	refused(t, "a fraction added to a pod created with an ignored key", err, `gpu-fraction "0.5" `+fixed)
 
 	// 1b. Only KAI's per-container prefix at creation: it used to reach
 	// neither pods webhook, so the pod was admitted unread and a share
@@ -61,7 +44,7 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 	kai := workload(ns, "kai", sched, "uncharged", map[string]string{api.KAIContainerKeyPrefix + "main.note": "x"})
 	kai.Spec.SchedulingGates = []corev1.PodSchedulingGate{{Name: "tenant/hold"}}
 	_, err = tenant.CoreV1().Pods(ns).Create(ctx, kai, metav1.CreateOptions{})
-	refused("a pod created with KAI's prefix only", err, `kai.scheduler/container.main.note "x" is not a known key`)
+	refused(t, "a pod created with KAI's prefix only", err, `kai.scheduler/container.main.note "x" is not a known key`)
 
 	// 1c. A claim of another class at creation (charged nothing), swapped
 	// for a 40Gi claim of gpufrac's before the pod is placed.
@@ -97,7 +80,7 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 		t.Fatalf("the decoy claim is not gone: %v", err)
 	}
 	_, err = tenant.ResourceV1().ResourceClaims(ns).Create(ctx, memoryClaim(ns, "swapped", "40Gi", ""), metav1.CreateOptions{})
-	refused("a claim of gpufrac's swapped in after its pod was charged nothing", err,
+	refused(t, "a claim of gpufrac's swapped in after its pod was charged nothing", err,
 		`resourceclaim swapped "40Gi" cannot be created now: pod swap names it and was charged 0`)
 	// (gpufrac's scheduler would refuse the pod too: it places no share
 	// whose pod carries no charge.)
@@ -112,7 +95,7 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = tenant.ResourceV1().ResourceClaims(ns).Create(ctx, memoryClaim(ns, "swapped-too", "40Gi", ""), metav1.CreateOptions{})
-	refused("a claim of gpufrac's made after the default scheduler's pod that names it", err,
+	refused(t, "a claim of gpufrac's made after the default scheduler's pod that names it", err,
 		`resourceclaim swapped-too "40Gi" cannot be created now: pod elsewhere names it and was charged 0`)
 
 	// 5. A charge written by the tenant on a pod with no share is taken
@@ -136,7 +119,7 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 	}
 	placed(t, ns, "big")
 	_, err = tenant.CoreV1().Pods(ns).Patch(ctx, "big", types.MergePatchType, []byte(`{"status":{"phase":"Failed"}}`), metav1.PatchOptions{}, "status")
-	refused("a running share's phase set Failed by its tenant", err, `status.phase "Failed" can be set only by the pod's node (its kubelet) or the cluster's controllers, not by uncharged-user`)
+	refused(t, "a running share's phase set Failed by its tenant", err, `status.phase "Failed" can be set only by the pod's node (its kubelet) or the cluster's controllers, not by uncharged-user`)
 	if p, err := shared.admin.CoreV1().Pods(ns).Get(ctx, "big", metav1.GetOptions{}); err != nil || p.Status.Phase == corev1.PodFailed {
 		t.Errorf("after the refused patch: phase %v, err %v", p.Status.Phase, err)
 	}
@@ -154,5 +137,5 @@ func TestTenantCannotHoldAShareUncharged(t *testing.T) {
 
 	// 6. The scheduler's bookkeeping on a placed pod is its own.
 	_, err = tenant.CoreV1().Pods(ns).Patch(ctx, "big", types.MergePatchType, []byte(`{"metadata":{"annotations":{"gpufrac.io/gpu-groups":"elsewhere"}}}`), metav1.PatchOptions{})
-	refused("the GPU groups of a placed share rewritten", err, "can be set, changed or removed only by the scheduler")
+	refused(t, "the GPU groups of a placed share rewritten", err, "can be set, changed or removed only by the scheduler")
 }
