@@ -30,6 +30,7 @@ Plugin arguments (pluginConfig, name GPUFractions):
   bindTimeout                   wait for a reservation pod's GPU UUID (default 2m)
   deviceNaming                  uuid (default) or cdi
   leaderLease                   <namespace>/<name> of the leader-election Lease: with
-                                several replicas only the leader decides resizes (unset: each)`
+                                several replicas only the leader writes outside a scheduling
+                                cycle: reservation pods, resizes (unset: each)`
 	return cmd
 }

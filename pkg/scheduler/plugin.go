@@ -55,8 +55,8 @@ type Plugin struct {
 	// GPU memory (a resize then stays within its pod's charge).
 	quotas       corev1listers.ResourceQuotaLister
 	quotasSynced toolscache.InformerSynced
-	// leaseLogged is when this replica last said it does not lead.
-	leaseLogged time.Time
+	// lead caches what the leader-election Lease last said (leader.go).
+	lead leadership
 }
 
 var (
@@ -691,6 +691,19 @@ func (p *Plugin) collect(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		dirty := p.cache.Dirty()
+		// Every write below is the leader's alone: a standby replica that
+		// created, annotated or deleted reservation pods from its own
+		// cache would fight the leader's decisions. It waits for the tick,
+		// not for its cache's changes, and takes nothing from the cache's
+		// queues, which are then whole when it comes to lead.
+		if !p.leads(ctx, logger) {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(leaderPoll):
+			}
+			continue
+		}
 		// Claims hold GPUs too: a standing pod whose claims the cache has
 		// not seen since a restart is not empty.
 		if err := p.syncClaims(); err != nil {

@@ -2,13 +2,10 @@ package scheduler
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"maps"
-	"os"
 	"slices"
 	"strings"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -286,43 +283,11 @@ func (p *Plugin) writeResize(ctx context.Context, pod *corev1.Pod, w api.Write, 
 	return nil
 }
 
-// leads says whether this replica leads the scheduler's leader election
-// (Args.LeaderLease), and so decides resizes. kube-scheduler names its
-// identity <hostname>_<uuid> and does not tell its plugins; the hostname
-// (a pod's name) is enough to tell the replicas apart. Without a lease
-// named, every replica leads; while the Lease cannot be read, none does,
-// and it says so in its log once a minute.
-func (p *Plugin) leads(ctx context.Context, logger klog.Logger) bool {
-	if p.args.LeaderLease == "" {
-		return true
-	}
-	ns, name, _ := strings.Cut(p.args.LeaderLease, "/")
-	lease, err := p.handle.ClientSet().CoordinationV1().Leases(ns).Get(ctx, name, metav1.GetOptions{})
-	host, herr := os.Hostname()
-	holder := ""
-	if err == nil && lease.Spec.HolderIdentity != nil {
-		holder = *lease.Spec.HolderIdentity
-	}
-	if err == nil && herr == nil && strings.HasPrefix(holder, host+"_") {
-		return true
-	}
-	p.mu.Lock()
-	quiet := time.Since(p.leaseLogged) < time.Minute
-	if !quiet {
-		p.leaseLogged = time.Now()
-	}
-	p.mu.Unlock()
-	if !quiet {
-		logger.Info("Resizes wait: this replica does not lead (leaderLease); the leader decides them", "lease", p.args.LeaderLease, "holder", holder, "host", host, "err", errors.Join(err, herr))
-	}
-	return false
-}
-
 // resizeAll decides every waiting resize, each on the informer's latest
-// copy of its pod, when this replica leads.
+// copy of its pod; the collector calls it only while this replica leads.
 func (p *Plugin) resizeAll(ctx context.Context, logger klog.Logger) {
 	waiting := p.cache.Resizes()
-	if len(waiting) == 0 || !p.leads(ctx, logger) {
+	if len(waiting) == 0 {
 		return
 	}
 	lister := p.handle.SharedInformerFactory().Core().V1().Pods().Lister()

@@ -259,6 +259,16 @@ type schedulerProcess struct {
 // and plugin args of the test's.
 func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any) *schedulerProcess {
 	t.Helper()
+	cfg := e.schedulerConfig(t, name, e.schedulerKubeconfig, args)
+	cfg["leaderElection"] = map[string]any{"leaderElect": false}
+	delete(pluginArgsOf(t, cfg), "leaderLease") // one replica, no election
+	return launchScheduler(t, name, cfg)
+}
+
+// schedulerConfig is deploy/scheduler/config.yaml with a test's
+// kubeconfig, schedulerName and plugin args.
+func (e *schedEnv) schedulerConfig(t testing.TB, name, kubeconfig string, args map[string]any) map[string]any {
+	t.Helper()
 	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
@@ -271,23 +281,33 @@ func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any
 	if err := yaml.Unmarshal(raw, &cfg); err != nil {
 		t.Fatal(err)
 	}
-	cfg["clientConnection"] = map[string]any{"kubeconfig": e.schedulerKubeconfig, "qps": 500, "burst": 1000}
-	cfg["leaderElection"] = map[string]any{"leaderElect": false}
+	cfg["clientConnection"] = map[string]any{"kubeconfig": kubeconfig, "qps": 500, "burst": 1000}
 	profile := cfg["profiles"].([]any)[0].(map[string]any)
 	profile["schedulerName"] = name
-	var pluginArgs map[string]any
-	for _, pc := range profile["pluginConfig"].([]any) {
-		if pc := pc.(map[string]any); pc["name"] == "GPUFractions" {
-			pluginArgs = pc["args"].(map[string]any)
-		}
-	}
-	if pluginArgs == nil {
-		t.Fatal("deploy/scheduler/config.yaml has no GPUFractions pluginConfig")
-	}
-	delete(pluginArgs, "leaderLease") // one replica, no election
+	pluginArgs := pluginArgsOf(t, cfg)
 	for k, v := range args {
 		pluginArgs[k] = v
 	}
+	return cfg
+}
+
+// pluginArgsOf is the GPUFractions args of a configuration's profile.
+func pluginArgsOf(t testing.TB, cfg map[string]any) map[string]any {
+	t.Helper()
+	profile := cfg["profiles"].([]any)[0].(map[string]any)
+	for _, pc := range profile["pluginConfig"].([]any) {
+		if pc := pc.(map[string]any); pc["name"] == "GPUFractions" {
+			return pc["args"].(map[string]any)
+		}
+	}
+	t.Fatal("deploy/scheduler/config.yaml has no GPUFractions pluginConfig")
+	return nil
+}
+
+// launchScheduler runs `gpufrac scheduler` with the configuration cfg;
+// prefix, when given, is a command that runs it (unshare, say).
+func launchScheduler(t testing.TB, name string, cfg map[string]any, prefix ...string) *schedulerProcess {
+	t.Helper()
 	out, err := yaml.Marshal(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -301,7 +321,8 @@ func (e *schedEnv) startScheduler(t testing.TB, name string, args map[string]any
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.cmd = exec.Command(gpufracBinary(t), "scheduler", "--config", path, "--secure-port", "0", "-v", "2")
+	argv := append(slices.Clone(prefix), gpufracBinary(t), "scheduler", "--config", path, "--secure-port", "0", "-v", "2")
+	p.cmd = exec.Command(argv[0], argv[1:]...)
 	p.cmd.Stdout, p.cmd.Stderr = logFile, logFile
 	if dir := os.Getenv("GPUFRAC_PROFILE_DIR"); dir != "" {
 		p.cmd.Env = append(os.Environ(), "GPUFRAC_CPU_PROFILE="+filepath.Join(dir, fmt.Sprintf("scheduler-%s-%d.pprof", name, time.Now().UnixNano())))
@@ -325,6 +346,9 @@ func (p *schedulerProcess) kill() {
 	err := <-p.done
 	p.done <- err
 }
+
+// signal sends the scheduler a signal (SIGSTOP, SIGCONT: a stall).
+func (p *schedulerProcess) signal(sig syscall.Signal) { _ = p.cmd.Process.Signal(sig) }
 
 func (p *schedulerProcess) stop() {
 	select {
