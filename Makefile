@@ -99,7 +99,7 @@ demo: build $(KUBE_STAMP) $(KWOK) ## the main job: a local GPU-fraction cluster 
 	$(BIN)/gpufrac up --demo $(DEMO_FLAGS)
 
 .PHONY: test
-test: preflight verify unit node-e2e image-check chart-e2e ## the whole suite: formatting, vet, lint, every test, the real node, the image built twice, the chart on the real node
+test: preflight verify unit node-e2e image-check chart-e2e soak-ci ## the whole suite: formatting, vet, lint, every test, the real node, the image built twice, the chart on the real node, a short soak
 
 .PHONY: unit
 # The trace replays (fidelity to the published study, our policy's margin)
@@ -133,6 +133,21 @@ NODE_PACKAGES := runc busybox-static containernetworking-plugins iproute2 iptabl
 node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGES) ## a real node (kubelet, containerd, runc; GPU, driver and MPS stand-ins) joined to gpufrac up: pods started through it (also in make test; root)
 	$(call announce,"the real node: kubelet + containerd + runc with the node agent as NRI plugin and the hook under runc$(,) in namespaces of their own (about 2.5 min)")
 	$(GO) test -tags nodee2e -count=1 -v -timeout 20m ./test/node/
+
+.PHONY: soak soak-ci
+# The soak (test/soak, -tags soak): the local cluster with two scheduler and
+# two webhook replicas under a seeded random workload and random faults,
+# the invariants checked every 3 s. SOAK_SEED replays a run's choices.
+SOAK_SEED     ?= 1
+SOAK_DURATION ?= 10m
+SOAK_NODES    ?= 4
+soak: build $(KUBE_STAMP) $(KWOK) ## a seeded soak: load and faults for SOAK_DURATION (default 10m) with SOAK_SEED (default 1); SOAK_REPORT=file keeps the report (docs/development.md)
+	$(call announce,"soak: seed $(SOAK_SEED)$(,) $(SOAK_DURATION) of load and faults on $(SOAK_NODES) nodes$(,) then up to 5 min to converge")
+	SOAK_SEED=$(SOAK_SEED) SOAK_DURATION=$(SOAK_DURATION) SOAK_NODES=$(SOAK_NODES) SOAK_REPORT=$(SOAK_REPORT) \
+	  $(GO) test -tags soak -count=1 -v -timeout 24h -run '^TestSoak$$' ./test/soak/
+
+soak-ci: ## the short soak make test runs: seed 1, 3 minutes
+	$(MAKE) soak SOAK_SEED=1 SOAK_DURATION=3m
 
 .PHONY: chart-e2e
 # The same real node with gpufrac as users install it: make image's image
@@ -255,6 +270,7 @@ vet:
 	$(call announce,"go vet ./...: compiles every package and its tests (first time: about 1.5 min after make demo$(,) 10 min with nothing built)")
 	$(PROGRESS) "go vet" $(GO) vet -tags nodee2e ./...
 	$(GO) vet -tags charte2e ./test/node/...
+	$(GO) vet -tags soak ./test/soak/
 	cd hack/node && $(GO) vet ./...
 
 .PHONY: lint
@@ -262,6 +278,7 @@ lint: $(GOLANGCI_LINT) ## golangci-lint, built from hack/tools at a pinned versi
 	$(call announce,"golangci-lint run ./... (first time: 1.5 to 4.5 min; its own cache keeps later runs short)")
 	$(GOLANGCI_LINT) run ./...
 	$(GOLANGCI_LINT) run --build-tags charte2e ./test/node/...
+	$(GOLANGCI_LINT) run --build-tags soak ./test/soak/...
 
 .PHONY: tidy-check
 tidy-check: ## go.mod and go.sum must already be tidy

@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -31,6 +32,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/textlogger"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
@@ -74,6 +76,20 @@ type Options struct {
 	// that ResourceClaims of gpu.gpufrac.io share GPUs with annotation
 	// pods. Whole-GPU pods cannot be given those GPUs.
 	DRAStandingGPUs int
+	// SchedulerReplicas, when above 1, runs that many schedulers under
+	// leader election (deploy/scheduler/config.yaml's Lease), as the
+	// chart does: scheduler, scheduler-2, ...
+	SchedulerReplicas int
+	// WebhookReplicas, when not 0, runs the admission webhook as that
+	// many `gpufrac webhook` processes (webhook-1, ...) behind a proxy
+	// that passes over a dead one, as a Service does, instead of in this
+	// process.
+	WebhookReplicas int
+	// APIProxy puts a Proxy between kube-apiserver and every component
+	// (Cluster.APIProxy), so that a soak can cut their connections or
+	// slow them; the admin's own connection (Admin, the kubeconfig) goes
+	// straight to kube-apiserver.
+	APIProxy bool
 }
 
 // NodeShape is one simulated node: its name, allocatable CPU, memory and
@@ -97,6 +113,10 @@ type Cluster struct {
 	Kubeconfig  string
 	// DashboardURL is where the dashboard serves.
 	DashboardURL string
+	// APIProxy stands between kube-apiserver and the components
+	// (Options.APIProxy), nil otherwise; WebhookProxy between
+	// kube-apiserver and the webhook replicas (Options.WebhookReplicas).
+	APIProxy, WebhookProxy *Proxy
 	// procs are the processes it runs, etcd and kube-apiserver first.
 	procs    []*runner.Process
 	stopHook context.CancelFunc
@@ -302,6 +322,11 @@ func (c *Cluster) startControlPlane(ctx context.Context) error {
 		return err
 	}
 	c.AdminConfig = cfg
+	if c.opts.APIProxy {
+		if c.APIProxy, err = NewProxy(strings.TrimPrefix(cp.URL(), "https://")); err != nil {
+			return err
+		}
+	}
 	kc, err := cp.KubeConfig("gpufrac-admin", "system:masters")
 	if err != nil {
 		return err
@@ -323,6 +348,9 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 	// RBAC: the nodes' GPU memory and the claims it charges to quota.
 	if err := ApplyRBAC(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", "webhook", "server.yaml")); err != nil {
 		return err
+	}
+	if c.opts.WebhookReplicas > 0 {
+		return c.startWebhookReplicas(ctx)
 	}
 	cfg, err := c.cp.Config(webhookUser, serviceAccountGroups...)
 	if err != nil {
@@ -372,6 +400,50 @@ func (c *Cluster) startWebhook(ctx context.Context) error {
 	})
 }
 
+// startWebhookReplicas runs the webhook as WebhookReplicas processes of
+// `gpufrac webhook`, each on a port of its own with the same certificate,
+// behind WebhookProxy, which both configurations call; it returns once
+// each answers its readiness check.
+func (c *Cluster) startWebhookReplicas(ctx context.Context) error {
+	kc, err := c.kubeconfigFor("webhook", webhookUser, serviceAccountGroups...)
+	if err != nil {
+		return err
+	}
+	certDir := filepath.Join(c.opts.Dir, "webhook")
+	if err := writeServingCert(c.cp.CA, certDir); err != nil {
+		return err
+	}
+	var backends, health []string
+	for i := 1; i <= c.opts.WebhookReplicas; i++ {
+		port, err := FreePort()
+		if err != nil {
+			return err
+		}
+		hport, err := FreePort()
+		if err != nil {
+			return err
+		}
+		name := fmt.Sprintf("webhook-%d", i)
+		if err := c.start(name, "webhook", "--kubeconfig", kc, "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--cert-dir", certDir,
+			"--health-addr", fmt.Sprintf("127.0.0.1:%d", hport), "--scheduler-user", schedulerUser, "--node-agent-user", agentUser,
+			"--scheduler-name", "gpufrac", "--trusted-scheduler", "gpufrac,kai-scheduler"); err != nil {
+			return err
+		}
+		backends = append(backends, fmt.Sprintf("127.0.0.1:%d", port))
+		health = append(health, name, fmt.Sprintf("http://127.0.0.1:%d/readyz", hport))
+	}
+	for i := 0; i < len(health); i += 2 {
+		if err := c.waitServing(ctx, health[i], &http.Client{Timeout: 2 * time.Second}, health[i+1],
+			func(status int, _ []byte) bool { return status == http.StatusOK }); err != nil {
+			return err
+		}
+	}
+	if c.WebhookProxy, err = NewProxy(backends...); err != nil {
+		return err
+	}
+	return installWebhooks(ctx, c.Admin, filepath.Join(c.opts.Root, "deploy", "webhook", "configurations.yaml"), "https://"+c.WebhookProxy.Addr(), c.cp.CA.PEM)
+}
+
 func (c *Cluster) applyRBAC(ctx context.Context) error {
 	files := []string{"node-agent/node-agent.yaml", "scheduler/scheduler.yaml", "dashboard/dashboard.yaml"}
 	if c.opts.DRAStandingGPUs != 0 {
@@ -396,6 +468,18 @@ func (c *Cluster) kubeconfigFor(name, user string, groups ...string) (string, er
 	if err != nil {
 		return "", err
 	}
+	if c.APIProxy != nil {
+		cfg, err := clientcmd.Load(kc)
+		if err != nil {
+			return "", err
+		}
+		for _, cluster := range cfg.Clusters {
+			cluster.Server = "https://" + c.APIProxy.Addr()
+		}
+		if kc, err = clientcmd.Write(*cfg); err != nil {
+			return "", err
+		}
+	}
 	path := filepath.Join(c.opts.Dir, name+".kubeconfig")
 	return path, os.WriteFile(path, kc, 0o600)
 }
@@ -408,21 +492,14 @@ func (c *Cluster) startNodes(ctx context.Context) error {
 		return err
 	}
 	for _, shape := range c.opts.Shapes {
-		name := shape.Name
-		labels := map[string]string{"kubernetes.io/hostname": name, "gpufrac.io/simulated": "true"}
-		res := corev1.ResourceList{
-			corev1.ResourceCPU:    *resource.NewMilliQuantity(shape.CPUMilli, resource.DecimalSI),
-			corev1.ResourceMemory: *resource.NewQuantity(shape.MemoryMiB<<20, resource.BinarySI),
-			corev1.ResourcePods:   *resource.NewQuantity(shape.Pods, resource.DecimalSI),
-		}
-		if err := CreateNodeWith(ctx, c.Admin, name, shape.gpus, res, labels); err != nil {
+		if err := c.createNode(ctx, shape); err != nil {
 			return err
 		}
-		state := filepath.Join(c.opts.Dir, "nodes", name)
+		state := filepath.Join(c.opts.Dir, "nodes", shape.Name)
 		if err := os.MkdirAll(state, 0o755); err != nil {
 			return err
 		}
-		args := []string{"node-agent", "--node-name", name, "--kubeconfig", kc,
+		args := []string{"node-agent", "--node-name", shape.Name, "--kubeconfig", kc,
 			"--simulate-gpus", shape.Machine, "--publish-gpu-labels", "--state-dir", state,
 			"--health-addr", "", "--metrics-addr", "", "--resync-period", "2s", "--hook-path", "",
 			// No containers run here, so no MPS daemon either.
@@ -430,11 +507,49 @@ func (c *Cluster) startNodes(ctx context.Context) error {
 		if c.opts.DRAStandingGPUs != 0 {
 			args = append(args, "--dra", "--dra-standing-gpus", strconv.Itoa(c.opts.DRAStandingGPUs))
 		}
-		if err := c.start("node-agent-"+name, args...); err != nil {
+		if err := c.start("node-agent-"+shape.Name, args...); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// createNode creates a simulated node's Node object, as its kubelet
+// registers it.
+func (c *Cluster) createNode(ctx context.Context, shape NodeShape) error {
+	labels := map[string]string{"kubernetes.io/hostname": shape.Name, "gpufrac.io/simulated": "true"}
+	res := corev1.ResourceList{
+		corev1.ResourceCPU:    *resource.NewMilliQuantity(shape.CPUMilli, resource.DecimalSI),
+		corev1.ResourceMemory: *resource.NewQuantity(shape.MemoryMiB<<20, resource.BinarySI),
+		corev1.ResourcePods:   *resource.NewQuantity(shape.Pods, resource.DecimalSI),
+	}
+	return CreateNodeWith(ctx, c.Admin, shape.Name, shape.gpus, res, labels)
+}
+
+// RemoveNode takes a simulated node out as a machine that goes away does:
+// its agent stops (SIGKILL) and its Node object is deleted; the pod
+// garbage collector then deletes the pods bound to it. AddNode brings it
+// back.
+func (c *Cluster) RemoveNode(ctx context.Context, name string) error {
+	if err := c.Stop("node-agent-" + name); err != nil {
+		return err
+	}
+	return c.Admin.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{})
+}
+
+// AddNode registers a node RemoveNode took out again, with the same
+// GPUs, and starts its agent (with its state directory as it was, as a
+// rebooted machine's disk).
+func (c *Cluster) AddNode(ctx context.Context, name string) error {
+	for _, shape := range c.opts.Shapes {
+		if shape.Name == name {
+			if err := c.createNode(ctx, shape); err != nil {
+				return err
+			}
+			return c.Start("node-agent-" + name)
+		}
+	}
+	return fmt.Errorf("no simulated node %q", name)
 }
 
 // CreateNode creates a Node object as a kubelet with the device plugin
@@ -506,11 +621,17 @@ func (c *Cluster) startScheduler() error {
 			return err
 		}
 	}
-	cfg["leaderElection"] = map[string]any{"leaderElect": false}
-	// One replica, no election: it decides resizes itself.
-	if err := setPluginArg(cfg, "leaderLease", nil); err != nil {
-		return err
+	if c.opts.SchedulerReplicas <= 1 {
+		cfg["leaderElection"] = map[string]any{"leaderElect": false}
+		// One replica, no election: it writes outside its scheduling
+		// cycle (reservation pods, resizes) itself.
+		if err := setPluginArg(cfg, "leaderLease", nil); err != nil {
+			return err
+		}
 	}
+	// Else deploy/'s election as it is: the Lease its RBAC names, and
+	// delayCacheUntilActive (a standby's informers, and so its plugin's
+	// collector, start only once it leads).
 	out, err := yaml.Marshal(cfg)
 	if err != nil {
 		return err
@@ -519,7 +640,16 @@ func (c *Cluster) startScheduler() error {
 	if err := os.WriteFile(path, out, 0o600); err != nil {
 		return err
 	}
-	return c.start("scheduler", "scheduler", "--config", path, "--secure-port", "0")
+	for i := 1; i <= max(c.opts.SchedulerReplicas, 1); i++ {
+		name := "scheduler"
+		if i > 1 {
+			name = fmt.Sprintf("scheduler-%d", i)
+		}
+		if err := c.start(name, "scheduler", "--config", path, "--secure-port", "0"); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Controllers are the kube-controller-manager controllers the local
@@ -542,7 +672,7 @@ var Controllers = []string{
 	"deployment-controller", "replicaset-controller", "statefulset-controller", "daemonset-controller",
 	"job-controller", "cronjob-controller", "garbage-collector-controller", "namespace-controller",
 	"resourceclaim-controller", "disruption-controller", "ttl-after-finished-controller", "endpointslice-controller",
-	"resourcequota-controller",
+	"resourcequota-controller", "pod-garbage-collector-controller",
 }
 
 // controllerManagerUser is kube-controller-manager's own identity, with
@@ -719,6 +849,15 @@ func (c *Cluster) replace(p *runner.Process) {
 	c.procs = append(c.procs, p)
 }
 
+// Nodes are the simulated nodes' names.
+func (c *Cluster) Nodes() []string {
+	var names []string
+	for _, shape := range c.opts.Shapes {
+		names = append(names, shape.Name)
+	}
+	return names
+}
+
 // Components lists the child processes by name: node-agent-<node>, kwok,
 // scheduler, controller-manager, dashboard.
 func (c *Cluster) Components() []string {
@@ -746,6 +885,55 @@ func (c *Cluster) Crash(name string) error {
 		return c.writePIDs(true) // the new process must be stopped by down too
 	}
 	return fmt.Errorf("no component %q: one of %v", name, c.Components())
+}
+
+// Stop kills a component outright (SIGKILL) and leaves it stopped until
+// Start or Revive starts it again.
+func (c *Cluster) Stop(name string) error {
+	for _, p := range c.procs {
+		if p.Name == name {
+			p.Kill()
+			return nil
+		}
+	}
+	return fmt.Errorf("no component %q: one of %v", name, c.Components())
+}
+
+// Start starts a stopped component again with its arguments; one that
+// runs is left alone.
+func (c *Cluster) Start(name string) error {
+	for _, p := range c.procs {
+		if p.Name != name {
+			continue
+		}
+		if p.Exited() == nil {
+			return nil
+		}
+		again, err := p.Restart()
+		if err != nil {
+			return err
+		}
+		c.replace(again)
+		return c.writePIDs(true)
+	}
+	return fmt.Errorf("no component %q: one of %v", name, c.Components())
+}
+
+// Revive starts again every component that has exited but those named in
+// keep, as their Deployments and DaemonSets would (a scheduler that lost
+// its lease exits, say), and returns the names of those it started.
+func (c *Cluster) Revive(keep ...string) ([]string, error) {
+	var started []string
+	for _, p := range slices.Clone(c.procs) {
+		if p.Exited() == nil || slices.Contains(keep, p.Name) {
+			continue
+		}
+		if err := c.Start(p.Name); err != nil {
+			return started, err
+		}
+		started = append(started, p.Name)
+	}
+	return started, nil
 }
 
 func (c *Cluster) waitReady(ctx context.Context) error {
@@ -832,8 +1020,14 @@ func (c *Cluster) Shutdown() error {
 		}
 		c.stopHook = nil
 	}
+	if c.WebhookProxy != nil {
+		_ = c.WebhookProxy.Close()
+	}
 	runner.Stop(10*time.Second, apiserver...)
 	runner.Stop(10*time.Second, etcd...)
+	if c.APIProxy != nil {
+		_ = c.APIProxy.Close()
+	}
 	var left []string
 	for _, p := range c.procs {
 		if proc, ok := procOf(p.PID(), p.Name); ok && proc.Running() {
