@@ -141,13 +141,14 @@ node-e2e: build $(KUBE_STAMP) $(KUBELET) $(NODE_STAMP) $(FAKE_NVML) $(NODE_IMAGE
 SOAK_SEED     ?= 1
 SOAK_DURATION ?= 10m
 SOAK_NODES    ?= 4
+SOAK_TIMEOUT  ?= 24h
 soak: build $(KUBE_STAMP) $(KWOK) ## a seeded soak: load and faults for SOAK_DURATION (default 10m) with SOAK_SEED (default 1); SOAK_REPORT=file keeps the report (docs/development.md)
 	$(call announce,"soak: seed $(SOAK_SEED)$(,) $(SOAK_DURATION) of load and faults on $(SOAK_NODES) nodes$(,) then up to 5 min to converge")
-	SOAK_SEED=$(SOAK_SEED) SOAK_DURATION=$(SOAK_DURATION) SOAK_NODES=$(SOAK_NODES) SOAK_REPORT=$(SOAK_REPORT) \
-	  $(GO) test -tags soak -count=1 -v -timeout 24h -run '^TestSoak$$' ./test/soak/
+	SOAK_SEED=$(SOAK_SEED) SOAK_DURATION=$(SOAK_DURATION) SOAK_NODES=$(SOAK_NODES) SOAK_REPORT=$(SOAK_REPORT) SOAK_BINARY=$(BIN)/gpufrac \
+	  $(GO) test -tags soak -count=1 -v -timeout $(SOAK_TIMEOUT) -run '^TestSoak$$' ./test/soak/
 
 soak-ci: ## the short soak make test runs: seed 1, 3 minutes
-	$(MAKE) soak SOAK_SEED=1 SOAK_DURATION=3m
+	$(MAKE) soak SOAK_SEED=1 SOAK_DURATION=3m SOAK_TIMEOUT=20m
 
 .PHONY: chart-e2e
 # The same real node with gpufrac as users install it: make image's image

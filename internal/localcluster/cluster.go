@@ -23,6 +23,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -118,6 +119,10 @@ type Cluster struct {
 	// kube-apiserver and the webhook replicas (Options.WebhookReplicas).
 	APIProxy, WebhookProxy *Proxy
 	// procs are the processes it runs, etcd and kube-apiserver first.
+	// procMu orders the changes to them once Up has returned: a soak
+	// kills and starts components from one goroutine and starts again
+	// those that exited from another.
+	procMu   sync.Mutex
 	procs    []*runner.Process
 	stopHook context.CancelFunc
 	hookDone chan error
@@ -861,6 +866,12 @@ func (c *Cluster) Nodes() []string {
 // Components lists the child processes by name: node-agent-<node>, kwok,
 // scheduler, controller-manager, dashboard.
 func (c *Cluster) Components() []string {
+	c.procMu.Lock()
+	defer c.procMu.Unlock()
+	return c.components()
+}
+
+func (c *Cluster) components() []string {
 	var names []string
 	for _, p := range c.procs {
 		names = append(names, p.Name)
@@ -872,6 +883,8 @@ func (c *Cluster) Components() []string {
 // reboot would) and starts it again with the same arguments, as its
 // Deployment or DaemonSet would.
 func (c *Cluster) Crash(name string) error {
+	c.procMu.Lock()
+	defer c.procMu.Unlock()
 	for _, p := range c.procs {
 		if p.Name != name {
 			continue
@@ -884,24 +897,32 @@ func (c *Cluster) Crash(name string) error {
 		c.replace(again)
 		return c.writePIDs(true) // the new process must be stopped by down too
 	}
-	return fmt.Errorf("no component %q: one of %v", name, c.Components())
+	return fmt.Errorf("no component %q: one of %v", name, c.components())
 }
 
 // Stop kills a component outright (SIGKILL) and leaves it stopped until
 // Start or Revive starts it again.
 func (c *Cluster) Stop(name string) error {
+	c.procMu.Lock()
+	defer c.procMu.Unlock()
 	for _, p := range c.procs {
 		if p.Name == name {
 			p.Kill()
 			return nil
 		}
 	}
-	return fmt.Errorf("no component %q: one of %v", name, c.Components())
+	return fmt.Errorf("no component %q: one of %v", name, c.components())
 }
 
 // Start starts a stopped component again with its arguments; one that
 // runs is left alone.
 func (c *Cluster) Start(name string) error {
+	c.procMu.Lock()
+	defer c.procMu.Unlock()
+	return c.startAgain(name)
+}
+
+func (c *Cluster) startAgain(name string) error {
 	for _, p := range c.procs {
 		if p.Name != name {
 			continue
@@ -916,19 +937,21 @@ func (c *Cluster) Start(name string) error {
 		c.replace(again)
 		return c.writePIDs(true)
 	}
-	return fmt.Errorf("no component %q: one of %v", name, c.Components())
+	return fmt.Errorf("no component %q: one of %v", name, c.components())
 }
 
 // Revive starts again every component that has exited but those named in
 // keep, as their Deployments and DaemonSets would (a scheduler that lost
 // its lease exits, say), and returns the names of those it started.
 func (c *Cluster) Revive(keep ...string) ([]string, error) {
+	c.procMu.Lock()
+	defer c.procMu.Unlock()
 	var started []string
 	for _, p := range slices.Clone(c.procs) {
 		if p.Exited() == nil || slices.Contains(keep, p.Name) {
 			continue
 		}
-		if err := c.Start(p.Name); err != nil {
+		if err := c.startAgain(p.Name); err != nil {
 			return started, err
 		}
 		started = append(started, p.Name)

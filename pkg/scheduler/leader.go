@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 )
@@ -57,6 +58,12 @@ func (p *Plugin) leads(ctx context.Context, logger klog.Logger) bool {
 	p.lead.leads = err == nil && herr == nil && strings.HasPrefix(holder, host+"_")
 	if !p.lead.leads && time.Since(p.lead.logged) >= time.Minute {
 		p.lead.logged = time.Now()
+		if apierrors.IsNotFound(err) {
+			// No election has made it: leaderElect is off while leaderLease
+			// is set, and no replica will ever collect.
+			logger.Error(err, "The collector writes nothing: leaderLease names a Lease no leader election holds; with one replica and leaderElect false, remove leaderLease", "lease", p.args.LeaderLease)
+			return false
+		}
 		logger.Info("The collector waits: this replica does not lead (leaderLease); the leader creates, annotates and deletes reservation pods and decides resizes",
 			"lease", p.args.LeaderLease, "holder", holder, "host", host, "err", errors.Join(err, herr))
 	}

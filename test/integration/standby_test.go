@@ -61,7 +61,7 @@ func TestStandbySchedulerWritesNothing(t *testing.T) {
 		cfg := e.schedulerConfig(t, name, path, map[string]any{"leaderLease": "gpufrac-system/" + lease})
 		cfg["delayCacheUntilActive"] = false
 		cfg["leaderElection"] = map[string]any{"leaderElect": true, "resourceNamespace": "gpufrac-system", "resourceName": lease,
-			"leaseDuration": "4s", "renewDeadline": "3s", "retryPeriod": "500ms"}
+			"leaseDuration": "10s", "renewDeadline": "8s", "retryPeriod": "1s"}
 		return launchScheduler(t, host, cfg, "unshare", "--uts", "sh", "-c", `hostname "$0" && exec "$@"`, host)
 	}
 	holder := func(host string) {

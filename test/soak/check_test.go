@@ -41,30 +41,43 @@ func (s *soak) check(ctx context.Context) {
 	}
 	current := map[string]bool{}
 	for _, is := range issues {
-		if is.broken {
-			s.violate(now, is.what)
+		if is.broken && !s.rejoining(is.node, now) {
+			s.violate(now, is.key, is.what)
 			continue
 		}
-		current[is.what] = true
-		first, ok := s.persisting[is.what]
+		current[is.key] = true
+		first, ok := s.persisting[is.key]
 		if !ok {
-			s.persisting[is.what] = now
+			s.persisting[is.key] = now
 			continue
 		}
 		if now.Sub(first) >= settleBound && now.Sub(s.lastFaultEnd) >= settleBound && !s.faulting {
-			s.violate(now, fmt.Sprintf("%s (for %s)", is.what, now.Sub(first).Round(time.Second)))
+			s.violate(now, is.key, fmt.Sprintf("%s (for %s)", is.what, now.Sub(first).Round(time.Second)))
 		}
 	}
-	for what := range s.persisting {
-		if !current[what] {
-			delete(s.persisting, what)
+	for key := range s.persisting {
+		if !current[key] {
+			delete(s.persisting, key)
 		}
 	}
 }
 
+// rejoining says whether node is away or came back less than settleBound
+// ago: until its agent publishes its GPUs again, the pods still bound to
+// it cannot be read against them. Called with the lock held.
+func (s *soak) rejoining(node string, now time.Time) bool {
+	if _, away := s.removedSince[node]; away {
+		return true
+	}
+	at, ok := s.readded[node]
+	return ok && now.Sub(at) < settleBound
+}
+
+// issue is one thing wrong: key names it across looks (the objects, not
+// the figures, which change), what says it; node is where, if known.
 type issue struct {
-	what   string
-	broken bool
+	key, what, node string
+	broken          bool
 }
 
 // issues are what is wrong with the cluster now.
@@ -82,8 +95,16 @@ func (s *soak) issues(ctx context.Context) ([]issue, error) {
 		return nil, err
 	}
 	var out []issue
+	nodeOf := map[string]string{}
+	for _, p := range pods.Items {
+		nodeOf[p.Namespace+"/"+p.Name] = p.Spec.NodeName
+	}
 	for _, v := range audit.Check(nodes.Items, pods.Items, claims.Items, audit.Options{OrphanGrace: 30 * time.Second, Now: time.Now()}) {
-		out = append(out, issue{what: "audit: " + v.String(), broken: slices.Contains(broken, v.Kind)})
+		node, ok := nodeOf[v.Object]
+		if !ok {
+			node, _, _ = strings.Cut(v.Object, "/") // node/GPU
+		}
+		out = append(out, issue{key: fmt.Sprintf("audit %s %s", v.Kind, v.Object), what: "audit: " + v.String(), node: node, broken: slices.Contains(broken, v.Kind)})
 	}
 	// Every GPU group live tenants use has its one reservation pod, and
 	// no group has two.
@@ -104,12 +125,15 @@ func (s *soak) issues(ctx context.Context) ([]issue, error) {
 	}
 	for g := range used {
 		if held[g] != 1 {
-			out = append(out, issue{what: fmt.Sprintf("GPU group %s is used by live pods and held by %d reservation pods, want 1", g, held[g])})
+			out = append(out, issue{key: "group held " + g, what: fmt.Sprintf("GPU group %s is used by live pods and held by %d reservation pods, want 1", g, held[g])})
 		}
 	}
 	for g, n := range held {
+		if n > 1 && used[g] {
+			continue // said above
+		}
 		if n > 1 {
-			out = append(out, issue{what: fmt.Sprintf("GPU group %s is held by %d reservation pods", g, n)})
+			out = append(out, issue{key: "group held " + g, what: fmt.Sprintf("GPU group %s is held by %d reservation pods", g, n)})
 		}
 	}
 	// A pod that waits while a ready node has enough GPUs nobody holds.
@@ -131,7 +155,7 @@ func (s *soak) issues(ctx context.Context) ([]issue, error) {
 			continue
 		}
 		if need := devicesAsked(&p); need > 0 && need <= idle {
-			out = append(out, issue{what: fmt.Sprintf("pod %s waits for %d GPU(s) while a ready node has %d nobody holds", p.Name, need, idle)})
+			out = append(out, issue{key: "waits " + p.Name, what: fmt.Sprintf("pod %s waits for %d GPU(s) while a ready node has %d nobody holds", p.Name, need, idle)})
 		}
 	}
 	return out, nil

@@ -68,10 +68,12 @@ type violation struct {
 }
 
 type soak struct {
-	c         *localcluster.Cluster
-	dir       string
-	cfg       settings
-	rng       *rand.Rand
+	c   *localcluster.Cluster
+	dir string
+	cfg settings
+	// rng draws the workload, frng the faults: each goroutine its own,
+	// so that a seed replays both.
+	rng, frng *rand.Rand
 	client    kubernetes.Interface
 	heartbeat time.Duration
 	start     time.Time
@@ -81,6 +83,7 @@ type soak struct {
 	deletedByUs  map[string]bool
 	removedSince map[string]time.Time // node → removed at, while removed
 	removedEver  map[string][]time.Time
+	readded      map[string]time.Time // node → registered again at
 	agentDown    map[string]time.Time // node → agent stopped at, while stopped
 	keepStopped  map[string]bool
 	faults       []fault
@@ -96,10 +99,10 @@ type soak struct {
 	lost         int
 }
 
-func newSoak(ctx context.Context, c *localcluster.Cluster, dir string, cfg settings, rng *rand.Rand) (*soak, error) {
-	s := &soak{c: c, dir: dir, cfg: cfg, rng: rng, client: c.Admin,
+func newSoak(ctx context.Context, c *localcluster.Cluster, dir string, cfg settings) (*soak, error) {
+	s := &soak{c: c, dir: dir, cfg: cfg, rng: rand.New(rand.NewSource(cfg.Seed)), frng: rand.New(rand.NewSource(cfg.Seed ^ 0x5eed)), client: c.Admin,
 		pods: map[types.UID]*podLife{}, deletedByUs: map[string]bool{}, removedSince: map[string]time.Time{}, removedEver: map[string][]time.Time{},
-		agentDown: map[string]time.Time{}, keepStopped: map[string]bool{}, ops: map[string]int{}, opErrs: map[string]int{},
+		readded: map[string]time.Time{}, agentDown: map[string]time.Time{}, keepStopped: map[string]bool{}, ops: map[string]int{}, opErrs: map[string]int{},
 		reported: map[string]bool{}, persisting: map[string]time.Time{}, selfExits: map[string]int{}, logOffset: map[string]int64{}}
 	if _, err := s.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return nil, err
@@ -209,7 +212,7 @@ func (s *soak) onPod(obj any, deleted bool) {
 	if deleted {
 		if (life.kind == "bare" || life.kind == "whole") && !s.deletedByUs[key] && !s.nodeRemovedSince(life.node, life.seen) {
 			s.lost++
-			s.violate(now, fmt.Sprintf("pod %s (%s) was deleted, not by the soak, on node %q that was never removed", key, life.kind, life.node))
+			s.violate(now, "", fmt.Sprintf("pod %s (%s) was deleted, not by the soak, on node %q that was never removed", key, life.kind, life.node))
 		}
 		return
 	}
@@ -217,7 +220,7 @@ func (s *soak) onPod(obj any, deleted bool) {
 		life.bound, life.node = now, pod.Spec.NodeName
 		s.placeTimes = append(s.placeTimes, now.Sub(life.seen))
 		if since, down := s.agentDown[pod.Spec.NodeName]; down && api.HasDecision(pod.Annotations) && now.Sub(since) > s.heartbeat+10*time.Second {
-			s.violate(now, fmt.Sprintf("share %s was bound to node %s, whose agent has been down since %s (%s; its heartbeat bound is %s)",
+			s.violate(now, "", fmt.Sprintf("share %s was bound to node %s, whose agent has been down since %s (%s; its heartbeat bound is %s)",
 				key, pod.Spec.NodeName, since.Format("15:04:05"), now.Sub(since).Round(time.Second), s.heartbeat))
 		}
 	}
@@ -228,7 +231,7 @@ func (s *soak) onPod(obj any, deleted bool) {
 	if life.devices == "" {
 		life.devices = devices
 	} else if life.devices != devices {
-		s.violate(now, fmt.Sprintf("pod %s: its decision moved from GPUs %s to %s", key, life.devices, devices))
+		s.violate(now, "", fmt.Sprintf("pod %s: its decision moved from GPUs %s to %s", key, life.devices, devices))
 		life.devices = devices
 	}
 }
@@ -261,13 +264,16 @@ func (s *soak) nodeRemovedSince(node string, t time.Time) bool {
 	return false
 }
 
-// violate records a broken invariant once, with the faults before it.
-// Called with the lock held.
-func (s *soak) violate(at time.Time, what string) {
-	if s.reported[what] {
+// violate records a broken invariant once (by key, "": by what), with the faults
+// before it. Called with the lock held.
+func (s *soak) violate(at time.Time, key, what string) {
+	if key == "" {
+		key = what
+	}
+	if s.reported[key] {
 		return
 	}
-	s.reported[what] = true
+	s.reported[key] = true
 	var recent []string
 	for _, f := range s.faults[max(len(s.faults)-3, 0):] {
 		recent = append(recent, fmt.Sprintf("%s %s at +%s", f.Kind, f.Detail, f.At.Sub(s.start).Round(time.Second)))
@@ -293,7 +299,7 @@ func (s *soak) supervise(context.Context) {
 		s.markRestart(name)
 	}
 	if err != nil {
-		s.violate(time.Now(), fmt.Sprintf("could not start an exited component again: %v", err))
+		s.violate(time.Now(), "", fmt.Sprintf("could not start an exited component again: %v", err))
 	}
 }
 
@@ -317,7 +323,8 @@ func (s *soak) leader() (leader, standby string) {
 		if err != nil || int64(len(raw)) < s.logOffset[name] {
 			continue
 		}
-		if strings.Contains(string(raw[s.logOffset[name]:]), "successfully acquired lease") {
+		// client-go's leaderelection: `"Successfully acquired lease" lock=...`.
+		if strings.Contains(strings.ToLower(string(raw[s.logOffset[name]:])), "successfully acquired lease") {
 			return name, replicas[1-i]
 		}
 	}

@@ -34,9 +34,9 @@ func (s *soak) inject(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(time.Duration(15+s.rng.Intn(21)) * time.Second):
+		case <-time.After(time.Duration(15+s.frng.Intn(21)) * time.Second):
 		}
-		n := s.rng.Intn(total)
+		n := s.frng.Intn(total)
 		kind := ""
 		for _, k := range faultKinds {
 			if n -= k.weight; n < 0 {
@@ -60,7 +60,7 @@ func (s *soak) inject(ctx context.Context) {
 			s.lastFaultEnd = f.End
 		}
 		if err != nil {
-			s.violate(f.End, fmt.Sprintf("fault %s %s could not be injected or undone: %v", kind, detail, err))
+			s.violate(f.End, "", fmt.Sprintf("fault %s %s could not be injected or undone: %v", kind, detail, err))
 		}
 		s.mu.Unlock()
 	}
@@ -99,12 +99,12 @@ func (s *soak) fault(ctx context.Context, kind string) (string, error) {
 		}
 		return target, err
 	case "kill-webhook-replica":
-		target := fmt.Sprintf("webhook-%d", 1+s.rng.Intn(2))
+		target := fmt.Sprintf("webhook-%d", 1+s.frng.Intn(2))
 		return target, s.c.Crash(target)
 	case "node-agent-down":
-		node := nodes[s.rng.Intn(len(nodes))]
+		node := nodes[s.frng.Intn(len(nodes))]
 		agent := "node-agent-" + node
-		down := time.Duration(10+s.rng.Intn(21)) * time.Second
+		down := time.Duration(10+s.frng.Intn(21)) * time.Second
 		s.mu.Lock()
 		s.keepStopped[agent] = true
 		s.mu.Unlock()
@@ -113,13 +113,14 @@ func (s *soak) fault(ctx context.Context, kind string) (string, error) {
 		s.agentDown[node] = time.Now()
 		s.mu.Unlock()
 		hold(context.Background(), down)
+		// Started before supervise may: one agent per node, never two.
+		if serr := s.c.Start(agent); err == nil {
+			err = serr
+		}
 		s.mu.Lock()
 		delete(s.keepStopped, agent)
 		delete(s.agentDown, node)
 		s.mu.Unlock()
-		if serr := s.c.Start(agent); err == nil {
-			err = serr
-		}
 		return fmt.Sprintf("%s for %s", node, down), err
 	case "restart-kube-apiserver", "restart-etcd":
 		target := "kube-apiserver"
@@ -131,9 +132,11 @@ func (s *soak) fault(ctx context.Context, kind string) (string, error) {
 		}
 		return target, s.apiReady()
 	case "node-removed":
-		node := nodes[s.rng.Intn(len(nodes))]
+		node := nodes[s.frng.Intn(len(nodes))]
 		agent := "node-agent-" + node
-		away := time.Duration(20+s.rng.Intn(21)) * time.Second
+		// Longer than the pod garbage collector's quarantine (40 s, then
+		// its 20 s period) at times, so that the node's pods go.
+		away := time.Duration(20+s.frng.Intn(61)) * time.Second
 		s.mu.Lock()
 		s.keepStopped[agent] = true
 		s.removedSince[node] = time.Now()
@@ -143,6 +146,7 @@ func (s *soak) fault(ctx context.Context, kind string) (string, error) {
 		aerr := s.c.AddNode(context.Background(), node)
 		s.mu.Lock()
 		s.removedEver[node] = append(s.removedEver[node], s.removedSince[node])
+		s.readded[node] = time.Now()
 		delete(s.removedSince, node)
 		delete(s.keepStopped, agent)
 		s.mu.Unlock()
@@ -153,8 +157,8 @@ func (s *soak) fault(ctx context.Context, kind string) (string, error) {
 	case "cut-api-connections":
 		return fmt.Sprintf("%d connections", s.c.APIProxy.Cut()), nil
 	case "slow-api":
-		delay := time.Duration(100+s.rng.Intn(701)) * time.Millisecond
-		span := time.Duration(10+s.rng.Intn(11)) * time.Second
+		delay := time.Duration(100+s.frng.Intn(701)) * time.Millisecond
+		span := time.Duration(10+s.frng.Intn(11)) * time.Second
 		s.c.APIProxy.SetDelay(delay)
 		hold(context.Background(), span)
 		s.c.APIProxy.SetDelay(0)

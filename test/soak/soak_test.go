@@ -12,7 +12,6 @@ package soak
 import (
 	"context"
 	"io"
-	"math/rand"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -69,11 +68,15 @@ func TestSoak(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bin := filepath.Join(t.TempDir(), "gpufrac")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/gpufrac")
-	build.Dir = root
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	// make soak has just built bin/gpufrac; go test alone builds its own.
+	bin := os.Getenv("SOAK_BINARY")
+	if bin == "" {
+		bin = filepath.Join(t.TempDir(), "gpufrac")
+		build := exec.Command("go", "build", "-o", bin, "./cmd/gpufrac")
+		build.Dir = root
+		if out, err := build.CombinedOutput(); err != nil {
+			t.Fatalf("go build: %v\n%s", err, out)
+		}
 	}
 	dir := t.TempDir()
 	ctx := context.Background()
@@ -98,7 +101,7 @@ func TestSoak(t *testing.T) {
 			}
 		}
 	})
-	s, err := newSoak(ctx, c, dir, cfg, rand.New(rand.NewSource(cfg.Seed)))
+	s, err := newSoak(ctx, c, dir, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
