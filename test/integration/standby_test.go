@@ -16,6 +16,7 @@ import (
 
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
 // Two scheduler replicas under leader election, as the chart runs them:
@@ -127,11 +128,24 @@ func TestStandbySchedulerWritesNothing(t *testing.T) {
 		placed(t, ns, fmt.Sprintf("half-%d", i))
 	}
 	// The leader stalls (a long pause, a starved CPU) for less than its
-	// Lease's duration, while a resize waits: the standby, whose cache
-	// sees the resize too, must leave it to the leader, which decides it
-	// once it runs again.
+	// Lease's duration, while a resize waits and a reservation pod the
+	// kubelet refused (Failed) waits to be collected: the standby, whose
+	// cache sees both too, must leave them to the leader, which decides
+	// the one and deletes the other once it runs again.
 	leader.signal(syscall.SIGSTOP)
 	ask("half-0", "20480Mi")
+	args, err := scheduler.DecodeArgs(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := scheduler.ReservationPod(args, nodes[1], "g-refused")
+	if refused, err = shared.admin.CoreV1().Pods(refused.Namespace).Create(ctx, refused, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	failed := `{"status":{"phase":"Failed","reason":"UnexpectedAdmissionError"}}`
+	if _, err := shared.admin.CoreV1().Pods(refused.Namespace).Patch(ctx, refused.Name, types.MergePatchType, []byte(failed), metav1.PatchOptions{}, "status"); err != nil {
+		t.Fatal(err)
+	}
 	time.Sleep(1500 * time.Millisecond)
 	stalled := writes("replica-b")
 	leader.signal(syscall.SIGCONT)
@@ -139,6 +153,7 @@ func TestStandbySchedulerWritesNothing(t *testing.T) {
 		t.Fatalf("the standby replica wrote %d times while the leader stalled: %v", len(stalled), stalled)
 	}
 	resized("half-0", "20480Mi")
+	waitGone(t, refused.Namespace, refused.Name)
 	// A GPU's last tenant goes: the leader's books change, the standby's too.
 	if err := shared.admin.CoreV1().Pods(ns).Delete(ctx, "half-2", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
