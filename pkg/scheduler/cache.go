@@ -175,17 +175,31 @@ func olderVersion(a, b string) bool {
 	return err == nil && cmp < 0
 }
 
-// DeleteNode forgets a node. Its pods are forgotten with it: the API
-// deletes them or they come back with the node.
+// DeleteNode marks a node gone, and keeps its pods: a Node deleted and
+// registered again (a kubelet re-registering, a machine replaced under
+// its name, before the pod garbage collector's quarantine ends) comes
+// back with the pods still bound to it, and no pod event says so. Had
+// the cache forgotten them, it would place shares on GPUs they hold (the
+// soak found it: 10 GPUs held of 8). A pod the API does delete is
+// forgotten by its own event, and a gone node left with nothing is
+// dropped then. kube-scheduler's own cache keeps a removed node's pods
+// the same way (backend/cache's RemoveNode).
 func (c *Cache) DeleteNode(name string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if ns, ok := c.nodes[name]; ok {
-		for key := range ns.Tenants {
-			delete(c.where, types.UID(key))
-			delete(c.assumed, types.UID(key))
-		}
-		delete(c.nodes, name)
+	ns, ok := c.nodes[name]
+	if !ok {
+		return
+	}
+	ns.seen, ns.Ready, ns.Why = nil, false, "the Node was deleted"
+	c.dropIfGone(ns)
+}
+
+// dropIfGone forgets a node whose Node was deleted once nothing of it is
+// left. Called with the lock held.
+func (c *Cache) dropIfGone(ns *nodeState) {
+	if ns.seen == nil && len(ns.Tenants) == 0 && len(ns.Reservations) == 0 && len(ns.waiting) == 0 && len(ns.Conflicts) == 0 {
+		delete(c.nodes, ns.Name)
 	}
 }
 
@@ -328,12 +342,15 @@ func (c *Cache) DeletePod(pod *corev1.Pod) {
 	defer c.mu.Unlock()
 	delete(c.workload, pod.UID)
 	if node, ok := c.where[pod.UID]; ok {
-		c.remove(c.node(node), pod.UID)
+		ns := c.node(node)
+		c.remove(ns, pod.UID)
+		c.dropIfGone(ns)
 		return
 	}
 	if ns, ok := c.nodes[pod.Spec.NodeName]; ok {
 		delete(ns.Conflicts, string(pod.UID))
 		delete(ns.waiting, pod.UID)
+		c.dropIfGone(ns)
 	}
 }
 

@@ -809,3 +809,44 @@ func TestNodeOfAnotherReservationNamespaceTakesNoShare(t *testing.T) {
 		}
 	}
 }
+
+// A Node deleted and registered again under its name (a kubelet
+// re-registering, a replaced machine, before the pod garbage collector's
+// quarantine ends) comes back with the pods still bound to it, and no pod
+// event says so: the cache keeps them through the deletion and books them
+// again once the node publishes its GPUs, so that no share is placed on a
+// GPU they hold (the soak found 10 GPUs held of 8). A pod the API deletes
+// meanwhile is forgotten, and a gone node left with nothing is dropped.
+func TestADeletedNodeComesBackWithItsPods(t *testing.T) {
+	c := NewCache(testArgs())
+	c.SetNode(node("n1", 4, 80000, true))
+	for _, p := range []*corev1.Pod{
+		reservationPod("n1", "ga", "GPU-a"),
+		placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}),
+		wholePod("w1", "n1", 2),
+	} {
+		c.SetPod(p)
+	}
+	want := summary(c, "n1")
+	if want != "idle=1 whole=2 conflicts=0 ga:20000Mi/0‰/1/" {
+		t.Fatalf("before: %s", want)
+	}
+	c.DeleteNode("n1")
+	// Registered again: first as the kubelet does, without the agent's
+	// GPU labels, then with them.
+	c.SetNode(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n1"}})
+	c.SetNode(node("n1", 4, 80000, true))
+	if got := summary(c, "n1"); got != want {
+		t.Fatalf("after the node came back: %s, want %s (its pods are still bound to it)", got, want)
+	}
+	c.DeleteNode("n1")
+	c.DeletePod(wholePod("w1", "n1", 2))
+	c.DeletePod(placedPod("p1", "n1", 20000, api.TimeSlicing, "", []string{"ga"}, []string{"GPU-a"}))
+	c.DeletePod(reservationPod("n1", "ga", "GPU-a"))
+	c.mu.RLock()
+	_, kept := c.nodes["n1"]
+	c.mu.RUnlock()
+	if kept {
+		t.Fatal("a deleted node whose pods are all gone is still in the cache")
+	}
+}

@@ -453,6 +453,9 @@ func (c *Cache) Shapes() ([]placement.Shape, placement.Capacity, placement.Suppl
 	var supply placement.Supply
 	usable := map[int64]int{}
 	for _, ns := range c.nodes {
+		if ns.seen == nil {
+			continue // no Node (yet, or any more): nothing to place on
+		}
 		capacity.CPU = max(capacity.CPU, ns.cpu)
 		supply.CPU += ns.cpu
 		if ns.Ledger == nil {

@@ -110,6 +110,7 @@ func (c *Cache) deleteReservation(pod *corev1.Pod) {
 	if ns.Ledger != nil && (fx.Rebuild || len(ns.Conflicts) > 0) {
 		c.rebuild(ns)
 	}
+	c.dropIfGone(ns)
 }
 
 // Standing is a standing reservation pod a node asks for and lacks.
@@ -128,7 +129,9 @@ func (c *Cache) TakeStanding() []Standing {
 	defer c.mu.Unlock()
 	var out []Standing
 	for name, ns := range c.nodes {
-		if ns.Standing == 0 || ns.Ledger == nil {
+		// A node whose Node is gone gets no new pods: they would be bound
+		// to nothing, and the pod garbage collector would delete them.
+		if ns.Standing == 0 || ns.Ledger == nil || ns.seen == nil {
 			continue
 		}
 		idle := ns.unheld()
