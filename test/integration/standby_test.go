@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -153,7 +154,13 @@ func TestStandbySchedulerWritesNothing(t *testing.T) {
 		t.Fatalf("the standby replica wrote %d times while the leader stalled: %v", len(stalled), stalled)
 	}
 	resized("half-0", "20480Mi")
-	waitGone(t, refused.Namespace, refused.Name)
+	// The collector's pass: on a change it sees, or its 30 s tick.
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		_, err := shared.admin.CoreV1().Pods(refused.Namespace).Get(ctx, refused.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}); err != nil {
+		t.Fatalf("the leader did not collect the refused reservation pod %s", refused.Name)
+	}
 	// A GPU's last tenant goes: the leader's books change, the standby's too.
 	if err := shared.admin.CoreV1().Pods(ns).Delete(ctx, "half-2", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 		t.Fatal(err)
