@@ -246,11 +246,12 @@ $(HELM): go.mod go.sum | preflight
 	@touch $@
 
 .PHONY: chart-lint
-chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler, dashboard (its render test is in test/integration)
+chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler, dashboard, monitoring (its render tests are in test/chart)
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART)
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set webhook.certificates.provider=certManager
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set scheduler.enabled=false,nodeAgent.restrictToOwnNode=false
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set dashboard.enabled=true
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set monitoring.grafanaDashboard.enabled=true,monitoring.prometheusRule.enabled=true
 
 .PHONY: verify
 verify: standalone-check fmt-check vet lint tidy-check chart-lint ## static checks only

@@ -67,6 +67,9 @@ type Node struct {
 	Whole []WholePod `json:"whole"`
 	// Idle is how many GPUs nobody holds.
 	Idle int `json:"idle"`
+	// UsageAt is when its agent last measured its tenants' use (zero:
+	// no reading, or one older than StaleUsage).
+	UsageAt time.Time `json:"usageAt,omitzero"`
 }
 
 // GPU is a shared GPU.
@@ -79,6 +82,8 @@ type GPU struct {
 	FreeMiB int64 `json:"freeMiB"`
 	// SchedulableMiB is the GPU's memory less the reserve.
 	SchedulableMiB int64 `json:"schedulableMiB"`
+	// Use is the GPU's use as a whole, as its node's agent measured it.
+	Use *api.GPUUsage `json:"use,omitempty"`
 }
 
 // Tenant is a fractional pod on a GPU.
@@ -96,6 +101,16 @@ type Tenant struct {
 	// Resize says where a resize of its share stands (api.DescribeResize):
 	// RequestMiB and LimitMiB are what it is charged until it is applied.
 	Resize string `json:"resize,omitempty"`
+	// Use is what it uses of the GPU, as its node's agent measured it
+	// (api.UsageAnnotation); nil where there is no reading (an agent from
+	// before, a reading gone stale) or the driver cannot say.
+	Use *api.PodGPUUsage `json:"use,omitempty"`
+	// Idle: over the window, it held under a tenth of its request and
+	// computed nothing; NearLimit: it holds 90 % of its hard limit or more.
+	Idle      bool `json:"idle,omitempty"`
+	NearLimit bool `json:"nearLimit,omitempty"`
+	// Advice is a resize its use over the window suggests (Advise).
+	Advice *Advice `json:"advice,omitempty"`
 }
 
 // WholePod holds whole GPUs.
@@ -156,6 +171,12 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 			}
 		}
 	}
+	uses := map[string]api.NodeUsage{}
+	for _, n := range nodes {
+		if u, ok, err := api.UsageOf(&n); ok && err == nil && time.Since(u.At) < StaleUsage {
+			uses[n.Name] = u
+		}
+	}
 	conditions := map[string]corev1.NodeCondition{}
 	enforcement := map[string]string{}
 	silent := map[string]bool{}
@@ -176,6 +197,10 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		n := Node{Name: ln.Name, Model: ln.Inventory.Model, GPUs: ln.Inventory.Count, MemoryMiB: ln.Inventory.MemoryMiB, Ready: ln.Ready && !silent[ln.Name],
 			ReadyReason: conditions[ln.Name].Reason, ReadyMessage: conditions[ln.Name].Message,
 			Enforcement: enforcement[ln.Name], ReserveMiB: ln.Inventory.ReserveMiB}
+		use, measured := uses[ln.Name]
+		if measured {
+			n.UsageAt = use.At
+		}
 		for _, t := range ln.Tenants {
 			if t.Request.Whole > 0 {
 				n.Whole = append(n.Whole, WholePod{Pod: t.Pod, GPUs: t.Request.Whole})
@@ -191,6 +216,11 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 					if g.UUID == "" {
 						g.UUID = fmt.Sprintf("GPU %d", slot)
 					}
+					for i := range use.GPUs {
+						if strings.EqualFold(use.GPUs[i].UUID, g.UUID) {
+							g.Use = &use.GPUs[i]
+						}
+					}
 					for key := range shares {
 						t, ok := ln.Tenants[key]
 						if !ok {
@@ -199,6 +229,10 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 						tenant := Tenant{Pod: t.Pod, Claim: t.Claim, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
 						if !t.Claim {
 							tenant.Resize = resizes[t.Pod]
+						}
+						if pu, ok := use.Of(t.Pod, g.UUID); ok && measured {
+							tenant.Use = &pu
+							tenant.Idle, tenant.NearLimit = idle(tenant), nearLimit(tenant)
 						}
 						if a := t.Assignment; a != nil && a.Mode == api.SMSharing && !a.Portion.IsZero() {
 							tenant.Portion = a.Portion.String()
@@ -224,6 +258,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 		v.Summary.GPUs += n.GPUs
 	}
 	slices.SortFunc(v.Nodes, func(a, b Node) int { return cmp.Compare(a.Name, b.Name) })
+	adviseAll(&v)
 	slices.SortFunc(v.Pending, func(a, b PendingPod) int { return cmp.Compare(a.Pod, b.Pod) })
 	v.Summary.TotalMiB, v.Summary.AllocatedMiB, v.Summary.FreeMiB, v.Summary.StrandedMiB = total, held, free, stranded
 	if total > 0 {
@@ -302,6 +337,9 @@ func eventTime(e *corev1.Event) time.Time {
 // Render writes the view for a terminal of 80 columns.
 func Render(w io.Writer, v View) error {
 	var b strings.Builder
+	if len(v.Nodes) > 0 {
+		fmt.Fprintf(&b, "    %-30s %8s %8s %8s\n", "tenant", "request", "limit", "used")
+	}
 	for _, n := range v.Nodes {
 		state := "ready"
 		if !n.Ready {
@@ -322,7 +360,13 @@ func Render(w io.Writer, v View) error {
 				if t.Resize != "" {
 					portion = strings.TrimSpace(portion + "  " + t.Resize)
 				}
-				fmt.Fprintf(&b, "    %-38s %8s %8s  %s\n", clip(who, 38), mib(t.RequestMiB), mib(t.LimitMiB), portion)
+				if t.Idle {
+					portion = strings.TrimSpace(portion + "  idle")
+				}
+				if t.NearLimit {
+					portion = strings.TrimSpace(portion + "  NEAR LIMIT")
+				}
+				fmt.Fprintf(&b, "    %-30s %8s %8s %8s  %s\n", clip(who, 30), mib(t.RequestMiB), mib(t.LimitMiB), used(t.Use), portion)
 			}
 		}
 		for _, p := range n.Whole {
@@ -335,6 +379,14 @@ func Render(w io.Writer, v View) error {
 		s.GPUs, s.AllocationPct, s.FragmentationPct, s.Pending)
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// used prints a tenant's memory in use, "-" where unknown.
+func used(u *api.PodGPUUsage) string {
+	if u == nil || u.UsedMiB == nil {
+		return "-"
+	}
+	return mib(*u.UsedMiB)
 }
 
 // mib prints MiB as GiB when it is a whole number of them.

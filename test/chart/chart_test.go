@@ -48,6 +48,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/testenv"
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/node/metrics"
 	"github.com/gpufrac/gpufrac/pkg/scheduler"
 )
 
@@ -999,6 +1000,94 @@ func TestNodePodsYieldToDriverUpgrades(t *testing.T) {
 			if yields != tc.want {
 				t.Errorf("%v: DaemonSet %s steps aside for a driver upgrade: %v, want %v (node selector terms %s)", tc.set, name, yields, tc.want, got)
 			}
+		}
+	}
+}
+
+// The chart ships the agents' Grafana dashboard, labelled for Grafana's
+// sidecar, and a PrometheusRule with the alerts docs/metrics.md lists;
+// both only when asked, and both query only metrics the agent exports (a
+// renamed metric would silently empty a panel or never fire).
+func TestChartMonitoring(t *testing.T) {
+	for _, o := range mustRender(t) {
+		if o.GetKind() == "PrometheusRule" || strings.HasSuffix(o.GetName(), "grafana-dashboard") {
+			t.Errorf("the default chart has %s %s", o.GetKind(), o.GetName())
+		}
+	}
+	chart := mustRender(t, "--set", "monitoring.grafanaDashboard.enabled=true", "--set", "monitoring.grafanaDashboard.namespace=monitoring",
+		"--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.prometheusRule.labels.release=kube-prometheus-stack")
+	exported := map[string]bool{}
+	for _, name := range metrics.New().Names() {
+		exported[name] = true
+	}
+	metric := regexp.MustCompile(`gpufrac_[a-z_]+`)
+	checkExpr := func(where, expr string) {
+		names := metric.FindAllString(expr, -1)
+		if len(names) == 0 {
+			t.Errorf("%s queries no gpufrac metric: %q", where, expr)
+		}
+		for _, name := range names {
+			if !exported[strings.TrimSuffix(name, "_bucket")] {
+				t.Errorf("%s queries %s, which the agent does not export", where, name)
+			}
+		}
+	}
+	cm := find(chart, "ConfigMap", "monitoring", release+"-grafana-dashboard")
+	if cm == nil {
+		t.Fatalf("no Grafana dashboard ConfigMap in namespace monitoring: %v", kinds(chart))
+	}
+	if got := cm.GetLabels()["grafana_dashboard"]; got != "1" {
+		t.Errorf("the dashboard's ConfigMap has grafana_dashboard=%q, want \"1\" (kube-prometheus-stack's sidecar default)", got)
+	}
+	raw, _, _ := unstructured.NestedString(cm.Object, "data", "gpufrac-node.json")
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal([]byte(raw), &dash); err != nil {
+		t.Fatalf("the dashboard is not JSON: %v", err)
+	}
+	titles := map[string]bool{}
+	for _, p := range dash.Panels {
+		titles[p.Title] = true
+		for _, target := range p.Targets {
+			checkExpr("panel "+p.Title, target.Expr)
+		}
+	}
+	for _, want := range []string{"Tenant SM utilisation", "Tenant memory used / granted (request)", "Container GPU memory use vs limit"} {
+		if !titles[want] {
+			t.Errorf("the dashboard has no panel %q", want)
+		}
+	}
+	rule := find(chart, "PrometheusRule", namespace, release)
+	if rule == nil {
+		t.Fatalf("no PrometheusRule: %v", kinds(chart))
+	}
+	if rule.GetAPIVersion() != "monitoring.coreos.com/v1" || rule.GetLabels()["release"] != "kube-prometheus-stack" {
+		t.Errorf("PrometheusRule %s, labels %v", rule.GetAPIVersion(), rule.GetLabels())
+	}
+	groups, _, _ := unstructured.NestedSlice(rule.Object, "spec", "groups")
+	alerts := map[string]bool{}
+	for _, g := range groups {
+		rules, _, _ := unstructured.NestedSlice(g.(map[string]any), "rules")
+		for _, r := range rules {
+			r := r.(map[string]any)
+			name, _ := r["alert"].(string)
+			expr, _ := r["expr"].(string)
+			alerts[name] = true
+			checkExpr("alert "+name, expr)
+			if summary, _, _ := unstructured.NestedString(r, "annotations", "summary"); !strings.Contains(summary, "{{ $labels.") {
+				t.Errorf("alert %s: summary %q names no series (Helm ate the template?)", name, summary)
+			}
+		}
+	}
+	for _, want := range []string{"GPUFracTenantNearHardLimit", "GPUFracShareIdle", "GPUFracNodeNotReadyForFractions", "GPUFracMPSDaemonReplaced", "GPUFracUsageUnreadable"} {
+		if !alerts[want] {
+			t.Errorf("the PrometheusRule has no alert %s (it has %v)", want, alerts)
 		}
 	}
 }

@@ -38,6 +38,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/publish"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
+	"github.com/gpufrac/gpufrac/pkg/node/usage"
 )
 
 // Options configure the agent.
@@ -87,6 +88,9 @@ type Options struct {
 	Injection    injection.Config
 	HealthAddr   string
 	ResyncPeriod time.Duration
+	// UsageWindow is how far back the agent remembers its tenants' use
+	// (a reading per resync), for the percentiles it publishes.
+	UsageWindow time.Duration
 	// StopGrace is how long a stopping agent, its node already marked not
 	// ready, keeps serving the runtime: the containers of pods placed just
 	// before are still being created, and without the agent they would
@@ -162,6 +166,9 @@ type Agent struct {
 	// listed them, the node creates no fractional container and audits
 	// none (enforce): a resized pod's memory of now is not known yet.
 	pods *podWatch
+	// usage remembers what the tenants used over Options.UsageWindow
+	// (usage.go); only resync touches it.
+	usage *usage.Window
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -186,6 +193,7 @@ func DefaultOptions() Options {
 		HealthAddr:        ":8082",
 		MetricsAddr:       ":8443",
 		ResyncPeriod:      30 * time.Second,
+		UsageWindow:       time.Hour,
 		StopGrace:         5 * time.Second,
 		SecurityStopGrace: 10 * time.Second,
 		DRA:               DRAOptions{StandingGPUs: -1},
@@ -199,7 +207,8 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	opts.ProcRoot = cmp.Or(opts.ProcRoot, d.ProcRoot)
 	opts.MPSControl = cmp.Or(opts.MPSControl, d.MPSControl)
 	opts.CgroupRoot = cmp.Or(opts.CgroupRoot, d.CgroupRoot)
-	return &Agent{opts: opts, client: client, metrics: metrics.New()}
+	opts.UsageWindow = cmp.Or(opts.UsageWindow, d.UsageWindow)
+	return &Agent{opts: opts, client: client, metrics: metrics.New(), usage: usage.NewWindow(opts.UsageWindow)}
 }
 
 // Run works until ctx ends, then marks the node not ready for fractions

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/containerd/nri/pkg/adaptation"
@@ -18,6 +19,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
 	"github.com/gpufrac/gpufrac/pkg/node/reservation"
+	"github.com/gpufrac/gpufrac/pkg/node/usage"
 )
 
 // The kubelet's directories for the DRA driver's plugin and CDI specs on
@@ -66,6 +68,11 @@ type environment interface {
 	// container ever runs, nothing would use one); preparing a claim
 	// still fails closed.
 	offersUnenforceable() bool
+	// measure reads what tenants use of the GPUs: through NVML and /proc
+	// on a real node (the NRI plugin's tenants, by container ID); from the
+	// usage model on a simulated one, which runs no container (the
+	// node's pods that hold shares, pods).
+	measure(tenants []usage.Tenant, pods []usage.Tenant, gpus []string, now time.Time) usage.Measurement
 	// stop releases what the environment opened.
 	stop()
 }
@@ -90,9 +97,10 @@ func newEnvironment(ctx context.Context, opts Options) (environment, error) {
 
 // realNode is a node with GPUs, a kubelet and a container runtime.
 type realNode struct {
-	opts   Options
-	lib    nvml.Interface
-	source *reservation.Kubelet
+	opts    Options
+	lib     nvml.Interface
+	source  *reservation.Kubelet
+	sampler *usage.Sampler
 }
 
 func newRealNode(opts Options) (*realNode, error) {
@@ -100,7 +108,8 @@ func newRealNode(opts Options) (*realNode, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &realNode{opts: opts, lib: nvml.New(), source: source}, nil
+	lib := nvml.New()
+	return &realNode{opts: opts, lib: lib, source: source, sampler: &usage.Sampler{Lib: lib, ProcRoot: opts.ProcRoot}}, nil
 }
 
 func (n *realNode) gpus() nvml.Interface        { return n.lib }
@@ -124,6 +133,9 @@ func (n *realNode) holdResize(p *nriplugin.Plugin, uid, container string, to api
 	return held, "the running container is held to it (not restarted)", err
 }
 func (n *realNode) offersUnenforceable() bool { return false }
+func (n *realNode) measure(tenants, _ []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
+	return n.sampler.Measure(tenants, gpus, now)
+}
 func (n *realNode) stop()                     { _ = n.source.Close() }
 
 // simulatedNode is a node of a local cluster: GPUs from a go-nvml mock
@@ -181,6 +193,9 @@ func (n *simulatedNode) holdResize(*nriplugin.Plugin, string, string, api.Memory
 	return true, "a simulated node runs no container: recorded as applied", nil
 }
 func (n *simulatedNode) offersUnenforceable() bool { return true }
+func (n *simulatedNode) measure(_, pods []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
+	return usage.Model{}.Measure(pods, gpus, now)
+}
 func (n *simulatedNode) stop()                     { n.runtime.Stop() }
 
 // startSimulatedRuntime serves the runtime side of NRI (containerd's own

@@ -227,6 +227,9 @@ func (a *Agent) resync(ctx context.Context) {
 	a.reconcileContainers(ctx, hw.mpsErr == nil)
 	desired := publish.Compute(cfg.Publish, node.Labels)
 	a.record(hw, cfg, desired.Condition.Status == corev1.ConditionTrue)
+	if annotations, ok := a.measureUsage(logger, hw); ok {
+		desired.Annotations = annotations
+	}
 	if err := publish.Apply(ctx, a.client, node, desired); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)

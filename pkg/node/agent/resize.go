@@ -99,7 +99,7 @@ func slimPod(obj any) (any, error) {
 		slim.Spec.EphemeralContainers = append(slim.Spec.EphemeralContainers, corev1.EphemeralContainer{EphemeralContainerCommon: corev1.EphemeralContainerCommon(c), TargetContainerName: e.TargetContainerName})
 	}
 	for k, v := range pod.Annotations {
-		if api.IsFractionKey(k) || api.IsDecisionKey(k) || api.IsResizeKey(k) || api.IsResizeRecordKey(k) {
+		if api.IsFractionKey(k) || api.IsDecisionKey(k) || api.IsResizeKey(k) || api.IsResizeRecordKey(k) || k == api.SimulatedLoadAnnotation {
 			if slim.Annotations == nil {
 				slim.Annotations = map[string]string{}
 			}

@@ -17,6 +17,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
+	"github.com/gpufrac/gpufrac/pkg/node/usage"
 )
 
 const mebibyte = float64(1 << 20)
@@ -30,7 +31,13 @@ type Metrics struct {
 	ready       prometheus.Gauge
 	request     *prometheus.GaugeVec
 	limit       *prometheus.GaugeVec
+	cgroupUsed  *prometheus.GaugeVec
 	used        *prometheus.GaugeVec
+	sm          *prometheus.GaugeVec
+	gpuUnowned  *prometheus.GaugeVec
+	gpuSM       *prometheus.GaugeVec
+	readable    *prometheus.GaugeVec
+	sampleTime  prometheus.Gauge
 	limitHits   *prometheus.CounterVec
 	events      *prometheus.CounterVec
 	state       *prometheus.GaugeVec
@@ -65,6 +72,9 @@ func (m *Metrics) Names() []string {
 // New registers the collectors on a fresh registry.
 func New() *Metrics {
 	container := []string{"namespace", "pod", "container", "gpu_uuid"}
+	// Labelled as dcgm-exporter and kube-state-metrics label a pod's
+	// container, plus its GPU and compute mode.
+	usageLabels := []string{"namespace", "pod", "container", "node", "gpu_uuid", "mode"}
 	m := &Metrics{
 		Registry: prometheus.NewRegistry(),
 		gpuMemory: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_memory_total_bytes",
@@ -77,8 +87,20 @@ func New() *Metrics {
 			Help: "Guaranteed (soft-limit) GPU memory of a fractional container, per GPU."}, container),
 		limit: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_gpu_memory_limit_bytes",
 			Help: "Hard GPU memory limit of a fractional container, per GPU."}, container),
+		cgroupUsed: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_gpu_memory_cgroup_used_bytes",
+			Help: "GPU memory a fractional container's cgroup uses, per GPU, as the driver's per-cgroup limits account it (r615 driver backend only)."}, container),
 		used: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_gpu_memory_used_bytes",
-			Help: "GPU memory a fractional container's cgroup uses, per GPU, as the driver accounts it."}, container),
+			Help: "GPU memory a fractional container's processes hold on a GPU, summed from NVML's per-process lists (under MPS, what its clients allocated). Absent where the driver cannot list processes (gpufrac_gpu_usage_readable)."}, usageLabels),
+		sm: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_gpu_sm_utilization_percent",
+			Help: "SM utilisation of a fractional container's processes on a GPU over the last sampling period, summed from NVML's per-process samples (0-100). Absent where the driver gives no samples (gpufrac_gpu_usage_readable)."}, usageLabels),
+		gpuUnowned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_memory_unattributed_bytes",
+			Help: "GPU memory held by processes outside every fractional container: whole-GPU pods, the MPS server's shared context, host processes."}, []string{"gpu_uuid"}),
+		gpuSM: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_utilization_percent",
+			Help: "Percent of the last sampling period in which a kernel ran on each GPU, as NVML reports it."}, []string{"gpu_uuid"}),
+		readable: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_gpu_usage_readable",
+			Help: "1 where the driver reports the per-process figure (memory: process lists; sm: utilisation samples) on a GPU, 0 where it cannot: its tenants' figures are then unknown, not zero."}, []string{"gpu_uuid", "figure"}),
+		sampleTime: prometheus.NewGauge(prometheus.GaugeOpts{Name: "gpufrac_usage_sample_duration_seconds",
+			Help: "How long the last reading of the tenants' use took (NVML and /proc)."}),
 		limitHits: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_container_gpu_memory_limit_hits_total",
 			Help: "Resyncs at which a container's GPU memory use had reached its hard limit."}, container),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_enforcement_events_total",
@@ -99,7 +121,7 @@ func New() *Metrics {
 			Help:    "Time the NRI plugin takes per hook (CreateContainer runs inside the runtime's creation deadline).",
 			Buckets: []float64{0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2}}, []string{"hook"}),
 	}
-	m.collectors = []prometheus.Collector{m.gpuMemory, m.enforcement, m.ready, m.request, m.limit, m.used, m.limitHits, m.events,
+	m.collectors = []prometheus.Collector{m.gpuMemory, m.enforcement, m.ready, m.request, m.limit, m.cgroupUsed, m.used, m.sm, m.gpuUnowned, m.gpuSM, m.readable, m.sampleTime, m.limitHits, m.events,
 		m.state, m.gpuRequest, m.gpuLimit, m.gpuUsed, m.gpuMode, m.hook}
 	m.Registry.MustRegister(m.collectors...)
 	return m
@@ -185,7 +207,7 @@ func (m *Metrics) Node(inv inventory.Inventory, backend nodeapi.Backend, ready b
 // as the driver accounts it, read through lib; a use at the hard limit
 // counts as a limit hit. Containers whose lease is gone disappear.
 func (m *Metrics) Containers(lib nvml.Interface, leases map[string]enforce.Lease) {
-	m.used.Reset()
+	m.cgroupUsed.Reset()
 	if len(leases) == 0 {
 		return
 	}
@@ -208,10 +230,49 @@ func (m *Metrics) Containers(lib nvml.Interface, leases map[string]enforce.Lease
 			if ret != nvml.SUCCESS {
 				continue
 			}
-			m.used.WithLabelValues(labels...).Set(float64(got.CurrentUsed))
+			m.cgroupUsed.WithLabelValues(labels...).Set(float64(got.CurrentUsed))
 			if got.HardLimit > 0 && got.CurrentUsed >= got.HardLimit {
 				m.limitHits.WithLabelValues(labels...).Inc()
 			}
 		}
 	}
+}
+
+// Usage records one reading of what the tenants on node use: a figure the
+// driver cannot give has no series (and its GPU says so in
+// gpufrac_gpu_usage_readable), a container gone has none left.
+func (m *Metrics) Usage(node string, r usage.Measurement, took time.Duration) {
+	m.used.Reset()
+	m.sm.Reset()
+	m.gpuUnowned.Reset()
+	m.gpuSM.Reset()
+	m.readable.Reset()
+	m.sampleTime.Set(took.Seconds())
+	for _, c := range r.Containers {
+		t := c.Tenant
+		labels := []string{t.Namespace, t.Pod, t.Container, node, c.GPU, string(t.Mode)}
+		if c.MemoryBytes.Known {
+			m.used.WithLabelValues(labels...).Set(float64(c.MemoryBytes.Value))
+		}
+		if c.SMPercent.Known {
+			m.sm.WithLabelValues(labels...).Set(float64(c.SMPercent.Value))
+		}
+	}
+	for _, g := range r.GPUs {
+		if g.UnattributedBytes.Known {
+			m.gpuUnowned.WithLabelValues(g.UUID).Set(float64(g.UnattributedBytes.Value))
+		}
+		if g.SMPercent.Known {
+			m.gpuSM.WithLabelValues(g.UUID).Set(float64(g.SMPercent.Value))
+		}
+		m.readable.WithLabelValues(g.UUID, "memory").Set(b2f(g.PerProcessMemory))
+		m.readable.WithLabelValues(g.UUID, "sm").Set(b2f(g.PerProcessSM))
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }

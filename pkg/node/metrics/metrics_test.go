@@ -16,6 +16,7 @@ import (
 	"github.com/gpufrac/gpufrac/pkg/node/inventory"
 	"github.com/gpufrac/gpufrac/pkg/node/nodeapi"
 	"github.com/gpufrac/gpufrac/pkg/node/nriplugin"
+	"github.com/gpufrac/gpufrac/pkg/node/usage"
 )
 
 func TestNodeAndContainerMetrics(t *testing.T) {
@@ -40,10 +41,10 @@ func TestNodeAndContainerMetrics(t *testing.T) {
 	m.Count(EventRefused)
 
 	want := `
-# HELP gpufrac_container_gpu_memory_used_bytes GPU memory a fractional container's cgroup uses, per GPU, as the driver accounts it.
-# TYPE gpufrac_container_gpu_memory_used_bytes gauge
-gpufrac_container_gpu_memory_used_bytes{container="main",gpu_uuid="` + uuids[0] + `",namespace="ml",pod="llm"} 2.147483648e+09
-gpufrac_container_gpu_memory_used_bytes{container="main",gpu_uuid="` + uuids[1] + `",namespace="ml",pod="llm"} 5.36870912e+08
+# HELP gpufrac_container_gpu_memory_cgroup_used_bytes GPU memory a fractional container's cgroup uses, per GPU, as the driver's per-cgroup limits account it (r615 driver backend only).
+# TYPE gpufrac_container_gpu_memory_cgroup_used_bytes gauge
+gpufrac_container_gpu_memory_cgroup_used_bytes{container="main",gpu_uuid="` + uuids[0] + `",namespace="ml",pod="llm"} 2.147483648e+09
+gpufrac_container_gpu_memory_cgroup_used_bytes{container="main",gpu_uuid="` + uuids[1] + `",namespace="ml",pod="llm"} 5.36870912e+08
 # HELP gpufrac_container_gpu_memory_limit_hits_total Resyncs at which a container's GPU memory use had reached its hard limit.
 # TYPE gpufrac_container_gpu_memory_limit_hits_total counter
 gpufrac_container_gpu_memory_limit_hits_total{container="main",gpu_uuid="` + uuids[0] + `",namespace="ml",pod="llm"} 1
@@ -55,7 +56,7 @@ gpufrac_memory_enforcement{backend="driver"} 1
 gpufrac_enforcement_events_total{event="refused"} 2
 `
 	if err := testutil.GatherAndCompare(m.Registry, strings.NewReader(want),
-		"gpufrac_container_gpu_memory_used_bytes", "gpufrac_container_gpu_memory_limit_hits_total",
+		"gpufrac_container_gpu_memory_cgroup_used_bytes", "gpufrac_container_gpu_memory_limit_hits_total",
 		"gpufrac_memory_enforcement", "gpufrac_enforcement_events_total"); err != nil {
 		t.Error(err)
 	}
@@ -77,15 +78,55 @@ gpufrac_enforcement_events_total{event="refused"} 2
 
 	// The container stopped: its lease is gone and so are its gauges.
 	m.Containers(lib, nil)
-	if n := testutil.CollectAndCount(m.used); n != 0 {
+	if n := testutil.CollectAndCount(m.cgroupUsed); n != 0 {
 		t.Errorf("%d used-bytes series left after the container went away", n)
+	}
+}
+
+// Each container's use is under its own pod's labels; a figure the driver
+// cannot give has no series (its GPU says so), and a container gone has
+// none left.
+func TestUsageMetrics(t *testing.T) {
+	m := New()
+	a := usage.Tenant{Namespace: "ml", Pod: "a", Container: "main", Mode: "sm-sharing"}
+	b := usage.Tenant{Namespace: "web", Pod: "b", Container: "side", Mode: "sm-sharing"}
+	m.Usage("node-1", usage.Measurement{
+		Containers: []usage.Container{
+			{Tenant: a, GPU: "GPU-0", MemoryBytes: usage.Known(3 << 30), SMPercent: usage.Known(42)},
+			{Tenant: b, GPU: "GPU-0", MemoryBytes: usage.Known(1 << 30), SMPercent: usage.Known(0)},
+			{Tenant: b, GPU: "GPU-1"},
+		},
+		GPUs: []usage.GPU{{UUID: "GPU-0", UnattributedBytes: usage.Known(512 << 20), SMPercent: usage.Known(50), PerProcessMemory: true, PerProcessSM: true},
+			{UUID: "GPU-1"}},
+	}, 2*time.Millisecond)
+	want := `
+# HELP gpufrac_container_gpu_memory_used_bytes GPU memory a fractional container's processes hold on a GPU, summed from NVML's per-process lists (under MPS, what its clients allocated). Absent where the driver cannot list processes (gpufrac_gpu_usage_readable).
+# TYPE gpufrac_container_gpu_memory_used_bytes gauge
+gpufrac_container_gpu_memory_used_bytes{container="main",gpu_uuid="GPU-0",mode="sm-sharing",namespace="ml",node="node-1",pod="a"} 3.221225472e+09
+gpufrac_container_gpu_memory_used_bytes{container="side",gpu_uuid="GPU-0",mode="sm-sharing",namespace="web",node="node-1",pod="b"} 1.073741824e+09
+# HELP gpufrac_gpu_usage_readable 1 where the driver reports the per-process figure (memory: process lists; sm: utilisation samples) on a GPU, 0 where it cannot: its tenants' figures are then unknown, not zero.
+# TYPE gpufrac_gpu_usage_readable gauge
+gpufrac_gpu_usage_readable{figure="memory",gpu_uuid="GPU-0"} 1
+gpufrac_gpu_usage_readable{figure="memory",gpu_uuid="GPU-1"} 0
+gpufrac_gpu_usage_readable{figure="sm",gpu_uuid="GPU-0"} 1
+gpufrac_gpu_usage_readable{figure="sm",gpu_uuid="GPU-1"} 0
+`
+	if err := testutil.GatherAndCompare(m.Registry, strings.NewReader(want), "gpufrac_container_gpu_memory_used_bytes", "gpufrac_gpu_usage_readable"); err != nil {
+		t.Error(err)
+	}
+	if got := testutil.ToFloat64(m.sm.WithLabelValues("ml", "a", "main", "node-1", "GPU-0", "sm-sharing")); got != 42 {
+		t.Errorf("SM = %v", got)
+	}
+	m.Usage("node-1", usage.Measurement{Containers: []usage.Container{{Tenant: a, GPU: "GPU-0", MemoryBytes: usage.Known(1)}}}, 0)
+	if n := testutil.CollectAndCount(m.used); n != 1 {
+		t.Errorf("%d used series after b went, want 1", n)
 	}
 }
 
 // The Grafana dashboard in deploy/ must only query metrics this package
 // exports (a renamed metric would silently empty a panel).
 func TestDashboardQueriesExportedMetrics(t *testing.T) {
-	data, err := os.ReadFile("../../../deploy/grafana/gpufrac-node.json")
+	data, err := os.ReadFile("../../../deploy/helm/gpufrac/dashboards/gpufrac-node.json")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -35,6 +35,8 @@ const (
 
 // Tenant is one fractional container on the node, for metrics.
 type Tenant struct {
+	// ID is the container's runtime ID (set by Tenants).
+	ID         string
 	Pod        PodRef
 	Container  string
 	Devices    []string
@@ -137,7 +139,8 @@ func (t *tenants) list() []Tenant {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	out := make([]Tenant, 0, len(t.m))
-	for _, tenant := range t.m {
+	for id, tenant := range t.m {
+		tenant.ID = id
 		out = append(out, tenant)
 	}
 	slices.SortFunc(out, func(a, b Tenant) int {

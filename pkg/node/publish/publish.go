@@ -105,6 +105,9 @@ type Desired struct {
 	Condition corev1.NodeCondition
 	// Labels to set; a nil value removes the label.
 	Labels map[string]*string
+	// Annotations to set (the tenants' use, api.UsageAnnotation); a nil
+	// value removes one.
+	Annotations map[string]*string
 }
 
 // Compute decides the condition and labels for state, given the labels the
@@ -229,8 +232,21 @@ func Apply(ctx context.Context, client kubernetes.Interface, node *corev1.Node, 
 			labels[k] = v
 		}
 	}
-	if len(labels) > 0 {
-		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"labels": labels}})
+	annotations := map[string]*string{}
+	for k, v := range d.Annotations {
+		if cur, ok := node.Annotations[k]; (v == nil && ok) || (v != nil && cur != *v) {
+			annotations[k] = v
+		}
+	}
+	if len(labels) > 0 || len(annotations) > 0 {
+		meta := map[string]any{}
+		if len(labels) > 0 {
+			meta["labels"] = labels
+		}
+		if len(annotations) > 0 {
+			meta["annotations"] = annotations
+		}
+		patch, err := json.Marshal(map[string]any{"metadata": meta})
 		if err != nil {
 			return err
 		}

@@ -1,0 +1,228 @@
+package usage
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// Sampler reads the GPUs' processes through NVML and joins each to its
+// container through /proc (the agent runs in the host's PID namespace,
+// so NVML's PIDs are its own).
+//
+// What NVML says, and so what each figure means (nvml.h):
+//   - nvmlDeviceGetComputeRunningProcesses lists the processes with a
+//     compute context on a GPU; each one's usedGpuMemory is "all of the
+//     memory used by the application". Under MPS that is the MPS server's
+//     process, whose memory is the shared context every client runs in.
+//   - nvmlDeviceGetMPSComputeRunningProcesses lists the "processes with a
+//     Multi-Process Service (MPS) compute context on a device": the MPS
+//     clients, each with the memory it allocated. So under MPS a tenant's
+//     figure is per client (what its own processes allocated), and the
+//     server's shared context is the GPU's unattributed memory.
+//   - nvmlDeviceGetProcessUtilization returns one sample "per process
+//     running, that had some non-zero utilization during the last sample
+//     period", newer than the last timestamp seen; NVML_ERROR_NOT_FOUND
+//     when none is: every process was idle (0 %, not unknown).
+//
+// A call that fails (NOT_SUPPORTED on a driver or GPU that cannot say)
+// leaves that figure unknown for every tenant of the GPU.
+type Sampler struct {
+	Lib nvml.Interface
+	// ProcRoot is where /proc is ("/proc" on a node).
+	ProcRoot string
+	// lastSeen is, per GPU, the newest utilisation sample read.
+	lastSeen map[string]uint64
+}
+
+// process is one process on a GPU.
+type process struct {
+	mem       uint64
+	sm        int64
+	smSamples int
+}
+
+// gpuRead is what NVML said of one GPU.
+type gpuRead struct {
+	procs       map[uint32]*process
+	memKnown    bool
+	smKnown     bool
+	usedBytes   Figure
+	utilPercent Figure
+}
+
+// Measure reads tenants' use of their GPUs, and each GPU's.
+func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measurement {
+	m := Measurement{At: now}
+	if s.Lib == nil || s.Lib.Init() != nvml.SUCCESS {
+		for _, uuid := range gpus {
+			m.GPUs = append(m.GPUs, GPU{UUID: uuid})
+		}
+		for _, t := range tenants {
+			for _, uuid := range t.Devices {
+				m.Containers = append(m.Containers, Container{Tenant: t, GPU: uuid})
+			}
+		}
+		return m
+	}
+	defer func() { _ = s.Lib.Shutdown() }()
+	if s.lastSeen == nil {
+		s.lastSeen = map[string]uint64{}
+	}
+	reads := map[string]*gpuRead{}
+	for _, uuid := range gpus {
+		reads[strings.ToLower(uuid)] = s.read(uuid)
+	}
+	// PID → container ID, each /proc/<pid>/cgroup read once; a PID gone
+	// from /proc has exited and is dropped (NVML may list it a moment
+	// longer).
+	owners := map[uint32]string{}
+	gone := map[uint32]bool{}
+	owner := func(pid uint32) (string, bool) {
+		if id, ok := owners[pid]; ok {
+			return id, true
+		}
+		if gone[pid] {
+			return "", false
+		}
+		raw, err := os.ReadFile(filepath.Join(s.ProcRoot, strconv.FormatUint(uint64(pid), 10), "cgroup"))
+		if err != nil {
+			gone[pid] = true
+			return "", false
+		}
+		owners[pid] = ContainerID(string(raw))
+		return owners[pid], true
+	}
+	attributed := map[string]map[uint32]bool{} // GPU → PIDs of tenants
+	for _, t := range tenants {
+		for _, uuid := range t.Devices {
+			c := Container{Tenant: t, GPU: uuid}
+			r := reads[strings.ToLower(uuid)]
+			if r != nil && t.ID != "" {
+				c.MemoryBytes.Known, c.SMPercent.Known = r.memKnown, r.smKnown
+				for pid, p := range r.procs {
+					if id, alive := owner(pid); !alive || id != t.ID {
+						continue
+					}
+					if attributed[uuid] == nil {
+						attributed[uuid] = map[uint32]bool{}
+					}
+					attributed[uuid][pid] = true
+					c.Processes++
+					c.MemoryBytes.Value += int64(p.mem)
+					if p.smSamples > 0 {
+						c.SMPercent.Value += p.sm / int64(p.smSamples)
+					}
+				}
+				c.SMPercent.Value = min(c.SMPercent.Value, 100)
+			}
+			m.Containers = append(m.Containers, c)
+		}
+	}
+	for _, uuid := range gpus {
+		r := reads[strings.ToLower(uuid)]
+		g := GPU{UUID: uuid, MemoryBytes: r.usedBytes, SMPercent: r.utilPercent, PerProcessMemory: r.memKnown, PerProcessSM: r.smKnown}
+		if r.memKnown {
+			g.UnattributedBytes = Known(0)
+			for pid, p := range r.procs {
+				if _, alive := owner(pid); alive && !attributed[uuid][pid] {
+					g.UnattributedBytes.Value += int64(p.mem)
+				}
+			}
+		}
+		m.GPUs = append(m.GPUs, g)
+	}
+	return m
+}
+
+// read asks NVML about one GPU.
+func (s *Sampler) read(uuid string) *gpuRead {
+	r := &gpuRead{procs: map[uint32]*process{}}
+	dev, ret := s.Lib.DeviceGetHandleByUUID(uuid)
+	if ret != nvml.SUCCESS {
+		return r
+	}
+	if mem, ret := dev.GetMemoryInfo(); ret == nvml.SUCCESS {
+		r.usedBytes = Known(int64(mem.Used))
+	}
+	if u, ret := dev.GetUtilizationRates(); ret == nvml.SUCCESS {
+		r.utilPercent = Known(int64(u.Gpu))
+	}
+	note := func(infos []nvml.ProcessInfo) {
+		for _, info := range infos {
+			p := r.procs[info.Pid]
+			if p == nil {
+				p = &process{}
+				r.procs[info.Pid] = p
+			}
+			// A client listed by both calls is counted once.
+			p.mem = max(p.mem, info.UsedGpuMemory)
+		}
+	}
+	compute, ret := dev.GetComputeRunningProcesses()
+	if ret == nvml.SUCCESS {
+		r.memKnown = true
+		note(compute)
+	}
+	if clients, ret := dev.GetMPSComputeRunningProcesses(); ret == nvml.SUCCESS {
+		r.memKnown = true
+		note(clients)
+	}
+	samples, ret := dev.GetProcessUtilization(s.lastSeen[uuid])
+	switch ret {
+	case nvml.SUCCESS:
+		r.smKnown = true
+		for _, sample := range samples {
+			s.lastSeen[uuid] = max(s.lastSeen[uuid], sample.TimeStamp)
+			p := r.procs[sample.Pid]
+			if p == nil {
+				p = &process{}
+				r.procs[sample.Pid] = p
+			}
+			p.sm += int64(sample.SmUtil)
+			p.smSamples++
+		}
+	case nvml.ERROR_NOT_FOUND:
+		r.smKnown = true // no process was busy since the last sample
+	}
+	return r
+}
+
+// containerID matches the runtime's container ID in a cgroup's last path
+// element: 64 hex digits, as containerd, CRI-O and Docker name them,
+// alone (cgroupfs: /kubepods/burstable/pod<uid>/<id>) or in a systemd
+// scope (cri-containerd-<id>.scope, crio-<id>.scope, docker-<id>.scope).
+var containerID = regexp.MustCompile(`(?:^|[-:])([0-9a-f]{64})(?:\.scope)?$`)
+
+// ContainerID is the container a process is in, from the content of its
+// /proc/<pid>/cgroup: the ID in the unified (cgroup v2) line's path, or
+// else in a v1 line's. "" for a process in no container.
+func ContainerID(procCgroup string) string {
+	var v1 string
+	for _, line := range strings.Split(procCgroup, "\n") {
+		hierarchy, rest, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		_, path, ok := strings.Cut(rest, ":")
+		if !ok {
+			continue
+		}
+		m := containerID.FindStringSubmatch(path[strings.LastIndexByte(path, '/')+1:])
+		if m == nil {
+			continue
+		}
+		if hierarchy == "0" {
+			return m[1]
+		}
+		if v1 == "" {
+			v1 = m[1]
+		}
+	}
+	return v1
+}
