@@ -64,6 +64,9 @@ type Server struct {
 	changed chan struct{}
 	synced  chan struct{}
 
+	// history is the last hour of use per GPU and tenant (rebuild only).
+	history *clusterview.History
+
 	mu      sync.Mutex
 	current []byte                   // the latest view, as JSON
 	subs    map[chan []byte]struct{} // open event streams
@@ -75,7 +78,8 @@ func New(opts Options) *Server {
 	if opts.Settle <= 0 {
 		opts.Settle = 200 * time.Millisecond
 	}
-	return &Server{opts: opts, changed: make(chan struct{}, 1), synced: make(chan struct{}), subs: map[chan []byte]struct{}{}}
+	return &Server{opts: opts, changed: make(chan struct{}, 1), synced: make(chan struct{}), subs: map[chan []byte]struct{}{},
+		history: clusterview.NewHistory(HistorySpan)}
 }
 
 // Run watches the cluster and serves the dashboard on l until ctx ends.
@@ -212,13 +216,18 @@ func deref[T any](in []*T) []T {
 	return out
 }
 
-// rebuild makes the view again and, when it changed, pushes it to every
-// open stream.
+// HistorySpan is how much of each GPU's and tenant's use the page shows.
+const HistorySpan = time.Hour
+
+// rebuild makes the view again, with the history of use, and, when it
+// changed, pushes it to every open stream.
 func (s *Server) rebuild() error {
 	v, err := s.view()
 	if err != nil {
 		return err
 	}
+	s.history.Record(v)
+	s.history.Attach(&v)
 	raw, err := json.Marshal(v)
 	if err != nil {
 		return err

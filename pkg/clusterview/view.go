@@ -84,6 +84,8 @@ type GPU struct {
 	SchedulableMiB int64 `json:"schedulableMiB"`
 	// Use is the GPU's use as a whole, as its node's agent measured it.
 	Use *api.GPUUsage `json:"use,omitempty"`
+	// History is its use over the last hour, as for a tenant.
+	History []Sample `json:"history,omitempty"`
 }
 
 // Tenant is a fractional pod on a GPU.
@@ -111,6 +113,9 @@ type Tenant struct {
 	NearLimit bool `json:"nearLimit,omitempty"`
 	// Advice is a resize its use over the window suggests (Advise).
 	Advice *Advice `json:"advice,omitempty"`
+	// History is its use over the last hour, where the dashboard keeps
+	// one (History.Attach); top has none.
+	History []Sample `json:"history,omitempty"`
 }
 
 // WholePod holds whole GPUs.

@@ -103,11 +103,16 @@ func (n *node) startAgent() error {
 		return err
 	}
 	n.cleanups = append(n.cleanups, func() error { _ = os.Remove(cg); return nil })
+	ports, err := freePorts(1)
+	if err != nil {
+		return err
+	}
+	n.metricsAddr = fmt.Sprintf("127.0.0.1:%d", ports[0])
 	return n.start("node-agent", append(n.mpsEnv(), n.nvmlEnv()...), "/bin/sh", "-c", `echo $$ > "$0/cgroup.procs" && exec unshare --cgroup "$@"`, cg,
 		n.gpufrac, "node-agent", "--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
 		"--nri-socket", n.nriSocket(), "--pod-resources-socket", n.podResourcesSocket(),
 		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
-		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", "", "--resync-period", "2s",
+		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", n.metricsAddr, "--resync-period", "2s",
 		"--security-stop-grace", "2s",
 		// The DRA driver: registered with this kubelet, its prepared
 		// claims' CDI specs where containerd reads them.

@@ -138,6 +138,8 @@ type node struct {
 	runtimes          string
 	admin             kubernetes.Interface
 	gpus              []inventory.GPU
+	// metricsAddr is the agent's /metrics (TLS), where it serves them.
+	metricsAddr string
 
 	mu    sync.Mutex
 	procs map[string]*runner.Process

@@ -60,6 +60,42 @@ function renderPending(v) {
     el("span", { class: "reason" }, p.reason ? "scheduler: " + p.reason : "no scheduler event yet"))));
 }
 
+// spark draws a history of use (memory in MiB over time) against a
+// ceiling as a small line: the text beside it says the figures.
+function spark(history, ceiling, label) {
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("viewBox", "0 0 100 20");
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", label);
+  const h = history || [];
+  svg.dataset.samples = String(h.length);
+  if (h.length > 0) {
+    const t0 = h[0].t, span = Math.max(h[h.length - 1].t - t0, 1), top = Math.max(ceiling, ...h.map(p => p.u), 1);
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", h.map(p => ((p.t - t0) * 100 / span).toFixed(1) + "," + (20 - p.u * 20 / top).toFixed(1)).join(" "));
+    svg.append(line);
+  }
+  return svg;
+}
+
+// usage says what a tenant uses against its grant, with its marks.
+function usage(t) {
+  const u = t.use;
+  if (!u || u.usedMiB === undefined) {
+    return el("span", { class: "used unknown", title: "no reading: the node's agent has not measured it, or its driver cannot say" }, "used unknown");
+  }
+  const parts = ["used " + mib(u.usedMiB) + " of " + mib(t.requestMiB) + " (" + pct(u.usedMiB, t.requestMiB) + ")"];
+  if (u.smPercent !== undefined) parts.push("SM " + u.smPercent + "%");
+  if (u.p95MiB !== undefined) parts.push("p95 " + mib(u.p95MiB) + " over " + u.samples + " readings");
+  return el("span", { class: "used" + (t.nearLimit ? " near" : "") + (t.idle ? " idle" : "") }, parts.join(" · "),
+    t.idle ? el("strong", { class: "mark idle" }, " idle") : null,
+    t.nearLimit ? el("strong", { class: "mark near" }, " near its limit") : null,
+    t.advice ? el("span", { class: "advice", title: t.advice.why }, " · advice: request " + mib(t.advice.requestMiB)) : null);
+}
+
 function renderTenant(node, gpu, t, i) {
   const key = node.name + "/" + gpu.uuid + "/" + t.pod;
   const nums = "request " + mib(t.requestMiB) + " · limit " + mib(t.limitMiB) +
@@ -69,7 +105,9 @@ function renderTenant(node, gpu, t, i) {
   const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
   swatch.style.backgroundColor = colour(i);
   const details = el("details", {},
-    el("summary", { "data-key": key }, swatch, el("span", { class: "pod" }, t.pod), el("span", { class: "nums" }, nums)));
+    el("summary", { "data-key": key }, swatch, el("span", { class: "pod" }, t.pod), el("span", { class: "nums" }, nums),
+      usage(t), spark(t.history, t.limitMiB, "use of " + t.pod + " over the last hour")));
+  if (t.advice) details.append(el("p", { class: "command" }, el("code", {}, t.advice.command)));
   shown.add(key);
   const dl = el("dl", { "aria-label": "annotations of " + t.pod });
   for (const k of Object.keys(t.annotations || {}).sort()) {
@@ -104,11 +142,16 @@ function renderGPU(node, gpu) {
   const free = el("p", { class: "free" }, "free " + mib(gpu.freeMiB) + " of " + mib(gpu.schedulableMiB) + " schedulable",
     reserve > 0 ? " (reserve " + mib(reserve) + ")" : "", " · requests " + mib(used) + " (" + pct(used, total) + ")",
     limitSum > total ? " · limits add up to " + mib(limitSum) + ", over the GPU's memory: bursts contend" : "");
+  const u = gpu.use;
+  const use = el("p", { class: "gpu-use" }, u && u.usedMiB !== undefined
+    ? "in use " + mib(u.usedMiB) + " (" + pct(u.usedMiB, total) + ")" + (u.smPercent !== undefined ? " · utilisation " + u.smPercent + "%" : "") +
+      (u.unattributedMiB ? " · " + mib(u.unattributedMiB) + " outside the shares" : "")
+    : "in use: no reading", spark(gpu.history, total, "use of GPU " + gpu.uuid + " over the last hour"));
   return el("div", { class: "gpu", "data-uuid": gpu.uuid },
     el("div", { class: "head" },
       el("span", { class: "uuid" }, gpu.uuid),
       el("span", { class: "mode " + gpu.mode }, gpu.mode)),
-    requests, limits, free,
+    requests, limits, free, use,
     el("ul", { class: "tenants", "aria-label": "tenants of " + gpu.uuid }, ...gpu.tenants.map((t, i) => renderTenant(node, gpu, t, i))));
 }
 

@@ -28,6 +28,14 @@
  *              last line for the GPU and cgroup (0 without one);
  *   fail-set   if present, every SetMemoryLimits_v1 returns the NVML code it
  *              holds (default NVML_ERROR_UNKNOWN), as a driver refusing would;
+ *   processes  the GPUs' processes, written by the test: one
+ *              "UUID PID BYTES SM KIND" line each, KIND "compute" (listed by
+ *              nvmlDeviceGetComputeRunningProcesses_v3) or "mps" (an MPS
+ *              client: nvmlDeviceGetMPSComputeRunningProcesses_v3); SM is
+ *              its utilisation, which nvmlDeviceGetProcessUtilization
+ *              reports as one sample per busy process (SM > 0) stamped now,
+ *              NOT_FOUND when none is busy, as nvml.h says; the GPU's used
+ *              memory (nvmlDeviceGetMemoryInfo) and utilisation are the sums;
  *   compute-mode-UUID
  *              the GPU's compute mode, as NVML numbers it (absent: Default),
  *              written by nvmlDeviceSetComputeMode (root only, as nvml.h
@@ -46,6 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "nvml.h"
@@ -183,11 +192,100 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int length) 
     return copy(name, length, g->name);
 }
 
+/* One line of the processes file. */
+struct fake_process {
+    unsigned int pid;
+    unsigned long long bytes;
+    unsigned int sm;
+    int mps;
+};
+
+/* processes reads up to max of GPU g's processes of a kind (-1: any). */
+static unsigned int processes(struct nvmlDevice_st *g, int kind, struct fake_process *out, unsigned int max) {
+    char path[4096], uuid[128], k[16];
+    struct fake_process p;
+    unsigned int n = 0;
+    FILE *f;
+    if (state_path("processes", path, sizeof path) == NULL || (f = fopen(path, "r")) == NULL) return 0;
+    while (n < max && fscanf(f, "%127s %u %llu %u %15s\n", uuid, &p.pid, &p.bytes, &p.sm, k) == 5) {
+        p.mps = strcmp(k, "mps") == 0;
+        if (strcmp(uuid, g->uuid) == 0 && (kind < 0 || kind == p.mps)) out[n++] = p;
+    }
+    fclose(f);
+    return n;
+}
+
+#define MAX_PROCESSES 256
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
+    struct fake_process ps[MAX_PROCESSES];
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
     struct nvmlDevice_st *g = dev(d);
     if (g == NULL || m == NULL) return NVML_ERROR_INVALID_ARGUMENT;
-    m->total = g->memory; m->used = 0; m->free = g->memory;
+    unsigned int n = processes(g, -1, ps, MAX_PROCESSES);
+    m->total = g->memory; m->used = 0;
+    for (unsigned int i = 0; i < n; i++) m->used += ps[i].bytes;
+    m->free = m->used < g->memory ? g->memory - m->used : 0;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t running(nvmlDevice_t d, int mps, unsigned int *count, nvmlProcessInfo_t *infos) {
+    struct fake_process ps[MAX_PROCESSES];
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || count == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = processes(g, mps, ps, MAX_PROCESSES);
+    if (*count < n || (n > 0 && infos == NULL)) { *count = n; return NVML_ERROR_INSUFFICIENT_SIZE; }
+    for (unsigned int i = 0; i < n; i++) {
+        memset(&infos[i], 0, sizeof infos[i]);
+        infos[i].pid = ps[i].pid;
+        infos[i].usedGpuMemory = ps[i].bytes;
+        infos[i].gpuInstanceId = infos[i].computeInstanceId = 0xFFFFFFFF; /* no MIG */
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    return running(d, 0, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    return running(d, 1, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *samples, unsigned int *count,
+                                             unsigned long long lastSeen) {
+    struct fake_process ps[MAX_PROCESSES];
+    struct timespec now;
+    (void)lastSeen; /* every sample is stamped now, so newer than any seen */
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || count == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = processes(g, -1, ps, MAX_PROCESSES), busy = 0;
+    for (unsigned int i = 0; i < n; i++) if (ps[i].sm > 0) ps[busy++] = ps[i];
+    if (busy == 0) return NVML_ERROR_NOT_FOUND;
+    if (samples == NULL || *count < busy) { *count = busy; return NVML_ERROR_INSUFFICIENT_SIZE; }
+    clock_gettime(CLOCK_REALTIME, &now);
+    for (unsigned int i = 0; i < busy; i++) {
+        memset(&samples[i], 0, sizeof samples[i]);
+        samples[i].pid = ps[i].pid;
+        samples[i].smUtil = ps[i].sm;
+        samples[i].timeStamp = (unsigned long long)now.tv_sec * 1000000ULL + (unsigned long long)now.tv_nsec / 1000ULL;
+    }
+    *count = busy;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u) {
+    struct fake_process ps[MAX_PROCESSES];
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlDevice_st *g = dev(d);
+    if (g == NULL || u == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = processes(g, -1, ps, MAX_PROCESSES);
+    u->gpu = 0; u->memory = 0;
+    for (unsigned int i = 0; i < n; i++) u->gpu += ps[i].sm;
+    if (u->gpu > 100) u->gpu = 100;
     return NVML_SUCCESS;
 }
 
