@@ -59,6 +59,9 @@ with no GPU, kubelet or container runtime.`,
 			if opts.DRA.StandingGPUs < -1 {
 				return fmt.Errorf("--dra-standing-gpus %d: must be -1 (all GPUs) or a count", opts.DRA.StandingGPUs)
 			}
+			if opts.UsagePublishPeriod <= 0 {
+				return fmt.Errorf("--usage-publish-period %s must be positive", opts.UsagePublishPeriod)
+			}
 			if opts.UsageWindow < opts.ResyncPeriod {
 				return fmt.Errorf("--usage-window %s must be at least --resync-period (%s): it holds a reading per resync", opts.UsageWindow, opts.ResyncPeriod)
 			}
@@ -116,6 +119,7 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.HealthAddr, "health-addr", opts.HealthAddr, "address of /healthz and /readyz (plain HTTP, for the kubelet's probes); empty disables")
 	f.StringVar(&opts.MetricsAddr, "metrics-addr", opts.MetricsAddr, "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", opts.ResyncPeriod, "how often to re-read the GPUs, republish and annotate reservation pods (and read what the tenants use)")
+	f.DurationVar(&opts.UsagePublishPeriod, "usage-publish-period", opts.UsagePublishPeriod, "how often, at most, the tenants' use is rewritten on the Node (annotation gpufrac.io/gpu-usage) for gpufrac top and the dashboard; /metrics has every reading")
 	f.DurationVar(&opts.UsageWindow, "usage-window", opts.UsageWindow, "how far back the agent remembers its tenants' GPU use (a reading per resync, in memory) for the percentiles it publishes on the Node (gpufrac top --advise)")
 	f.DurationVar(&opts.SecurityStopGrace, "security-stop-grace", opts.SecurityStopGrace, "the most grace the agent's deletions give a pod it must stop (a container unenforced, a root MPS client, a share no reservation holds), whatever terminationGracePeriodSeconds or preStop hook its tenant wrote")
 	f.DurationVar(&opts.StopGrace, "stop-grace", opts.StopGrace, "how long a stopping agent, its node already marked not ready, keeps serving the runtime for the containers of pods placed just before (keep it below the pod's termination grace period)")

@@ -506,7 +506,7 @@ func (c *Cluster) startNodes(ctx context.Context) error {
 		}
 		args := []string{"node-agent", "--node-name", shape.Name, "--kubeconfig", kc,
 			"--simulate-gpus", shape.Machine, "--publish-gpu-labels", "--state-dir", state,
-			"--health-addr", "", "--metrics-addr", "", "--resync-period", "2s", "--hook-path", "",
+			"--health-addr", "", "--metrics-addr", "", "--resync-period", "2s", "--usage-publish-period", "2s", "--hook-path", "",
 			// No containers run here, so no MPS daemon either.
 			"--mps-pipe-dir", ""}
 		if c.opts.DRAStandingGPUs != 0 {

@@ -146,6 +146,40 @@ func TestDashboardInABrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// Use against grant, as the simulated GPUs report it: the page says
+	// what the view says, the figure changes as the use does (the model's
+	// readings differ from one resync to the next), and the history grows.
+	used := tenant("default/fraction-half") + " .used"
+	usedNow := func() string { return text(used) }
+	first := usedNow()
+	if !strings.HasPrefix(first, "used ") || !strings.Contains(first, " of ") {
+		t.Errorf("fraction-half's use on the page: %q, want \"used … of …\"", first)
+	}
+	var later string
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+		if later = usedNow(); later != first || time.Now().After(deadline) {
+			break
+		}
+	}
+	if later == first {
+		t.Errorf("fraction-half's use stayed %q for 30 s: the page does not follow the readings", first)
+	}
+	for _, tn := range apiView(t, c.DashboardURL).Nodes {
+		for _, g := range tn.Shared {
+			for _, x := range g.Tenants {
+				if x.Pod == "default/fraction-half" && (x.Use == nil || x.Use.UsedMiB == nil || len(x.History) < 2) {
+					t.Errorf("/api/view: fraction-half's use %+v, %d readings of history", x.Use, len(x.History))
+				}
+			}
+		}
+	}
+	if samples, err := chromedp.Run(page, chromedp.Evaluate[int](`Number(document.querySelector('`+string(tenant("default/fraction-half"))+` svg.spark').dataset.samples)`)); err != nil || samples < 2 {
+		t.Errorf("fraction-half's history on the page: %d readings (%v), want 2 or more", samples, err)
+	}
+	if gpuUse := text(chromedp.CSS(`.gpu[data-uuid="` + halfGPU.UUID + `"] .gpu-use`)); !strings.HasPrefix(gpuUse, "in use ") {
+		t.Errorf("fraction-half's GPU's use: %q", gpuUse)
+	}
+
 	// A pod appears once placed, and goes once deleted, without a reload.
 	if _, err := c.Admin.CoreV1().Pods("default").Create(ctx, pod("live-one", map[string]string{api.KeyFraction: "0.1"}), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)

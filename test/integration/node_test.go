@@ -377,6 +377,15 @@ func TestNodeAgentSimulated(t *testing.T) {
 		strings.Count(body, "gpufrac_gpu_memory_total_bytes{") != 8 || !strings.Contains(body, "gpufrac_node_ready 1") {
 		t.Errorf("GET /metrics as the metrics reader: %d, metrics lack the enforcement, the 8 GPUs or readiness:\n%.500s", code, body)
 	}
+	// The simulated GPUs' use: each readable (the model says every figure),
+	// and on the Node for top and the dashboard at the first resync (its
+	// period between rewrites is a minute by default).
+	if strings.Count(body, "gpufrac_gpu_usage_readable{") != 16 || !strings.Contains(body, "gpufrac_usage_sample_duration_seconds ") {
+		t.Errorf("GET /metrics: the usage readings are missing:\n%.800s", body)
+	}
+	if u, ok, err := api.UsageOf(n); !ok || err != nil || len(u.GPUs) != 8 || u.GPUs[0].UsedMiB == nil || u.WindowSeconds != 3600 {
+		t.Errorf("the Node's usage annotation: %v %v %+v", ok, err, u)
+	}
 
 	cancel()
 	if err := <-done; err != nil {

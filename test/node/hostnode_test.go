@@ -112,7 +112,7 @@ func (n *node) startAgent() error {
 		n.gpufrac, "node-agent", "--node-name", nodeName, "--kubeconfig", filepath.Join(n.path("cluster"), "node-agent.kubeconfig"),
 		"--nri-socket", n.nriSocket(), "--pod-resources-socket", n.podResourcesSocket(),
 		"--state-dir", n.path("agent"), "--hook-path", n.path("hook"), "--mps-pipe-dir", n.mpsRoot(), "--mps-control", self,
-		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", n.metricsAddr, "--resync-period", "2s",
+		"--cgroup-root", n.path("dmem-standin"), "--publish-gpu-labels", "--health-addr", "", "--metrics-addr", n.metricsAddr, "--resync-period", "2s", "--usage-publish-period", "2s",
 		"--security-stop-grace", "2s",
 		// The DRA driver: registered with this kubelet, its prepared
 		// claims' CDI specs where containerd reads them.

@@ -72,11 +72,11 @@ func TestUsageIsMeasuredPerPod(t *testing.T) {
 		return fmt.Sprintf(`%s{container="main",gpu_uuid="%s",mode="%s",namespace="%s",node="%s",pod="%s"}`, metric, gpu, modes[pod], ns, nodeName, pod)
 	}
 	want := map[string]string{
-		series("gpufrac_container_gpu_memory_used_bytes", "use-a", gpus["use-a"]):       "3.221225472e+09",
+		series("gpufrac_container_gpu_memory_used_bytes", "use-a", gpus["use-a"]):      "3.221225472e+09",
 		series("gpufrac_container_gpu_sm_utilization_percent", "use-a", gpus["use-a"]): "40",
-		series("gpufrac_container_gpu_memory_used_bytes", "use-b", gpus["use-b"]):       "1.073741824e+09",
+		series("gpufrac_container_gpu_memory_used_bytes", "use-b", gpus["use-b"]):      "1.073741824e+09",
 		series("gpufrac_container_gpu_sm_utilization_percent", "use-b", gpus["use-b"]): "10",
-		series("gpufrac_container_gpu_memory_used_bytes", "use-c", gpus["use-c"]):       "5.36870912e+08",
+		series("gpufrac_container_gpu_memory_used_bytes", "use-c", gpus["use-c"]):      "5.36870912e+08",
 		series("gpufrac_container_gpu_sm_utilization_percent", "use-c", gpus["use-c"]): "0",
 	}
 	var body string

@@ -91,6 +91,10 @@ type Options struct {
 	// UsageWindow is how far back the agent remembers its tenants' use
 	// (a reading per resync), for the percentiles it publishes.
 	UsageWindow time.Duration
+	// UsagePublishPeriod is how often, at most, the Node's usage
+	// annotation is rewritten: every write goes to every Node watcher, and
+	// the heartbeat already writes the Node each resync.
+	UsagePublishPeriod time.Duration
 	// StopGrace is how long a stopping agent, its node already marked not
 	// ready, keeps serving the runtime: the containers of pods placed just
 	// before are still being created, and without the agent they would
@@ -169,6 +173,9 @@ type Agent struct {
 	// usage remembers what the tenants used over Options.UsageWindow
 	// (usage.go); only resync touches it.
 	usage *usage.Window
+	// usagePublished is when the usage annotation was last handed to
+	// publish (resync only).
+	usagePublished time.Time
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -190,13 +197,14 @@ func DefaultOptions() Options {
 		MemoryLimits:                 "auto",
 		Injection: injection.Config{HookPath: "/opt/gpufrac/bin/gpufrac", MPSRoot: "/run/gpufrac/mps",
 			RestrictVisibility: true, ExclusiveProcess: true},
-		HealthAddr:        ":8082",
-		MetricsAddr:       ":8443",
-		ResyncPeriod:      30 * time.Second,
-		UsageWindow:       time.Hour,
-		StopGrace:         5 * time.Second,
-		SecurityStopGrace: 10 * time.Second,
-		DRA:               DRAOptions{StandingGPUs: -1},
+		HealthAddr:         ":8082",
+		MetricsAddr:        ":8443",
+		ResyncPeriod:       30 * time.Second,
+		UsageWindow:        time.Hour,
+		UsagePublishPeriod: time.Minute,
+		StopGrace:          5 * time.Second,
+		SecurityStopGrace:  10 * time.Second,
+		DRA:                DRAOptions{StandingGPUs: -1},
 	}
 }
 
@@ -208,6 +216,7 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	opts.MPSControl = cmp.Or(opts.MPSControl, d.MPSControl)
 	opts.CgroupRoot = cmp.Or(opts.CgroupRoot, d.CgroupRoot)
 	opts.UsageWindow = cmp.Or(opts.UsageWindow, d.UsageWindow)
+	opts.UsagePublishPeriod = cmp.Or(opts.UsagePublishPeriod, d.UsagePublishPeriod)
 	return &Agent{opts: opts, client: client, metrics: metrics.New(), usage: usage.NewWindow(opts.UsageWindow)}
 }
 

@@ -136,7 +136,7 @@ func (n *realNode) offersUnenforceable() bool { return false }
 func (n *realNode) measure(tenants, _ []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
 	return n.sampler.Measure(tenants, gpus, now)
 }
-func (n *realNode) stop()                     { _ = n.source.Close() }
+func (n *realNode) stop() { _ = n.source.Close() }
 
 // simulatedNode is a node of a local cluster: GPUs from a go-nvml mock
 // machine, the agent itself playing the device plugin for reservation
@@ -196,7 +196,7 @@ func (n *simulatedNode) offersUnenforceable() bool { return true }
 func (n *simulatedNode) measure(_, pods []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
 	return usage.Model{}.Measure(pods, gpus, now)
 }
-func (n *simulatedNode) stop()                     { n.runtime.Stop() }
+func (n *simulatedNode) stop() { n.runtime.Stop() }
 
 // startSimulatedRuntime serves the runtime side of NRI (containerd's own
 // adaptation library) where no container runtime exists.

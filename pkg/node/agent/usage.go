@@ -14,8 +14,9 @@ import (
 // measureUsage reads what the node's tenants use of their GPUs (the
 // environment's way: NVML and /proc, or the model), adds it to the
 // window, exports it and returns the Node annotation that carries it to
-// `gpufrac top` and the dashboard; ok is false when the GPUs are not
-// known (the annotation is then left as it is).
+// `gpufrac top` and the dashboard, once per UsagePublishPeriod; ok is
+// false when the GPUs are not known or the period has not passed (the
+// annotation is then left as it is).
 func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[string]*string, ok bool) {
 	if hw.invErr != nil {
 		return nil, false
@@ -33,6 +34,10 @@ func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[s
 	m := a.env.measure(tenants, a.shareholders(), gpus, start)
 	a.metrics.Usage(a.opts.NodeName, m, time.Since(start))
 	a.usage.Add(m)
+	if start.Sub(a.usagePublished) < a.opts.UsagePublishPeriod {
+		return nil, false
+	}
+	a.usagePublished = start
 	annotations, err := api.UsageWrite(a.usage.Summary())
 	if err != nil {
 		logger.Error(err, "Cannot encode the tenants' GPU use")

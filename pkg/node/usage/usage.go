@@ -127,12 +127,11 @@ func (w *Window) Add(m Measurement) {
 	}
 	cutoff := m.At.Add(-w.Span)
 	for key, p := range now {
-		s := append(w.series[key], p)
-		first := slices.IndexFunc(s, func(q point) bool { return q.at.After(cutoff) })
-		if first > 0 {
-			s = slices.Delete(s, 0, first)
+		w.series[key] = append(w.series[key], p)
+		s := w.series[key]
+		if first := slices.IndexFunc(s, func(q point) bool { return q.at.After(cutoff) }); first > 0 {
+			w.series[key] = slices.Delete(s, 0, first)
 		}
-		w.series[key] = s
 	}
 	w.last = m
 }
