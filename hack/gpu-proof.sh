@@ -24,6 +24,9 @@
 #               the time of one); two plain processes (separate contexts)
 #               are time-sliced (about twice that);
 #   view        nvidia-smi in that environment shows the limit as the total;
+#   usage       `gpufrac usage` (the node agent's per-process reading) reports
+#               a client holding 3 GiB at about 3 GiB, and SM above 0 for a
+#               client whose kernel runs;
 #   exclusive   `gpufrac exclusive-process` (the node agent's code) puts the
 #               GPU in EXCLUSIVE_PROCESS: with the daemon's server up, a
 #               process without the pipe directory cannot create a context,
@@ -279,7 +282,7 @@ else
 fi
 
 if [ $daemon_ok -eq 0 ]; then
-  for c in attach pinned overlap exclusive; do result $c SKIP "no MPS daemon (mps-daemon failed)"; done
+  for c in attach pinned overlap usage exclusive; do result $c SKIP "no MPS daemon (mps-daemon failed)"; done
   exit $failed
 fi
 cp -r "$mpsroot/log" "$work/mps-log-1" 2>/dev/null
@@ -334,6 +337,46 @@ if [ -n "$alone_ms" ] && [ "$mps_span" != none ] && [ "$plain_span" != none ] &&
 else
   result overlap FAIL "the same work ($iters FMAs, '${alone_ms}' ms alone): two MPS clients ${mps_span} ms ($mps_ov), two plain processes ${plain_span} ms ($plain_ov) (overlap-*.txt)"
 fi
+
+# ---- usage: what the node agent measures of a pod's process ---------------
+# A client in the pod's environment holds 3 GiB (or 3/4 of its pinned limit,
+# if less) while another runs the fixed work: `gpufrac usage` (the agent's
+# usage.Sampler: NVML's compute and MPS client lists, process utilisation
+# samples) reports the holder with about that memory and the worker with SM
+# above 0. Which PID an MPS client's samples name is recorded as INFO.
+hold=$(( below < 3072 ? below : 3072 ))
+client "$probe" alloc "$hold" 20000 >"$work/usage-hold.txt" 2>&1 &
+ubg=$!
+if until_true 60 holding "$work/usage-hold.txt"; then
+  hpid=$(held_pid "$work/usage-hold.txt")
+  client "$probe" work $((iters * 4)) >"$work/usage-work.txt" 2>&1 &
+  wbg=$!
+  sleep 3
+  wpid=$(pgrep -P "$wbg" | head -1)
+  "$gpufrac" usage -o json >"$work/usage.json" 2>&1
+  "$gpufrac" usage >"$work/usage.txt" 2>&1
+  read -r umem usm wsm < <(python3 - "$work/usage.json" "$hpid" "${wpid:-0}" <<'PY'
+import json, sys
+procs = json.load(open(sys.argv[1])) or []
+def of(pid):
+    return next((p for p in procs if p["pid"] == int(pid)), None)
+h, w = of(sys.argv[2]), of(sys.argv[3])
+sm = lambda p: p.get("smPercent", "unknown") if p else "absent"
+print(h["memoryBytes"] >> 20 if h else -1, sm(h), sm(w))
+PY
+)
+  note "usage: holder pid $hpid: ${umem} MiB (SM $usm); worker pid ${wpid:-?}: SM $wsm ($(tr '\n' ';' <"$work/usage.txt"))"
+  if [ "${umem:--1}" -ge "$hold" ] 2>/dev/null && [ "$umem" -le $((hold + 1024)) ] && [ "${wsm:-0}" != unknown ] && [ "${wsm:-0}" != absent ] && [ "${wsm:-0}" -gt 0 ] 2>/dev/null; then
+    result usage PASS "the pod's process holding ${hold} MiB is reported at ${umem} MiB; the one computing at SM ${wsm}%"
+  else
+    result usage FAIL "want the holder at ${hold}..$((hold + 1024)) MiB and the worker's SM above 0: holder ${umem} MiB, worker SM '${wsm}' (usage.json)"
+  fi
+  wait "$wbg"
+else
+  result usage FAIL "the client never held its memory: $(tr '\n' ' ' <"$work/usage-hold.txt")"
+fi
+kill "$ubg" 2>/dev/null
+wait "$ubg" 2>/dev/null
 
 # ---- escapes in the default compute mode (facts) ----------------------------
 client "$probe" alloc 1024 4000 >"$work/escape-client.txt" 2>&1 &

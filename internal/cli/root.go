@@ -35,6 +35,6 @@ scheduler side places them, the node side enforces the limits.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newValidateCommand(), newWebhookCommand(), newNodeAgentCommand(), newHookCommand(), newSimCommand(), newReplayCommand(), newSchedulerCommand(), newAuditCommand(), newTopCommand(), newUpCommand(), newWaitCommand(), newDownCommand(), newExplainCommand(), newDashboardCommand(), newInventoryCommand(), newMPSDaemonCommand(), newMPSReplaceCommand(), newExclusiveProcessCommand())
+	root.AddCommand(newValidateCommand(), newWebhookCommand(), newNodeAgentCommand(), newHookCommand(), newSimCommand(), newReplayCommand(), newSchedulerCommand(), newAuditCommand(), newTopCommand(), newUpCommand(), newWaitCommand(), newDownCommand(), newExplainCommand(), newDashboardCommand(), newInventoryCommand(), newUsageCommand(), newMPSDaemonCommand(), newMPSReplaceCommand(), newExclusiveProcessCommand())
 	return root
 }

@@ -1,9 +1,12 @@
 package usage
 
 import (
+	"cmp"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -45,6 +48,7 @@ type process struct {
 	mem       uint64
 	sm        int64
 	smSamples int
+	mpsClient bool
 }
 
 // gpuRead is what NVML said of one GPU.
@@ -153,7 +157,7 @@ func (s *Sampler) read(uuid string) *gpuRead {
 	if u, ret := dev.GetUtilizationRates(); ret == nvml.SUCCESS {
 		r.utilPercent = Known(int64(u.Gpu))
 	}
-	note := func(infos []nvml.ProcessInfo) {
+	note := func(infos []nvml.ProcessInfo, mpsClient bool) {
 		for _, info := range infos {
 			p := r.procs[info.Pid]
 			if p == nil {
@@ -162,16 +166,17 @@ func (s *Sampler) read(uuid string) *gpuRead {
 			}
 			// A client listed by both calls is counted once.
 			p.mem = max(p.mem, info.UsedGpuMemory)
+			p.mpsClient = p.mpsClient || mpsClient
 		}
 	}
 	compute, ret := dev.GetComputeRunningProcesses()
 	if ret == nvml.SUCCESS {
 		r.memKnown = true
-		note(compute)
+		note(compute, false)
 	}
 	if clients, ret := dev.GetMPSComputeRunningProcesses(); ret == nvml.SUCCESS {
 		r.memKnown = true
-		note(clients)
+		note(clients, true)
 	}
 	samples, ret := dev.GetProcessUtilization(s.lastSeen[uuid])
 	switch ret {
@@ -191,6 +196,54 @@ func (s *Sampler) read(uuid string) *gpuRead {
 		r.smKnown = true // no process was busy since the last sample
 	}
 	return r
+}
+
+// Process is one process on a GPU as NVML lists it, with the container
+// its cgroup names ("" for none), as `gpufrac usage` prints it.
+type Process struct {
+	GPU         string `json:"gpu"`
+	PID         uint32 `json:"pid"`
+	MemoryBytes uint64 `json:"memoryBytes"`
+	// SMPercent is unknown (nil) where the driver gives no samples.
+	SMPercent *int64 `json:"smPercent,omitempty"`
+	MPSClient bool   `json:"mpsClient"`
+	Container string `json:"container,omitempty"`
+	// Exited: NVML lists it, /proc does not (it is not counted).
+	Exited bool `json:"exited,omitempty"`
+}
+
+// Processes lists every process on gpus, each joined to its container,
+// as Measure sees them; nil with the reason where NVML cannot start.
+func (s *Sampler) Processes(gpus []string) ([]Process, error) {
+	if s.Lib == nil {
+		return nil, fmt.Errorf("no NVML library")
+	}
+	if ret := s.Lib.Init(); ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("nvmlInit: %s", nvml.ErrorString(ret))
+	}
+	defer func() { _ = s.Lib.Shutdown() }()
+	if s.lastSeen == nil {
+		s.lastSeen = map[string]uint64{}
+	}
+	var out []Process
+	for _, uuid := range gpus {
+		r := s.read(uuid)
+		for pid, p := range r.procs {
+			proc := Process{GPU: uuid, PID: pid, MemoryBytes: p.mem, MPSClient: p.mpsClient}
+			if r.smKnown {
+				sm := int64(0)
+				if p.smSamples > 0 {
+					sm = p.sm / int64(p.smSamples)
+				}
+				proc.SMPercent = &sm
+			}
+			raw, err := os.ReadFile(filepath.Join(s.ProcRoot, strconv.FormatUint(uint64(pid), 10), "cgroup"))
+			proc.Exited, proc.Container = err != nil, ContainerID(string(raw))
+			out = append(out, proc)
+		}
+	}
+	slices.SortFunc(out, func(a, b Process) int { return cmp.Or(cmp.Compare(a.GPU, b.GPU), cmp.Compare(a.PID, b.PID)) })
+	return out, nil
 }
 
 // containerID matches the runtime's container ID in a cgroup's last path

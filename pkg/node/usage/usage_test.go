@@ -163,6 +163,31 @@ func TestSamplerJoinsProcessesToContainers(t *testing.T) {
 	}
 }
 
+// Processes lists what Measure joins, one line per process: `gpufrac
+// usage`'s view.
+func TestProcessesListsEveryProcessWithItsContainer(t *testing.T) {
+	root := proc(t, map[uint32]string{101: "0::/kubepods/pod-a/" + id(1) + "\n", 200: "0::/system.slice/x.service\n"})
+	g := &gpu{compute: []nvml.ProcessInfo{{Pid: 200, UsedGpuMemory: 1 << 20}, {Pid: 300, UsedGpuMemory: 2 << 20}},
+		clients: []nvml.ProcessInfo{{Pid: 101, UsedGpuMemory: 3 << 30}},
+		samples: []nvml.ProcessUtilizationSample{{Pid: 101, TimeStamp: 5, SmUtil: 60}}}
+	got, err := (&Sampler{Lib: machine(map[string]*gpu{"GPU-0": g}), ProcRoot: root}).Processes([]string{"GPU-0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sm := func(v int64) *int64 { return &v }
+	want := []Process{
+		{GPU: "GPU-0", PID: 101, MemoryBytes: 3 << 30, SMPercent: sm(60), MPSClient: true, Container: id(1)},
+		{GPU: "GPU-0", PID: 200, MemoryBytes: 1 << 20, SMPercent: sm(0)},
+		{GPU: "GPU-0", PID: 300, MemoryBytes: 2 << 20, SMPercent: sm(0), Exited: true},
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("processes (-want +got):\n%s", diff)
+	}
+	if _, err := (&Sampler{}).Processes(nil); err == nil {
+		t.Error("no library: no error")
+	}
+}
+
 // A driver that lists no processes or samples leaves the figures
 // unknown: never zero.
 func TestUnreadableFiguresAreUnknown(t *testing.T) {
