@@ -251,7 +251,7 @@ chart-lint: $(HELM) ## helm lint the chart: defaults, cert-manager, no scheduler
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set webhook.certificates.provider=certManager
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set scheduler.enabled=false,nodeAgent.restrictToOwnNode=false
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set dashboard.enabled=true
-	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set monitoring.grafanaDashboard.enabled=true,monitoring.prometheusRule.enabled=true
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART) --set monitoring.grafanaDashboard.enabled=true,monitoring.prometheusRule.enabled=true,monitoring.podMonitor.enabled=true
 
 .PHONY: verify
 verify: standalone-check fmt-check vet lint tidy-check chart-lint ## static checks only

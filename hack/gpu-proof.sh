@@ -362,7 +362,8 @@ def of(pid):
     return next((p for p in procs if p["pid"] == int(pid)), None)
 h, w = of(sys.argv[2]), of(sys.argv[3])
 sm = lambda p: p.get("smPercent", "unknown") if p else "absent"
-print(h["memoryBytes"] >> 20 if h else -1, sm(h), sm(w))
+mem = h.get("memoryBytes") if h else None
+print(mem >> 20 if mem is not None else -1, sm(h), sm(w))
 PY
 )
   note "usage: holder pid $hpid: ${umem} MiB (SM $usm); worker pid ${wpid:-?}: SM $wsm ($(tr '\n' ';' <"$work/usage.txt"))"

@@ -67,7 +67,11 @@ NVML still lists after it exited is marked so and not counted.`,
 				if p.Exited {
 					ctr = "exited (not counted)"
 				}
-				fmt.Fprintf(out, "%s pid %d %s memory %dMi SM %s container %s\n", p.GPU, p.PID, kind, p.MemoryBytes>>20, sm, ctr)
+				mem := "unknown"
+				if p.MemoryBytes != nil {
+					mem = fmt.Sprintf("%dMi", *p.MemoryBytes>>20)
+				}
+				fmt.Fprintf(out, "%s pid %d %s memory %s SM %s container %s\n", p.GPU, p.PID, kind, mem, sm, ctr)
 			}
 			return nil
 		},

@@ -136,8 +136,15 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 	}
 	close(s.synced)
 	logger.Info("Serving the dashboard", "url", "http://"+l.Addr().String()+"/")
+	// Rebuilt now and then with no change too: a node whose agent died
+	// stops sending readings, and its last one must go once stale
+	// (clusterview.StaleUsage), as must a silent agent's readiness.
+	tick := time.NewTicker(staleCheck)
+	defer tick.Stop()
 	for {
 		select {
+		case <-tick.C:
+			s.poke()
 		case <-ctx.Done():
 			shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
@@ -218,6 +225,9 @@ func deref[T any](in []*T) []T {
 
 // HistorySpan is how much of each GPU's and tenant's use the page shows.
 const HistorySpan = time.Hour
+
+// staleCheck is how often the view is rebuilt with nothing changed.
+const staleCheck = 30 * time.Second
 
 // rebuild makes the view again, with the history of use, and, when it
 // changed, pushes it to every open stream.

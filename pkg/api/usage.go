@@ -40,6 +40,9 @@ type NodeUsage struct {
 	Pods []PodGPUUsage `json:"pods,omitempty"`
 	// GPUs are the node's GPUs as a whole, sorted by UUID.
 	GPUs []GPUUsage `json:"gpus,omitempty"`
+	// Omitted counts the pod entries left out to keep the annotation
+	// within maxUsageBytes.
+	Omitted int `json:"omitted,omitempty"`
 }
 
 // PodGPUUsage is one pod's use of one GPU. A nil figure is one the driver
@@ -58,8 +61,11 @@ type PodGPUUsage struct {
 	// period; SMAvgPercent the mean over the window.
 	SMPercent    *int64 `json:"smPercent,omitempty"`
 	SMAvgPercent *int64 `json:"smAvgPercent,omitempty"`
-	// Samples is how many readings the window holds, over SpanSeconds.
+	// Samples is how many readings of its memory the window holds (the
+	// percentiles' count), SMSamples of its SM (the mean's), over
+	// SpanSeconds; readings whose figure was unknown are not counted.
 	Samples     int   `json:"samples"`
+	SMSamples   int   `json:"smSamples"`
 	SpanSeconds int64 `json:"spanSeconds"`
 }
 
@@ -73,20 +79,25 @@ type GPUUsage struct {
 	SMPercent       *int64 `json:"smPercent,omitempty"`
 }
 
-// maxUsageEntries bounds what one Node annotation carries (a Node's
-// annotations share 256 KiB): far above the tenants one node can hold.
-const maxUsageEntries = 1024
+// maxUsageBytes bounds the annotation: a Node's annotations share
+// 256 KiB, and pod names (up to 253 characters, chosen by tenants) must
+// not crowd out anyone else's. 64 KiB holds a few hundred entries.
+const maxUsageBytes = 64 << 10
 
 // UsageWrite is the Node annotation that carries u, as a patch's map.
 func UsageWrite(u NodeUsage) (map[string]*string, error) {
-	if len(u.Pods) > maxUsageEntries {
-		u.Pods = u.Pods[:maxUsageEntries]
-	}
+	u.Pods = slices.Clone(u.Pods)
 	slices.SortFunc(u.Pods, func(a, b PodGPUUsage) int {
 		return strings.Compare(a.Pod+"\x00"+a.GPU, b.Pod+"\x00"+b.GPU)
 	})
 	slices.SortFunc(u.GPUs, func(a, b GPUUsage) int { return strings.Compare(a.UUID, b.UUID) })
 	raw, err := json.Marshal(u)
+	for err == nil && len(raw) > maxUsageBytes && len(u.Pods) > 0 {
+		// Drop a tenth of the pods (at least one) until it fits.
+		drop := max(len(u.Pods)/10, 1)
+		u.Pods, u.Omitted = u.Pods[:len(u.Pods)-drop], u.Omitted+drop
+		raw, err = json.Marshal(u)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -47,7 +47,7 @@ type Advice struct {
 // its request and computed nothing.
 func idle(t Tenant) bool {
 	u := t.Use
-	return u != nil && u.Samples >= MinAdviceSamples && u.P95MiB != nil && u.SMAvgPercent != nil &&
+	return u != nil && u.Samples >= MinAdviceSamples && u.SMSamples >= MinAdviceSamples && u.P95MiB != nil && u.SMAvgPercent != nil &&
 		float64(*u.P95MiB) < idleShare*float64(t.RequestMiB) && *u.SMAvgPercent == 0
 }
 

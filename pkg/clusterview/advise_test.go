@@ -12,7 +12,7 @@ import (
 func i64(v int64) *int64 { return &v }
 
 func usage(now, p95 int64, samples int) *api.PodGPUUsage {
-	return &api.PodGPUUsage{UsedMiB: i64(now), P95MiB: i64(p95), MaxMiB: i64(p95), SMAvgPercent: i64(0), Samples: samples, SpanSeconds: int64(samples-1) * 30}
+	return &api.PodGPUUsage{UsedMiB: i64(now), P95MiB: i64(p95), MaxMiB: i64(p95), SMAvgPercent: i64(0), Samples: samples, SMSamples: samples, SpanSeconds: int64(samples-1) * 30}
 }
 
 func TestAdvise(t *testing.T) {

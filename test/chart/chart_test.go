@@ -1015,7 +1015,31 @@ func TestChartMonitoring(t *testing.T) {
 		}
 	}
 	chart := mustRender(t, "--set", "monitoring.grafanaDashboard.enabled=true", "--set", "monitoring.grafanaDashboard.namespace=monitoring",
-		"--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.prometheusRule.labels.release=kube-prometheus-stack")
+		"--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.prometheusRule.labels.release=kube-prometheus-stack",
+		"--set", "monitoring.podMonitor.enabled=true")
+	// The scrape: the agents' pods, their metrics port over TLS with a
+	// token of a service account bound to the metrics reader only, the
+	// agents' tenant labels kept over the target's.
+	pm := find(chart, "PodMonitor", namespace, release+"-node-agent")
+	if pm == nil {
+		t.Fatalf("no PodMonitor: %v", kinds(chart))
+	}
+	endpoints, _, _ := unstructured.NestedSlice(pm.Object, "spec", "podMetricsEndpoints")
+	if len(endpoints) != 1 {
+		t.Fatalf("PodMonitor endpoints %v", endpoints)
+	}
+	ep := endpoints[0].(map[string]any)
+	secret, _, _ := unstructured.NestedString(ep, "authorization", "credentials", "name")
+	if ep["port"] != "metrics" || ep["scheme"] != "https" || ep["honorLabels"] != true || secret == "" {
+		t.Errorf("PodMonitor endpoint %v: want port metrics, https, honorLabels, a token", ep)
+	}
+	if tok := find(chart, "Secret", namespace, secret); tok == nil || tok.Object["type"] != "kubernetes.io/service-account-token" {
+		t.Errorf("the PodMonitor's token Secret %s: %v", secret, tok)
+	}
+	scraper := find(chart, "ClusterRoleBinding", "", release+"-metrics-scraper")
+	if ref, _, _ := unstructured.NestedString(scraper.Object, "roleRef", "name"); ref != "gpufrac-metrics-reader" {
+		t.Errorf("the scraper is bound to %q, want gpufrac-metrics-reader only", ref)
+	}
 	exported := map[string]bool{}
 	for _, name := range metrics.New().Names() {
 		exported[name] = true

@@ -71,8 +71,8 @@ type environment interface {
 	// measure reads what tenants use of the GPUs: through NVML and /proc
 	// on a real node (the NRI plugin's tenants, by container ID); from the
 	// usage model on a simulated one, which runs no container (the
-	// node's pods that hold shares, pods).
-	measure(tenants []usage.Tenant, pods []usage.Tenant, gpus []string, now time.Time) usage.Measurement
+	// node's pods that hold shares, as pods lists them).
+	measure(tenants []usage.Tenant, pods func() []usage.Tenant, gpus []string, now time.Time) usage.Measurement
 	// stop releases what the environment opened.
 	stop()
 }
@@ -133,7 +133,7 @@ func (n *realNode) holdResize(p *nriplugin.Plugin, uid, container string, to api
 	return held, "the running container is held to it (not restarted)", err
 }
 func (n *realNode) offersUnenforceable() bool { return false }
-func (n *realNode) measure(tenants, _ []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
+func (n *realNode) measure(tenants []usage.Tenant, _ func() []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
 	return n.sampler.Measure(tenants, gpus, now)
 }
 func (n *realNode) stop() { _ = n.source.Close() }
@@ -193,8 +193,8 @@ func (n *simulatedNode) holdResize(*nriplugin.Plugin, string, string, api.Memory
 	return true, "a simulated node runs no container: recorded as applied", nil
 }
 func (n *simulatedNode) offersUnenforceable() bool { return true }
-func (n *simulatedNode) measure(_, pods []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
-	return usage.Model{}.Measure(pods, gpus, now)
+func (n *simulatedNode) measure(_ []usage.Tenant, pods func() []usage.Tenant, gpus []string, now time.Time) usage.Measurement {
+	return usage.Model{}.Measure(pods(), gpus, now)
 }
 func (n *simulatedNode) stop() { n.runtime.Stop() }
 

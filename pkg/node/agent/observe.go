@@ -227,15 +227,18 @@ func (a *Agent) resync(ctx context.Context) {
 	a.reconcileContainers(ctx, hw.mpsErr == nil)
 	desired := publish.Compute(cfg.Publish, node.Labels)
 	a.record(hw, cfg, desired.Condition.Status == corev1.ConditionTrue)
-	if annotations, ok := a.measureUsage(logger, hw); ok {
-		desired.Annotations = annotations
-	}
+	use, publishUse := a.measureUsage(logger, hw)
 	if err := publish.Apply(ctx, a.client, node, desired); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)
 		return
 	}
 	a.setPublished(true)
+	if publishUse {
+		if err := publish.ApplyAnnotations(ctx, a.client, node, use); err != nil {
+			logger.Error(err, "Cannot publish the tenants' GPU use on the Node; the node's state and heartbeat are published")
+		}
+	}
 	// A node closed to fractions offers no new DRA shares either.
 	_, closed := api.FractionsClosed(node.Labels)
 	a.offer(ctx, hw.invErr == nil && !closed, cfg)

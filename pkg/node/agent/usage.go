@@ -19,6 +19,8 @@ import (
 // annotation is then left as it is).
 func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[string]*string, ok bool) {
 	if hw.invErr != nil {
+		// The GPUs unknown, so is their use: no figure stays exported.
+		a.metrics.Usage(a.opts.NodeName, usage.Measurement{}, 0)
 		return nil, false
 	}
 	gpus := make([]string, 0, len(hw.inv.GPUs))
@@ -31,10 +33,12 @@ func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[s
 			Devices: t.Devices, RequestMiB: t.RequestMiB, LimitMiB: t.LimitMiB, Mode: t.Mode})
 	}
 	start := time.Now()
-	m := a.env.measure(tenants, a.shareholders(), gpus, start)
+	m := a.env.measure(tenants, a.shareholders, gpus, start)
 	a.metrics.Usage(a.opts.NodeName, m, time.Since(start))
 	a.usage.Add(m)
-	if start.Sub(a.usagePublished) < a.opts.UsagePublishPeriod {
+	// Less half a resync: resyncs do not start to the millisecond, and a
+	// period of a minute must not slip to a minute and a half.
+	if start.Sub(a.usagePublished) < a.opts.UsagePublishPeriod-a.opts.ResyncPeriod/2 {
 		return nil, false
 	}
 	a.usagePublished = start
@@ -48,7 +52,8 @@ func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[s
 
 // shareholders are the node's pods that hold shares, one tenant per
 // container and its assignment, as their annotations say: what a
-// simulated node, where no container runs, models.
+// simulated node, where no container runs, models (a real node never
+// asks).
 func (a *Agent) shareholders() []usage.Tenant {
 	a.mu.Lock()
 	pods := a.pods

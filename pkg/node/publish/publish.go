@@ -105,9 +105,6 @@ type Desired struct {
 	Condition corev1.NodeCondition
 	// Labels to set; a nil value removes the label.
 	Labels map[string]*string
-	// Annotations to set (the tenants' use, api.UsageAnnotation); a nil
-	// value removes one.
-	Annotations map[string]*string
 }
 
 // Compute decides the condition and labels for state, given the labels the
@@ -232,21 +229,8 @@ func Apply(ctx context.Context, client kubernetes.Interface, node *corev1.Node, 
 			labels[k] = v
 		}
 	}
-	annotations := map[string]*string{}
-	for k, v := range d.Annotations {
-		if cur, ok := node.Annotations[k]; (v == nil && ok) || (v != nil && cur != *v) {
-			annotations[k] = v
-		}
-	}
-	if len(labels) > 0 || len(annotations) > 0 {
-		meta := map[string]any{}
-		if len(labels) > 0 {
-			meta["labels"] = labels
-		}
-		if len(annotations) > 0 {
-			meta["annotations"] = annotations
-		}
-		patch, err := json.Marshal(map[string]any{"metadata": meta})
+	if len(labels) > 0 {
+		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"labels": labels}})
 		if err != nil {
 			return err
 		}
@@ -275,6 +259,30 @@ func Apply(ctx context.Context, client kubernetes.Interface, node *corev1.Node, 
 	}
 	if _, err := client.CoreV1().Nodes().Patch(ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
 		return fmt.Errorf("set condition %s on node %s: %w", ConditionReady, name, err)
+	}
+	return nil
+}
+
+// ApplyAnnotations sets annotations on node (as the caller read it; a nil
+// value removes one) with a merge patch of their own, apart from Apply's:
+// a refused annotation (the tenants' use, api.UsageAnnotation) must never
+// keep the node's labels or heartbeat from being written.
+func ApplyAnnotations(ctx context.Context, client kubernetes.Interface, node *corev1.Node, annotations map[string]*string) error {
+	changed := map[string]*string{}
+	for k, v := range annotations {
+		if cur, ok := node.Annotations[k]; (v == nil && ok) || (v != nil && cur != *v) {
+			changed[k] = v
+		}
+	}
+	if len(changed) == 0 {
+		return nil
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": changed}})
+	if err != nil {
+		return err
+	}
+	if _, err := client.CoreV1().Nodes().Patch(ctx, node.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("annotate node %s: %w", node.Name, err)
 	}
 	return nil
 }

@@ -45,19 +45,30 @@ type Sampler struct {
 
 // process is one process on a GPU.
 type process struct {
-	mem       uint64
-	sm        int64
-	smSamples int
-	mpsClient bool
+	mem uint64
+	// memUnknown: the driver listed the process without its memory
+	// (usedGpuMemory is NVML_VALUE_NOT_AVAILABLE).
+	memUnknown bool
+	sm         int64
+	smSamples  int
+	mpsClient  bool
 }
+
+// notAvailable is NVML_VALUE_NOT_AVAILABLE as an unsigned long long: what
+// nvml.h says usedGpuMemory holds where the driver does not know it.
+const notAvailable = ^uint64(0)
 
 // gpuRead is what NVML said of one GPU.
 type gpuRead struct {
-	procs       map[uint32]*process
-	memKnown    bool
-	smKnown     bool
-	usedBytes   Figure
-	utilPercent Figure
+	procs    map[uint32]*process
+	memKnown bool
+	smKnown  bool
+	// clientSMUnknown: MPS clients run here and the driver's samples name
+	// none of them, only other PIDs (the MPS server's): the work a client
+	// does is not told apart, so its SM is unknown, not 0.
+	clientSMUnknown bool
+	usedBytes       Figure
+	utilPercent     Figure
 }
 
 // Measure reads tenants' use of their GPUs, and each GPU's.
@@ -102,23 +113,26 @@ func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measur
 		owners[pid] = ContainerID(string(raw))
 		return owners[pid], true
 	}
-	attributed := map[string]map[uint32]bool{} // GPU → PIDs of tenants
+	attributed := map[string]map[uint32]bool{} // GPU (lower case) → PIDs of tenants
 	for _, t := range tenants {
 		for _, uuid := range t.Devices {
 			c := Container{Tenant: t, GPU: uuid}
-			r := reads[strings.ToLower(uuid)]
+			key := strings.ToLower(uuid)
+			r := reads[key]
 			if r != nil && t.ID != "" {
 				c.MemoryBytes.Known, c.SMPercent.Known = r.memKnown, r.smKnown
 				for pid, p := range r.procs {
 					if id, alive := owner(pid); !alive || id != t.ID {
 						continue
 					}
-					if attributed[uuid] == nil {
-						attributed[uuid] = map[uint32]bool{}
+					if attributed[key] == nil {
+						attributed[key] = map[uint32]bool{}
 					}
-					attributed[uuid][pid] = true
+					attributed[key][pid] = true
 					c.Processes++
 					c.MemoryBytes.Value += int64(p.mem)
+					c.MemoryBytes.Known = c.MemoryBytes.Known && !p.memUnknown
+					c.SMPercent.Known = c.SMPercent.Known && (!p.mpsClient || !r.clientSMUnknown)
 					if p.smSamples > 0 {
 						c.SMPercent.Value += p.sm / int64(p.smSamples)
 					}
@@ -129,13 +143,15 @@ func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measur
 		}
 	}
 	for _, uuid := range gpus {
-		r := reads[strings.ToLower(uuid)]
-		g := GPU{UUID: uuid, MemoryBytes: r.usedBytes, SMPercent: r.utilPercent, PerProcessMemory: r.memKnown, PerProcessSM: r.smKnown}
+		key := strings.ToLower(uuid)
+		r := reads[key]
+		g := GPU{UUID: uuid, MemoryBytes: r.usedBytes, SMPercent: r.utilPercent, PerProcessMemory: r.memKnown, PerProcessSM: r.smKnown && !r.clientSMUnknown}
 		if r.memKnown {
 			g.UnattributedBytes = Known(0)
 			for pid, p := range r.procs {
-				if _, alive := owner(pid); alive && !attributed[uuid][pid] {
+				if _, alive := owner(pid); alive && !attributed[key][pid] {
 					g.UnattributedBytes.Value += int64(p.mem)
+					g.UnattributedBytes.Known = g.UnattributedBytes.Known && !p.memUnknown
 				}
 			}
 		}
@@ -165,7 +181,11 @@ func (s *Sampler) read(uuid string) *gpuRead {
 				r.procs[info.Pid] = p
 			}
 			// A client listed by both calls is counted once.
-			p.mem = max(p.mem, info.UsedGpuMemory)
+			if info.UsedGpuMemory == notAvailable {
+				p.memUnknown = true
+			} else {
+				p.mem = max(p.mem, info.UsedGpuMemory)
+			}
 			p.mpsClient = p.mpsClient || mpsClient
 		}
 	}
@@ -195,15 +215,27 @@ func (s *Sampler) read(uuid string) *gpuRead {
 	case nvml.ERROR_NOT_FOUND:
 		r.smKnown = true // no process was busy since the last sample
 	}
+	clients, clientSamples, otherSamples := 0, 0, 0
+	for _, p := range r.procs {
+		switch {
+		case p.mpsClient:
+			clients++
+			clientSamples += p.smSamples
+		default:
+			otherSamples += p.smSamples
+		}
+	}
+	r.clientSMUnknown = clients > 0 && clientSamples == 0 && otherSamples > 0
 	return r
 }
 
 // Process is one process on a GPU as NVML lists it, with the container
 // its cgroup names ("" for none), as `gpufrac usage` prints it.
 type Process struct {
-	GPU         string `json:"gpu"`
-	PID         uint32 `json:"pid"`
-	MemoryBytes uint64 `json:"memoryBytes"`
+	GPU string `json:"gpu"`
+	PID uint32 `json:"pid"`
+	// MemoryBytes is unknown (nil) where the driver does not say.
+	MemoryBytes *uint64 `json:"memoryBytes,omitempty"`
 	// SMPercent is unknown (nil) where the driver gives no samples.
 	SMPercent *int64 `json:"smPercent,omitempty"`
 	MPSClient bool   `json:"mpsClient"`
@@ -229,8 +261,12 @@ func (s *Sampler) Processes(gpus []string) ([]Process, error) {
 	for _, uuid := range gpus {
 		r := s.read(uuid)
 		for pid, p := range r.procs {
-			proc := Process{GPU: uuid, PID: pid, MemoryBytes: p.mem, MPSClient: p.mpsClient}
-			if r.smKnown {
+			proc := Process{GPU: uuid, PID: pid, MPSClient: p.mpsClient}
+			if !p.memUnknown {
+				mem := p.mem
+				proc.MemoryBytes = &mem
+			}
+			if r.smKnown && (!p.mpsClient || !r.clientSMUnknown) {
 				sm := int64(0)
 				if p.smSamples > 0 {
 					sm = p.sm / int64(p.smSamples)
@@ -246,7 +282,7 @@ func (s *Sampler) Processes(gpus []string) ([]Process, error) {
 	return out, nil
 }
 
-// containerID matches the runtime's container ID in a cgroup's last path
+// containerID matches the runtime's container ID in a cgroup path
 // element: 64 hex digits, as containerd, CRI-O and Docker name them,
 // alone (cgroupfs: /kubepods/burstable/pod<uid>/<id>) or in a systemd
 // scope (cri-containerd-<id>.scope, crio-<id>.scope, docker-<id>.scope).
@@ -254,7 +290,10 @@ var containerID = regexp.MustCompile(`(?:^|[-:])([0-9a-f]{64})(?:\.scope)?$`)
 
 // ContainerID is the container a process is in, from the content of its
 // /proc/<pid>/cgroup: the ID in the unified (cgroup v2) line's path, or
-// else in a v1 line's. "" for a process in no container.
+// else in a v1 line's; in the innermost path element that names one, since
+// a container's processes may sit in a cgroup below its own (crun with the
+// systemd driver puts them in <scope>/container; a workload may make its
+// own). "" for a process in no container.
 func ContainerID(procCgroup string) string {
 	var v1 string
 	for _, line := range strings.Split(procCgroup, "\n") {
@@ -266,16 +305,28 @@ func ContainerID(procCgroup string) string {
 		if !ok {
 			continue
 		}
-		m := containerID.FindStringSubmatch(path[strings.LastIndexByte(path, '/')+1:])
-		if m == nil {
+		id := innermostID(path)
+		if id == "" {
 			continue
 		}
 		if hierarchy == "0" {
-			return m[1]
+			return id
 		}
 		if v1 == "" {
-			v1 = m[1]
+			v1 = id
 		}
 	}
 	return v1
+}
+
+// innermostID is the container ID in the deepest element of a cgroup path
+// that names one.
+func innermostID(path string) string {
+	elems := strings.Split(path, "/")
+	for i := len(elems) - 1; i >= 0; i-- {
+		if m := containerID.FindStringSubmatch(elems[i]); m != nil {
+			return m[1]
+		}
+	}
+	return ""
 }

@@ -98,7 +98,7 @@ type point struct {
 // Its memory is bounded by the span over the sampling period, per pod.
 type Window struct {
 	Span   time.Duration
-	series map[string][]point // pod + "\x00" + GPU
+	series map[string][]point // pod UID, pod and GPU, joined by NULs
 	last   Measurement
 }
 
@@ -111,7 +111,9 @@ func NewWindow(span time.Duration) *Window {
 func (w *Window) Add(m Measurement) {
 	now := map[string]point{}
 	for _, c := range m.Containers {
-		key := c.Tenant.PodKey() + "\x00" + c.GPU
+		// By UID too: a pod re-created under its name (a StatefulSet's)
+		// starts a history of its own.
+		key := c.Tenant.UID + "\x00" + c.Tenant.PodKey() + "\x00" + c.GPU
 		p, seen := now[key]
 		if !seen {
 			p = point{at: m.At, memMiB: Known(0), sm: Known(0)}
@@ -146,9 +148,10 @@ func add(a, b Figure) Figure {
 func (w *Window) Summary() api.NodeUsage {
 	u := api.NodeUsage{At: w.last.At, WindowSeconds: int64(w.Span / time.Second)}
 	for key, s := range w.series {
-		pod, gpu, _ := strings.Cut(key, "\x00")
+		parts := strings.SplitN(key, "\x00", 3)
+		pod, gpu := parts[1], parts[2]
 		cur := s[len(s)-1]
-		pu := api.PodGPUUsage{Pod: pod, GPU: gpu, UsedMiB: cur.memMiB.ptr(), SMPercent: cur.sm.ptr(), Samples: len(s),
+		pu := api.PodGPUUsage{Pod: pod, GPU: gpu, UsedMiB: cur.memMiB.ptr(), SMPercent: cur.sm.ptr(),
 			SpanSeconds: int64(cur.at.Sub(s[0].at) / time.Second)}
 		var mems, sms []int64
 		for _, p := range s {
@@ -159,6 +162,7 @@ func (w *Window) Summary() api.NodeUsage {
 				sms = append(sms, p.sm.Value)
 			}
 		}
+		pu.Samples, pu.SMSamples = len(mems), len(sms)
 		if len(mems) > 0 {
 			p95, top := Percentile(mems, 95), slices.Max(mems)
 			pu.P95MiB, pu.MaxMiB = &p95, &top

@@ -28,6 +28,8 @@ func TestContainerIDFromCgroup(t *testing.T) {
 		{"Docker", "0::/system.slice/docker-" + id(4) + ".scope\n", id(4)},
 		{"hybrid: the unified line wins", "12:memory:/kubepods/pod1/" + id(5) + "\n0::/kubepods/pod1/" + id(6) + "\n", id(6)},
 		{"cgroup v1 only", "12:memory:/kubepods/pod1/" + id(7) + "\n11:pids:/kubepods/pod1/" + id(7) + "\n", id(7)},
+		{"crun's container sub-cgroup under the scope", "0::/kubepods.slice/kubepods-pod1.slice/crio-" + id(10) + ".scope/container\n", id(10)},
+		{"a workload's own sub-cgroup", "0::/kubepods/pod1/" + id(11) + "/workers/w1\n", id(11)},
 		{"a host service", "0::/system.slice/sshd.service\n", ""},
 		{"the pod's cgroup itself", "0::/kubepods/besteffort/pod" + id(8)[:32] + "\n", ""},
 		{"a longer hex name is no ID", "0::/x/" + id(9) + "a\n", ""},
@@ -175,16 +177,46 @@ func TestProcessesListsEveryProcessWithItsContainer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sm := func(v int64) *int64 { return &v }
+	mem := func(v uint64) *uint64 { return &v }
 	want := []Process{
-		{GPU: "GPU-0", PID: 101, MemoryBytes: 3 << 30, SMPercent: sm(60), MPSClient: true, Container: id(1)},
-		{GPU: "GPU-0", PID: 200, MemoryBytes: 1 << 20, SMPercent: sm(0)},
-		{GPU: "GPU-0", PID: 300, MemoryBytes: 2 << 20, SMPercent: sm(0), Exited: true},
+		{GPU: "GPU-0", PID: 101, MemoryBytes: mem(3 << 30), SMPercent: sm(60), MPSClient: true, Container: id(1)},
+		{GPU: "GPU-0", PID: 200, MemoryBytes: mem(1 << 20), SMPercent: sm(0)},
+		{GPU: "GPU-0", PID: 300, MemoryBytes: mem(2 << 20), SMPercent: sm(0), Exited: true},
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("processes (-want +got):\n%s", diff)
 	}
 	if _, err := (&Sampler{}).Processes(nil); err == nil {
 		t.Error("no library: no error")
+	}
+}
+
+// What the driver lists without a figure stays unknown: a process whose
+// memory is NVML_VALUE_NOT_AVAILABLE, and MPS clients' SM where the
+// driver's samples name only the server.
+func TestFiguresTheDriverDoesNotGiveAreUnknown(t *testing.T) {
+	root := proc(t, map[uint32]string{
+		101: "0::/kubepods/pod-a/" + id(1) + "\n",
+		102: "0::/kubepods/pod-b/" + id(2) + "\n",
+		500: "0::/system.slice/nvidia-mps.service\n",
+	})
+	g := &gpu{
+		compute: []nvml.ProcessInfo{{Pid: 500, UsedGpuMemory: 300 << 20}},
+		clients: []nvml.ProcessInfo{{Pid: 101, UsedGpuMemory: ^uint64(0)}, {Pid: 102, UsedGpuMemory: 1 << 30}},
+		samples: []nvml.ProcessUtilizationSample{{Pid: 500, TimeStamp: 9, SmUtil: 70}},
+	}
+	s := &Sampler{Lib: machine(map[string]*gpu{"GPU-0": g}), ProcRoot: root}
+	a := Tenant{ID: id(1), Namespace: "ml", Pod: "a", Container: "main", Devices: []string{"GPU-0"}}
+	b := Tenant{ID: id(2), Namespace: "ml", Pod: "b", Container: "main", Devices: []string{"GPU-0"}}
+	m := s.Measure([]Tenant{a, b}, []string{"GPU-0"}, time.Unix(1, 0))
+	if c := m.Containers[0]; c.MemoryBytes.Known {
+		t.Errorf("a's memory %+v: NOT_AVAILABLE read as a figure", c.MemoryBytes)
+	}
+	if c := m.Containers[1]; c.MemoryBytes != Known(1<<30) || c.SMPercent.Known {
+		t.Errorf("b: memory %+v (want 1Gi), SM %+v (want unknown: the samples name only the MPS server)", c.MemoryBytes, c.SMPercent)
+	}
+	if gpu := m.GPUs[0]; gpu.PerProcessSM || gpu.UnattributedBytes != Known(300<<20) {
+		t.Errorf("GPU: per-process SM %v (want false), unattributed %+v", gpu.PerProcessSM, gpu.UnattributedBytes)
 	}
 }
 
