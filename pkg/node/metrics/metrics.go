@@ -38,6 +38,8 @@ type Metrics struct {
 	gpuSM       *prometheus.GaugeVec
 	readable    *prometheus.GaugeVec
 	sampleTime  prometheus.Gauge
+	// usageSeries are the label sets Usage last set, per vector.
+	usageSeries map[*prometheus.GaugeVec]map[string][]string
 	limitHits   *prometheus.CounterVec
 	events      *prometheus.CounterVec
 	state       *prometheus.GaugeVec
@@ -242,32 +244,46 @@ func (m *Metrics) Containers(lib nvml.Interface, leases map[string]enforce.Lease
 // driver cannot give has no series (and its GPU says so in
 // gpufrac_gpu_usage_readable), a container gone has none left.
 func (m *Metrics) Usage(node string, r usage.Measurement, took time.Duration) {
-	m.used.Reset()
-	m.sm.Reset()
-	m.gpuUnowned.Reset()
-	m.gpuSM.Reset()
-	m.readable.Reset()
+	// Set, then delete what is gone, rather than reset and refill: a
+	// scrape in between would see the series missing, and an alert's
+	// "for" would start again.
+	next := map[*prometheus.GaugeVec]map[string][]string{}
+	set := func(v *prometheus.GaugeVec, value float64, labels ...string) {
+		v.WithLabelValues(labels...).Set(value)
+		if next[v] == nil {
+			next[v] = map[string][]string{}
+		}
+		next[v][strings.Join(labels, "\x00")] = labels
+	}
 	m.sampleTime.Set(took.Seconds())
 	for _, c := range r.Containers {
 		t := c.Tenant
 		labels := []string{t.Namespace, t.Pod, t.Container, node, c.GPU, string(t.Mode)}
 		if c.MemoryBytes.Known {
-			m.used.WithLabelValues(labels...).Set(float64(c.MemoryBytes.Value))
+			set(m.used, float64(c.MemoryBytes.Value), labels...)
 		}
 		if c.SMPercent.Known {
-			m.sm.WithLabelValues(labels...).Set(float64(c.SMPercent.Value))
+			set(m.sm, float64(c.SMPercent.Value), labels...)
 		}
 	}
 	for _, g := range r.GPUs {
 		if g.UnattributedBytes.Known {
-			m.gpuUnowned.WithLabelValues(g.UUID).Set(float64(g.UnattributedBytes.Value))
+			set(m.gpuUnowned, float64(g.UnattributedBytes.Value), g.UUID)
 		}
 		if g.SMPercent.Known {
-			m.gpuSM.WithLabelValues(g.UUID).Set(float64(g.SMPercent.Value))
+			set(m.gpuSM, float64(g.SMPercent.Value), g.UUID)
 		}
-		m.readable.WithLabelValues(g.UUID, "memory").Set(b2f(g.PerProcessMemory))
-		m.readable.WithLabelValues(g.UUID, "sm").Set(b2f(g.PerProcessSM))
+		set(m.readable, b2f(g.PerProcessMemory), g.UUID, "memory")
+		set(m.readable, b2f(g.PerProcessSM), g.UUID, "sm")
 	}
+	for _, v := range []*prometheus.GaugeVec{m.used, m.sm, m.gpuUnowned, m.gpuSM, m.readable} {
+		for key, labels := range m.usageSeries[v] {
+			if _, still := next[v][key]; !still {
+				v.DeleteLabelValues(labels...)
+			}
+		}
+	}
+	m.usageSeries = next
 }
 
 func b2f(b bool) float64 {
