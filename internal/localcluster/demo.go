@@ -114,7 +114,15 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it:\n\n")
+	// The agents measure their tenants' use every resync (2 s here): wait
+	// a little for a reading of each, so that top's used column is filled.
+	for deadline := time.Now().Add(20 * time.Second); !everyTenantMeasured(clusterview.Build(nodes.Items, pods.Items, claims)) && time.Now().Before(deadline); {
+		time.Sleep(time.Second)
+		if nodes, err = c.Admin.CoreV1().Nodes().List(ctx, metav1.ListOptions{}); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(out, "\n  every pod placed and Running; the cluster as `gpufrac top` shows it (use as the simulated GPUs report it):\n\n")
 	if err := clusterview.Render(out, clusterview.Build(nodes.Items, pods.Items, claims)); err != nil {
 		return err
 	}
@@ -132,6 +140,21 @@ func (c *Cluster) Demo(ctx context.Context, examples string, out io.Writer) erro
 	}
 	fmt.Fprintf(out, "\n  an invalid pod (gpu-fraction: \"1.5\") is refused at the API:\n    %s\n", strings.TrimSpace(err.Error()))
 	return nil
+}
+
+// everyTenantMeasured says whether each pod's share has a reading of its
+// use (a claim's share has none on a simulated node: no pod asks for it).
+func everyTenantMeasured(v clusterview.View) bool {
+	for _, n := range v.Nodes {
+		for _, g := range n.Shared {
+			for _, t := range g.Tenants {
+				if !t.Claim && t.Use == nil {
+					return false
+				}
+			}
+		}
+	}
+	return true
 }
 
 func (c *Cluster) claims(ctx context.Context) ([]resourceapi.ResourceClaim, error) {
