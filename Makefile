@@ -287,12 +287,14 @@ tidy-check: ## go.mod and go.sum must already be tidy
 	$(GO) mod tidy -diff
 
 .PHONY: fuzz
-fuzz: ## fuzz the annotation parser, the manifest, trace and scheduler-args readers and --simulate-gpus for FUZZTIME each (default 5m)
+fuzz: ## fuzz the annotation parser, the manifest, trace and scheduler-args readers, --simulate-gpus, the usage annotation and the cgroup join for FUZZTIME each (default 5m)
 	$(GO) test ./pkg/api -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/manifest -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/sim -run '^$$' -fuzz '^FuzzLoadPods$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/scheduler -run '^$$' -fuzz '^FuzzDecodeArgs$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./pkg/node/inventory -run '^$$' -fuzz '^FuzzSimulated$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./pkg/api -run '^$$' -fuzz '^FuzzUsageOf$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./pkg/node/usage -run '^$$' -fuzz '^FuzzContainerID$$' -fuzztime $(FUZZTIME)
 
 TRACES ?= $(CURDIR)/traces/alibaba-gpu-v2023
 

@@ -43,3 +43,25 @@ func TestUsageWriteStaysWithinItsBound(t *testing.T) {
 		t.Errorf("no annotation: ok %v, err %v", ok, err)
 	}
 }
+
+// Whatever the annotation holds, reading it never panics, and what reads
+// back writes again within its bound.
+func FuzzUsageOf(f *testing.F) {
+	f.Add(`{"at":"2026-12-06T00:00:00Z","windowSeconds":3600,"pods":[{"pod":"a/b","gpu":"GPU-0","usedMiB":5,"samples":1,"smSamples":1,"spanSeconds":0}]}`)
+	f.Add(`{"pods":[{"usedMiB":-1}]}`)
+	f.Add(`null`)
+	f.Fuzz(func(t *testing.T, raw string) {
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n", Annotations: map[string]string{UsageAnnotation: raw}}}
+		u, ok, err := UsageOf(node)
+		if !ok || err != nil {
+			return
+		}
+		ann, err := UsageWrite(u)
+		if err != nil {
+			t.Fatalf("a usage read back does not write: %v", err)
+		}
+		if len(*ann[UsageAnnotation]) > maxUsageBytes && len(u.Pods) > 0 {
+			t.Fatalf("written past the bound: %d bytes", len(*ann[UsageAnnotation]))
+		}
+	})
+}
