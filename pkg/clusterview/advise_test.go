@@ -84,7 +84,7 @@ func TestRenderShowsUseAndAdvice(t *testing.T) {
 		t.Fatal(err)
 	}
 	text := out.String()
-	for _, want := range []string{"request    limit     used", "ml/nb", "380Mi", "ml/unknown", "ml/nb: shrink the request 8Gi → 512Mi",
+	for _, want := range []string{"request   limit    used", "ml/nb", "380Mi", "ml/unknown", "ml/nb: shrink the request 8Gi → 512Mi",
 		"p95 of use 400Mi over 59m30s (120 readings), holds 380Mi now", "gpufrac.io/resize.gpu-memory.request=512Mi"} {
 		if !strings.Contains(text, want) {
 			t.Errorf("output lacks %q:\n%s", want, text)

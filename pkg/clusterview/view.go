@@ -343,7 +343,7 @@ func eventTime(e *corev1.Event) time.Time {
 func Render(w io.Writer, v View) error {
 	var b strings.Builder
 	if len(v.Nodes) > 0 {
-		fmt.Fprintf(&b, "    %-30s %8s %8s %8s\n", "tenant", "request", "limit", "used")
+		fmt.Fprintf(&b, "    %-37s %7s %7s %7s\n", "tenant", "request", "limit", "used")
 	}
 	for _, n := range v.Nodes {
 		state := "ready"
@@ -371,7 +371,7 @@ func Render(w io.Writer, v View) error {
 				if t.NearLimit {
 					portion = strings.TrimSpace(portion + "  NEAR LIMIT")
 				}
-				fmt.Fprintf(&b, "    %-30s %8s %8s %8s  %s\n", clip(who, 30), mib(t.RequestMiB), mib(t.LimitMiB), used(t.Use), portion)
+				fmt.Fprintf(&b, "    %-37s %7s %7s %7s  %s\n", clip(who, 37), mib(t.RequestMiB), mib(t.LimitMiB), used(t.Use), portion)
 			}
 		}
 		for _, p := range n.Whole {

@@ -294,6 +294,12 @@ func TestResizeRunningShare(t *testing.T) {
 			t.Fatalf("%s: %v", what, err)
 		}
 	}
+	// A resize key is admitted only on a placed pod (the webhook refuses it
+	// before the decision): wait for it, or a busy machine races it.
+	teamCondition("placed", func(p *corev1.Pod) bool {
+		as, err := api.ParseAssignments(p.Annotations)
+		return err == nil && len(as) > 0
+	})
 	teamPatch(map[string]any{api.KeyResizeRequest: "16Gi"})
 	teamCondition("a grow past the quota charge is infeasible", func(p *corev1.Pod) bool {
 		c, _ := api.PodResizeCondition(p, api.ConditionResizePending)

@@ -349,7 +349,7 @@ func TestReadmeTour(t *testing.T) {
 		regexp.MustCompile(`default/trainer\s+40Gi\s+40Gi`),
 		regexp.MustCompile(`pod/trainer annotated(?s:.*)pod/trainer condition met(?s:.*)default/trainer\s+60Gi\s+60Gi`),
 		regexp.MustCompile(`denied the request: nvidia.com/container.main.gpu-compute.mode "sm-sharing" cannot change: the pod is already scheduled`),
-		regexp.MustCompile(`default/server-\S+\s+20Gi\s+20Gi\s+compute 0.25(?s:.*)default/server-\S+\s+20Gi\s+20Gi\s+compute 0.25`),
+		regexp.MustCompile(`default/server-\S+\s+20Gi\s+20Gi\s+\S+\s+compute 0.25(?s:.*)default/server-\S+\s+20Gi\s+20Gi\s+\S+\s+compute 0.25`),
 		regexp.MustCompile(`"nvidia.com/container.main.gpus.devices":"GPU-`),
 		regexp.MustCompile(`denied the request: .*nvidia.com/container.main.gpus.devices`),
 		regexp.MustCompile(`OK Pod default/fraction-half`),
