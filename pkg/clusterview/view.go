@@ -371,7 +371,8 @@ func Render(w io.Writer, v View) error {
 				if t.NearLimit {
 					portion = strings.TrimSpace(portion + "  NEAR LIMIT")
 				}
-				fmt.Fprintf(&b, "    %-37s %7s %7s %7s  %s\n", clip(who, 37), mib(t.RequestMiB), mib(t.LimitMiB), used(t.Use), portion)
+				line := fmt.Sprintf("    %-37s %7s %7s %7s  %s", clip(who, 37), mib(t.RequestMiB), mib(t.LimitMiB), used(t.Use), portion)
+				b.WriteString(strings.TrimRight(line, " ") + "\n")
 			}
 		}
 		for _, p := range n.Whole {
