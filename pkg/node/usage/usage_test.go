@@ -337,28 +337,36 @@ func TestModelLoads(t *testing.T) {
 	_ = api.SMSharing
 }
 
-// BenchmarkMeasure64 is one reading of a node with 64 fractional
-// containers, eight per GPU, each with one process: NVML's calls (the
-// mock's, so the figure is the agent's own work, not the driver's) and a
-// /proc/<pid>/cgroup read per process.
-func BenchmarkMeasure64(b *testing.B) {
+// BenchmarkMeasure is one reading of a node's fractional containers,
+// eight per GPU, each with one process: NVML's calls (the mock's, so the
+// figure is the agent's own work, not the driver's), a /proc/<pid>/cgroup
+// read per process, the window's percentiles and the Node annotation. 64
+// containers is the figure; 8 the baseline it scales from.
+func BenchmarkMeasure(b *testing.B) {
+	for _, containers := range []int{8, 64} {
+		b.Run(fmt.Sprintf("containers=%d", containers), func(b *testing.B) { benchmarkMeasure(b, containers) })
+	}
+}
+
+func benchmarkMeasure(b *testing.B, containers int) {
 	cgroups := map[uint32]string{}
 	gpus := map[string]*gpu{}
 	var uuids []string
 	var tenants []Tenant
-	for g := range 8 {
-		uuid := fmt.Sprintf("GPU-%d", g)
-		uuids = append(uuids, uuid)
-		state := &gpu{}
-		for c := range 8 {
-			n := g*8 + c
-			pid := uint32(1000 + n)
-			cgroups[pid] = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" + fmt.Sprint(n) + ".slice/cri-containerd-" + id(n) + ".scope\n"
-			state.clients = append(state.clients, nvml.ProcessInfo{Pid: pid, UsedGpuMemory: uint64(n) << 24})
-			state.samples = append(state.samples, nvml.ProcessUtilizationSample{Pid: pid, TimeStamp: uint64(n + 1), SmUtil: 10})
-			tenants = append(tenants, Tenant{ID: id(n), Namespace: "ml", Pod: fmt.Sprint("p", n), Container: "main", Devices: []string{uuid}, RequestMiB: 4096, LimitMiB: 8192})
+	for n := range containers {
+		uuid := fmt.Sprintf("GPU-%d", n/8)
+		state := gpus[uuid]
+		if state == nil {
+			state = &gpu{}
+			gpus[uuid] = state
+			uuids = append(uuids, uuid)
 		}
-		gpus[uuid] = state
+		pid := uint32(1000 + n)
+		cgroups[pid] = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" + fmt.Sprint(n) + ".slice/cri-containerd-" + id(n) + ".scope\n"
+		state.clients = append(state.clients, nvml.ProcessInfo{Pid: pid, UsedGpuMemory: uint64(n) << 24})
+		state.samples = append(state.samples, nvml.ProcessUtilizationSample{Pid: pid, TimeStamp: uint64(n + 1), SmUtil: 10})
+		tenants = append(tenants, Tenant{ID: id(n), UID: fmt.Sprint("uid-", n), Namespace: "ml", Pod: fmt.Sprint("p", n), Container: "main",
+			Devices: []string{uuid}, RequestMiB: 4096, LimitMiB: 8192})
 	}
 	s := &Sampler{Lib: machine(gpus), ProcRoot: proc(b, cgroups)}
 	w := NewWindow(time.Hour)
