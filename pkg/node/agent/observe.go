@@ -237,6 +237,8 @@ func (a *Agent) resync(ctx context.Context) {
 	if publishUse {
 		if err := publish.ApplyAnnotations(ctx, a.client, node, use); err != nil {
 			logger.Error(err, "Cannot publish the tenants' GPU use on the Node; the node's state and heartbeat are published")
+		} else {
+			a.usagePublished = time.Now()
 		}
 	}
 	// A node closed to fractions offers no new DRA shares either.

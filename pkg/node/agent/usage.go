@@ -14,7 +14,8 @@ import (
 // measureUsage reads what the node's tenants use of their GPUs (the
 // environment's way: NVML and /proc, or the model), adds it to the
 // window, exports it and returns the Node annotation that carries it to
-// `gpufrac top` and the dashboard, once per UsagePublishPeriod; ok is
+// `gpufrac top` and the dashboard, once per UsagePublishPeriod (resync
+// notes when a write succeeded, usagePublished); ok is
 // false when the GPUs are not known or the period has not passed (the
 // annotation is then left as it is).
 func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[string]*string, ok bool) {
@@ -41,7 +42,6 @@ func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[s
 	if start.Sub(a.usagePublished) < a.opts.UsagePublishPeriod-a.opts.ResyncPeriod/2 {
 		return nil, false
 	}
-	a.usagePublished = start
 	annotations, err := api.UsageWrite(a.usage.Summary())
 	if err != nil {
 		logger.Error(err, "Cannot encode the tenants' GPU use")
