@@ -141,6 +141,7 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 	// (clusterview.StaleUsage), as must a silent agent's readiness.
 	tick := time.NewTicker(staleCheck)
 	defer tick.Stop()
+	var last time.Time // the latest rebuild
 	for {
 		select {
 		case <-tick.C:
@@ -153,11 +154,16 @@ func (s *Server) Run(ctx context.Context, l net.Listener) error {
 		case err := <-served:
 			return err
 		case <-s.changed:
-			// Let a burst of changes settle into one rebuild.
+			// Let a burst of changes settle into one rebuild, and push
+			// at most one view a MinPush: every node's agent rewrites its
+			// tenants' use each minute, and a thousand nodes would
+			// otherwise redraw every open page many times a second.
+			wait := max(s.opts.Settle, time.Until(last.Add(MinPush)))
 			select {
 			case <-ctx.Done():
-			case <-time.After(s.opts.Settle):
+			case <-time.After(wait):
 			}
+			last = time.Now()
 			if err := s.rebuild(); err != nil {
 				logger.Error(err, "Could not rebuild the view; keeping the last one")
 			}
@@ -228,6 +234,9 @@ const HistorySpan = time.Hour
 
 // staleCheck is how often the view is rebuilt with nothing changed.
 const staleCheck = 30 * time.Second
+
+// MinPush is the least time between two rebuilds of the view.
+const MinPush = time.Second
 
 // rebuild makes the view again, with the history of use, and, when it
 // changed, pushes it to every open stream.

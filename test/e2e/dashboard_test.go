@@ -91,13 +91,21 @@ func TestDashboardInABrowser(t *testing.T) {
 	defer cancel()
 
 	tenant := func(pod string) chromedp.CSS { return chromedp.CSS(`.tenants li[data-pod="` + pod + `"]`) }
+	// text reads an element's text in one step of the page's own script:
+	// the page is redrawn whenever a reading of use arrives, and a query
+	// then a read (chromedp.Text) can find the element gone in between.
 	text := func(sel chromedp.CSS) string {
 		t.Helper()
-		v, err := chromedp.Run(page, chromedp.Text(sel))
-		if err != nil {
-			t.Fatalf("text of %s: %v", sel, err)
+		js := fmt.Sprintf(`(() => { const e = document.querySelector(%q); return e === null ? null : e.innerText; })()`, string(sel))
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			got, err := chromedp.Run(page, chromedp.Evaluate[*string](js))
+			if err == nil && got != nil {
+				return *got
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("text of %s: %v (found %v)", sel, err, got != nil)
+			}
 		}
-		return v
 	}
 	if err := chromedp.Do(page,
 		chromedp.Navigate(c.DashboardURL),
