@@ -123,8 +123,9 @@ gpufrac_gpu_usage_readable{figure="sm",gpu_uuid="GPU-1"} 0
 	}
 }
 
-// The Grafana dashboard in deploy/ must only query metrics this package
-// exports (a renamed metric would silently empty a panel).
+// The Grafana dashboard the chart ships must only query metrics this
+// package exports (a renamed metric would silently empty a panel), and
+// has the tenants' use.
 func TestDashboardQueriesExportedMetrics(t *testing.T) {
 	data, err := os.ReadFile("../../../deploy/helm/gpufrac/dashboards/gpufrac-node.json")
 	if err != nil {
@@ -146,7 +147,9 @@ func TestDashboardQueriesExportedMetrics(t *testing.T) {
 		exported[name] = true
 	}
 	metric := regexp.MustCompile(`gpufrac_[a-z_]+`)
+	titles := map[string]bool{}
 	for _, p := range dash.Panels {
+		titles[p.Title] = true
 		for _, target := range p.Targets {
 			for _, name := range metric.FindAllString(target.Expr, -1) {
 				name = strings.TrimSuffix(name, "_bucket")
@@ -158,5 +161,10 @@ func TestDashboardQueriesExportedMetrics(t *testing.T) {
 	}
 	if len(dash.Panels) < 8 {
 		t.Errorf("%d panels", len(dash.Panels))
+	}
+	for _, want := range []string{"Tenant SM utilisation", "Tenant memory used / granted (request)", "Container GPU memory use vs limit"} {
+		if !titles[want] {
+			t.Errorf("the dashboard has no panel %q", want)
+		}
 	}
 }

@@ -52,6 +52,19 @@ type process struct {
 	sm         int64
 	smSamples  int
 	mpsClient  bool
+	// container is the container its cgroup names ("" for none); exited:
+	// NVML lists it and /proc does not (it is counted nowhere).
+	container string
+	exited    bool
+}
+
+// smPercent is the mean of its samples since the last reading (none: it
+// was idle).
+func (p *process) smPercent() int64 {
+	if p.smSamples == 0 {
+		return 0
+	}
+	return p.sm / int64(p.smSamples)
 }
 
 // notAvailable is NVML_VALUE_NOT_AVAILABLE as an unsigned long long: what
@@ -71,10 +84,56 @@ type gpuRead struct {
 	utilPercent     Figure
 }
 
+// smKnownFor says whether p's SM figure is one: the GPU has samples, and p
+// is not an MPS client whose work the samples do not tell apart.
+func (r *gpuRead) smKnownFor(p *process) bool {
+	return r.smKnown && (!p.mpsClient || !r.clientSMUnknown)
+}
+
+// open initialises NVML for one reading; the caller shuts it down.
+func (s *Sampler) open() error {
+	if s.Lib == nil {
+		return fmt.Errorf("no NVML library")
+	}
+	if ret := s.Lib.Init(); ret != nvml.SUCCESS {
+		return fmt.Errorf("nvmlInit: %s", nvml.ErrorString(ret))
+	}
+	if s.lastSeen == nil {
+		s.lastSeen = map[string]uint64{}
+	}
+	return nil
+}
+
+// readAll reads every GPU (by lower-case UUID) and joins each process to
+// its container, each /proc/<pid>/cgroup read once: a PID gone from /proc
+// has exited (NVML may list it a moment longer).
+func (s *Sampler) readAll(gpus []string) map[string]*gpuRead {
+	reads := map[string]*gpuRead{}
+	type owner struct {
+		container string
+		exited    bool
+	}
+	owners := map[uint32]owner{}
+	for _, uuid := range gpus {
+		r := s.read(uuid)
+		for pid, p := range r.procs {
+			o, seen := owners[pid]
+			if !seen {
+				raw, err := os.ReadFile(filepath.Join(s.ProcRoot, strconv.FormatUint(uint64(pid), 10), "cgroup"))
+				o = owner{container: ContainerID(string(raw)), exited: err != nil}
+				owners[pid] = o
+			}
+			p.container, p.exited = o.container, o.exited
+		}
+		reads[strings.ToLower(uuid)] = r
+	}
+	return reads
+}
+
 // Measure reads tenants' use of their GPUs, and each GPU's.
 func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measurement {
 	m := Measurement{At: now}
-	if s.Lib == nil || s.Lib.Init() != nvml.SUCCESS {
+	if s.open() != nil {
 		for _, uuid := range gpus {
 			m.GPUs = append(m.GPUs, GPU{UUID: uuid})
 		}
@@ -86,33 +145,7 @@ func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measur
 		return m
 	}
 	defer func() { _ = s.Lib.Shutdown() }()
-	if s.lastSeen == nil {
-		s.lastSeen = map[string]uint64{}
-	}
-	reads := map[string]*gpuRead{}
-	for _, uuid := range gpus {
-		reads[strings.ToLower(uuid)] = s.read(uuid)
-	}
-	// PID → container ID, each /proc/<pid>/cgroup read once; a PID gone
-	// from /proc has exited and is dropped (NVML may list it a moment
-	// longer).
-	owners := map[uint32]string{}
-	gone := map[uint32]bool{}
-	owner := func(pid uint32) (string, bool) {
-		if id, ok := owners[pid]; ok {
-			return id, true
-		}
-		if gone[pid] {
-			return "", false
-		}
-		raw, err := os.ReadFile(filepath.Join(s.ProcRoot, strconv.FormatUint(uint64(pid), 10), "cgroup"))
-		if err != nil {
-			gone[pid] = true
-			return "", false
-		}
-		owners[pid] = ContainerID(string(raw))
-		return owners[pid], true
-	}
+	reads := s.readAll(gpus)
 	attributed := map[string]map[uint32]bool{} // GPU (lower case) → PIDs of tenants
 	for _, t := range tenants {
 		for _, uuid := range t.Devices {
@@ -122,7 +155,7 @@ func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measur
 			if r != nil && t.ID != "" {
 				c.MemoryBytes.Known, c.SMPercent.Known = r.memKnown, r.smKnown
 				for pid, p := range r.procs {
-					if id, alive := owner(pid); !alive || id != t.ID {
+					if p.exited || p.container != t.ID {
 						continue
 					}
 					if attributed[key] == nil {
@@ -132,10 +165,8 @@ func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measur
 					c.Processes++
 					c.MemoryBytes.Value += int64(p.mem)
 					c.MemoryBytes.Known = c.MemoryBytes.Known && !p.memUnknown
-					c.SMPercent.Known = c.SMPercent.Known && (!p.mpsClient || !r.clientSMUnknown)
-					if p.smSamples > 0 {
-						c.SMPercent.Value += p.sm / int64(p.smSamples)
-					}
+					c.SMPercent.Known = c.SMPercent.Known && r.smKnownFor(p)
+					c.SMPercent.Value += p.smPercent()
 				}
 				c.SMPercent.Value = min(c.SMPercent.Value, 100)
 			}
@@ -149,7 +180,7 @@ func (s *Sampler) Measure(tenants []Tenant, gpus []string, now time.Time) Measur
 		if r.memKnown {
 			g.UnattributedBytes = Known(0)
 			for pid, p := range r.procs {
-				if _, alive := owner(pid); alive && !attributed[key][pid] {
+				if !p.exited && !attributed[key][pid] {
 					g.UnattributedBytes.Value += int64(p.mem)
 					g.UnattributedBytes.Known = g.UnattributedBytes.Known && !p.memUnknown
 				}
@@ -247,34 +278,24 @@ type Process struct {
 // Processes lists every process on gpus, each joined to its container,
 // as Measure sees them; nil with the reason where NVML cannot start.
 func (s *Sampler) Processes(gpus []string) ([]Process, error) {
-	if s.Lib == nil {
-		return nil, fmt.Errorf("no NVML library")
-	}
-	if ret := s.Lib.Init(); ret != nvml.SUCCESS {
-		return nil, fmt.Errorf("nvmlInit: %s", nvml.ErrorString(ret))
+	if err := s.open(); err != nil {
+		return nil, err
 	}
 	defer func() { _ = s.Lib.Shutdown() }()
-	if s.lastSeen == nil {
-		s.lastSeen = map[string]uint64{}
-	}
+	reads := s.readAll(gpus)
 	var out []Process
 	for _, uuid := range gpus {
-		r := s.read(uuid)
+		r := reads[strings.ToLower(uuid)]
 		for pid, p := range r.procs {
-			proc := Process{GPU: uuid, PID: pid, MPSClient: p.mpsClient}
+			proc := Process{GPU: uuid, PID: pid, MPSClient: p.mpsClient, Container: p.container, Exited: p.exited}
 			if !p.memUnknown {
 				mem := p.mem
 				proc.MemoryBytes = &mem
 			}
-			if r.smKnown && (!p.mpsClient || !r.clientSMUnknown) {
-				sm := int64(0)
-				if p.smSamples > 0 {
-					sm = p.sm / int64(p.smSamples)
-				}
+			if r.smKnownFor(p) {
+				sm := p.smPercent()
 				proc.SMPercent = &sm
 			}
-			raw, err := os.ReadFile(filepath.Join(s.ProcRoot, strconv.FormatUint(uint64(pid), 10), "cgroup"))
-			proc.Exited, proc.Container = err != nil, ContainerID(string(raw))
 			out = append(out, proc)
 		}
 	}

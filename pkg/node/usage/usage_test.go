@@ -334,7 +334,6 @@ func TestModelLoads(t *testing.T) {
 	if a, b := LoadOf(Tenant{Namespace: "x", Pod: "y"}), LoadOf(Tenant{Namespace: "x", Pod: "y", Load: "unknown"}); a != b || a == "" {
 		t.Errorf("LoadOf: %q, %q", a, b)
 	}
-	_ = api.SMSharing
 }
 
 // BenchmarkMeasure is one reading of a node's fractional containers,
