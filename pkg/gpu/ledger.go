@@ -399,6 +399,30 @@ func (n *Node) WithHostIn(dst *Node, cpu, cpuUsed, memory, memUsed int64) *Node 
 	return dst
 }
 
+// Clone is a deep copy of the ledger, to book and release on without
+// touching n: preemption weighs the node with some tenants gone and
+// others added (scheduler's what-if). A host view (WithHost) clones into
+// a host view.
+func (n *Node) Clone() *Node {
+	c := *n
+	c.Devices = make([]*Device, len(n.Devices))
+	for i, d := range n.Devices {
+		dc := *d
+		dc.shares = maps.Clone(d.shares)
+		if dc.shares == nil {
+			dc.shares = map[string]Share{}
+		}
+		c.Devices[i] = &dc
+	}
+	if n.held != nil {
+		c.held = make(map[string]holding, len(n.held))
+		for t, h := range n.held {
+			c.held[t] = holding{Request: h.Request, Devices: slices.Clone(h.Devices)}
+		}
+	}
+	return &c
+}
+
 // Record books the tenant on exactly the given devices as the cluster
 // reports it, whether or not it fits: an audit, or a view of what runs,
 // must count every pod the API shows, and Violations then says what the

@@ -354,3 +354,37 @@ func TestResizeGrowsOnlyIntoFreeMemoryAndNeverMoves(t *testing.T) {
 		t.Errorf("after release: charged %d, want b's 60000", d.Charged())
 	}
 }
+
+// A clone books and releases apart from its original: preemption's what-if
+// removes victims from a clone while the cache's ledger keeps them.
+func TestCloneIsIndependent(t *testing.T) {
+	n := node(2, "H100")
+	if err := n.Assign(Request{Tenant: "a", Devices: 1, Share: share(40000, api.SMSharing, 500)}, []int{0}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Assign(Request{Tenant: "w", Whole: 1}, []int{1}); err != nil {
+		t.Fatal(err)
+	}
+	c := n.Clone()
+	if err := c.Release("a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Release("w"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Assign(Request{Tenant: "b", Devices: 2, Share: share(80000, api.TimeSlicing, 0)}, []int{0, 1}); err != nil {
+		t.Fatalf("the clone with both tenants gone: %v", err)
+	}
+	if d := n.Devices[0]; d.Charged() != 40000 || d.Portion() != 500 || d.Mode() != api.SMSharing || n.Devices[1].Whole() != "w" {
+		t.Errorf("the original changed with its clone: GPU 0 charged %d portion %d mode %s, GPU 1 whole %q", d.Charged(), d.Portion(), d.Mode(), n.Devices[1].Whole())
+	}
+	if _, held := n.Holds("b"); held {
+		t.Error("a tenant booked on the clone is held by the original")
+	}
+	if err := n.Check(); err != nil {
+		t.Error(err)
+	}
+	if err := c.Check(); err != nil {
+		t.Error(err)
+	}
+}

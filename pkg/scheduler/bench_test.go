@@ -26,7 +26,7 @@ func BenchmarkFilterScore(b *testing.B) {
 	share := ask("new", 24576, api.TimeSlicing, 1)
 	b.Run("whole/filter", func(b *testing.B) {
 		for b.Loop() {
-			c.FilterAt(n, Ask{UID: "w", Whole: 1})
+			c.FilterAt(n, Ask{UID: "w", Whole: 1}, view{gpus: 8, gpusFree: 4})
 		}
 	})
 	for _, name := range PolicyNames() {
@@ -36,7 +36,7 @@ func BenchmarkFilterScore(b *testing.B) {
 		}
 		b.Run("share/"+name, func(b *testing.B) {
 			for b.Loop() {
-				if !c.FilterAt(n, share).Fits {
+				if !c.FilterAt(n, share, view{}).Fits {
 					b.Fatal("does not fit")
 				}
 				c.Score("n1", share, p, Host{})

@@ -624,13 +624,13 @@ func TestFilterAtAppliesOnlyANewerNode(t *testing.T) {
 	share := ask("a", 1000, api.TimeSlicing, 1)
 	c := NewCache(testArgs())
 	c.SetNode(at(false, "5"))
-	if v := c.FilterAt(at(false, "5"), share); v.Fits {
+	if v := c.FilterAt(at(false, "5"), share, view{}); v.Fits {
 		t.Fatalf("not-ready node took a share: %+v", v)
 	}
-	if v := c.FilterAt(at(true, "4"), share); v.Fits {
+	if v := c.FilterAt(at(true, "4"), share, view{}); v.Fits {
 		t.Fatalf("an older snapshot (rv 4 < 5) was applied: %+v", v)
 	}
-	if v := c.FilterAt(at(true, "6"), share); !v.Fits {
+	if v := c.FilterAt(at(true, "6"), share, view{}); !v.Fits {
 		t.Fatalf("the newer snapshot (rv 6) was not applied: %+v", v)
 	}
 	c.SetNode(at(false, "5")) // the handler, late
@@ -645,12 +645,12 @@ func TestFilterAtAppliesOnlyANewerNode(t *testing.T) {
 	c.SetPod(placedPod("early", "n2", 1000, api.TimeSlicing, "", []string{"g"}, []string{"GPU-1"}))
 	n2 := node("n2", 2, 80000, true)
 	n2.ResourceVersion = "8"
-	if v := c.FilterAt(n2, share); !v.Fits {
+	if v := c.FilterAt(n2, share, view{}); !v.Fits {
 		t.Fatalf("the snapshot of a node known from its pods was not applied: %+v", v)
 	}
 	gone := node("gone", 2, 80000, true)
 	gone.ResourceVersion = "9"
-	if v := c.FilterAt(gone, share); v.Fits || !strings.Contains(v.Reason, "not reported") {
+	if v := c.FilterAt(gone, share, view{}); v.Fits || !strings.Contains(v.Reason, "not reported") {
 		t.Fatalf("FilterAt made up a node the cache did not know: %+v", v)
 	}
 }
@@ -683,7 +683,7 @@ func TestSilentAgentTakesNoFractions(t *testing.T) {
 	if v := c.Filter("n1", Ask{UID: "w", Whole: 1}); !v.Fits {
 		t.Errorf("a whole-GPU pod refused for the agent's silence: %+v", v)
 	}
-	if v := c.FilterAt(at(now.Add(-time.Second), "2"), share); !v.Fits {
+	if v := c.FilterAt(at(now.Add(-time.Second), "2"), share, view{}); !v.Fits {
 		t.Errorf("after a fresh heartbeat: %+v", v)
 	}
 }
@@ -794,7 +794,7 @@ func TestNodeOfAnotherReservationNamespaceTakesNoShare(t *testing.T) {
 	n := node("n1", 8, 81920, true)
 	c.SetNode(n)
 	share := ask("p", 20480, api.TimeSlicing, 1)
-	if v := c.FilterAt(n, share); !v.Fits {
+	if v := c.FilterAt(n, share, view{}); !v.Fits {
 		t.Fatalf("unlabelled node: %+v", v)
 	}
 	for i, ns := range []string{api.DefaultReservationNamespace, "team-reservations"} {
@@ -803,7 +803,7 @@ func TestNodeOfAnotherReservationNamespaceTakesNoShare(t *testing.T) {
 		l.Labels[api.LabelReservationNamespace] = ns
 		l.ResourceVersion = fmt.Sprint(10 + i)
 		c.SetNode(l)
-		v := c.FilterAt(l, share)
+		v := c.FilterAt(l, share, view{})
 		if v.Fits != fits || (!fits && !strings.Contains(v.Reason, "namespace team-reservations")) {
 			t.Errorf("agent's namespace %s: %+v, want fits %v", ns, v, fits)
 		}

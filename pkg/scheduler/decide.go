@@ -69,12 +69,13 @@ func (c *Cache) request(ns *nodeState, ask Ask) (gpu.Request, api.Resolved, erro
 	return r, resolved, nil
 }
 
-// Filter says whether a node can take the pod.
+// Filter says whether a node can take the pod, its whole GPUs counted by
+// the ledger alone.
 func (c *Cache) Filter(node string, ask Ask) Verdict {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	ns, ok := c.nodes[node]
-	return c.filter(ns, ok, ask)
+	return c.filter(ns, ok, ask, nil)
 }
 
 // FilterAt is Filter on the scheduler's snapshot of a node, applied first
@@ -86,7 +87,10 @@ func (c *Cache) Filter(node string, ask Ask) Verdict {
 // flush). A node the cache knows only from its pods takes the snapshot
 // too; one it does not know at all is left to its Add event: a deleted
 // node still in a snapshot must not come back.
-func (c *Cache) FilterAt(node *corev1.Node, ask Ask) Verdict {
+//
+// v is what the scheduler's NodeInfo and the cycle say beyond the cache:
+// the device plugin's GPUs, and preemption's what-if (preempt.go).
+func (c *Cache) FilterAt(node *corev1.Node, ask Ask, v view) Verdict {
 	c.mu.RLock()
 	ns, ok := c.nodes[node.Name]
 	if ok && ns.seen != node && (ns.seen == nil || olderVersion(ns.seen.ResourceVersion, node.ResourceVersion)) {
@@ -96,20 +100,33 @@ func (c *Cache) FilterAt(node *corev1.Node, ask Ask) Verdict {
 		ns, ok = c.nodes[node.Name]
 	}
 	defer c.mu.RUnlock()
-	return c.filter(ns, ok, ask)
+	return c.filter(ns, ok, ask, &v)
 }
 
-// filter is Filter's verdict on a node's state (ok: the node is known);
-// the caller holds the read lock.
-func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
+// filter is Filter's verdict on a node's state (ok: the node is known),
+// with v applied when given; the caller holds the read lock.
+func (c *Cache) filter(ns *nodeState, ok bool, ask Ask, v *view) Verdict {
+	ledger, reclaimable := (*gpu.Node)(nil), int64(0)
+	if ok && ns.Ledger != nil {
+		ledger = ns.Ledger
+		if v != nil && v.whatIf.changes() {
+			ledger, reclaimable = c.whatIfLedger(ns, *v)
+		}
+	}
 	if ask.Fraction == nil {
-		// Whole GPUs: the default plugins count the device plugin's
-		// GPUs; here only the shared ones are kept out of reach.
-		if !ok || ns.Ledger == nil {
+		// Whole GPUs: the device plugin's, as kube-scheduler counts them
+		// (with what a preemption would free), and on the ledger, where
+		// the shared ones are kept out of reach.
+		if v != nil {
+			if verdict, fits := wholeVerdict(ask, *v, reclaimable); !fits {
+				return verdict
+			}
+		}
+		if ledger == nil {
 			return Verdict{Fits: true}
 		}
 		r, _, _ := c.request(ns, ask)
-		if _, unfit := ns.Ledger.Fit(r); unfit != nil {
+		if _, unfit := ledger.Fit(r); unfit != nil {
 			return Verdict{Resolvable: true, Reason: fmt.Sprintf("%s: fewer than %d idle GPUs (GPUs shared by fractions are not given whole)", gpu.ReasonWhole, ask.Whole)}
 		}
 		return Verdict{Fits: true}
@@ -143,7 +160,7 @@ func (c *Cache) filter(ns *nodeState, ok bool, ask Ask) Verdict {
 		return Verdict{Reason: fmt.Sprintf("the share would hold more GPU memory on this node's GPUs than the %s charged to its namespace's quota (%s) when the pod was created, against the largest GPU known then; ask with gpu-memory to be charged exactly",
 			api.FormatMiB(ask.ChargeMiB), api.ResourceGPUMemory)}
 	}
-	if _, unfit := ns.Ledger.Fit(r); unfit != nil {
+	if _, unfit := ledger.Fit(r); unfit != nil {
 		return Verdict{Resolvable: true, Reason: explain(unfit.Reason, r)}
 	}
 	return Verdict{Fits: true}

@@ -80,9 +80,11 @@ func TestDeployedConfigIsTheExample(t *testing.T) {
 		t.Fatalf("example profile: %+v", cfg.Profiles)
 	}
 	// The quota charge is no node's resource: NodeResourcesFit must not
-	// count it, or no share would fit anywhere.
-	if ignored := fmt.Sprint(cfg.Profiles[0].PluginConfig[0].Args["ignoredResources"]); ignored != "["+string(api.ResourceGPUMemory)+"]" {
-		t.Errorf("NodeResourcesFit ignores %s, want [%s]", ignored, api.ResourceGPUMemory)
+	// count it, or no share would fit anywhere. Nor GPUs, which this
+	// plugin counts with what a preemption frees (preempt.go).
+	want := fmt.Sprint([]string{string(api.ResourceGPUMemory), string(api.ResourceGPU)})
+	if ignored := fmt.Sprint(cfg.Profiles[0].PluginConfig[0].Args["ignoredResources"]); ignored != want {
+		t.Errorf("NodeResourcesFit ignores %s, want %s", ignored, want)
 	}
 	raw, err := yaml.Marshal(cfg.Profiles[0].PluginConfig[1].Args)
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	corev1listers "k8s.io/client-go/listers/core/v1"
 	toolscache "k8s.io/client-go/tools/cache"
 	resourcehelper "k8s.io/component-helpers/resource"
@@ -57,18 +58,24 @@ type Plugin struct {
 	quotasSynced toolscache.InformerSynced
 	// lead caches what the leader-election Lease last said (leader.go).
 	lead leadership
+	// waiting are the pods whose PostFilter found the cache behind the
+	// scheduler's snapshot, by node: woken when a pod leaves it
+	// (waitForCache).
+	waitingMu sync.Mutex
+	waiting   map[string]map[types.UID]*corev1.Pod
 }
 
 var (
-	_ fwk.PreFilterPlugin   = (*Plugin)(nil)
-	_ fwk.FilterPlugin      = (*Plugin)(nil)
-	_ fwk.ScorePlugin       = (*Plugin)(nil)
-	_ fwk.ReservePlugin     = (*Plugin)(nil)
-	_ fwk.PreBindPlugin     = (*Plugin)(nil)
-	_ fwk.BindPlugin        = (*Plugin)(nil)
-	_ fwk.PostBindPlugin    = (*Plugin)(nil)
-	_ fwk.PostFilterPlugin  = (*Plugin)(nil)
-	_ fwk.EnqueueExtensions = (*Plugin)(nil)
+	_ fwk.PreFilterPlugin     = (*Plugin)(nil)
+	_ fwk.PreFilterExtensions = (*Plugin)(nil)
+	_ fwk.FilterPlugin        = (*Plugin)(nil)
+	_ fwk.ScorePlugin         = (*Plugin)(nil)
+	_ fwk.ReservePlugin       = (*Plugin)(nil)
+	_ fwk.PreBindPlugin       = (*Plugin)(nil)
+	_ fwk.BindPlugin          = (*Plugin)(nil)
+	_ fwk.PostBindPlugin      = (*Plugin)(nil)
+	_ fwk.PostFilterPlugin    = (*Plugin)(nil)
+	_ fwk.EnqueueExtensions   = (*Plugin)(nil)
 )
 
 // New builds the plugin from its arguments; it is the factory registered
@@ -133,9 +140,12 @@ func (p *Plugin) onPod(obj any, deleted bool) {
 	}
 	if deleted {
 		p.cache.DeletePod(pod)
-		return
+	} else {
+		p.cache.SetPod(pod)
 	}
-	p.cache.SetPod(pod)
+	if deleted || api.PodEnded(pod) {
+		p.wake(pod.Spec.NodeName)
+	}
 }
 
 func (p *Plugin) onNode(obj any, deleted bool) {
@@ -293,17 +303,14 @@ func (p *Plugin) policy() (placement.Policy, error) {
 // policyTTL is how long a policy built from the workload's shapes is used.
 const policyTTL = time.Second
 
-// PreFilterExtensions implements fwk.PreFilterPlugin: the plugin keeps its
-// own ledger, so preemption's what-if removals do not apply to it.
-func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return nil }
-
-// Filter checks the node's GPUs.
+// Filter checks the node's GPUs, as preemption's simulation has changed
+// them when it has (preempt.go).
 func (p *Plugin) Filter(_ context.Context, state fwk.CycleState, _ *corev1.Pod, nodeInfo fwk.NodeInfo) *fwk.Status {
 	c, status := readCycle(state)
 	if status != nil {
 		return status
 	}
-	v := p.cache.FilterAt(nodeInfo.Node(), c.ask)
+	v := p.cache.FilterAt(nodeInfo.Node(), c.ask, viewOf(state, nodeInfo))
 	switch {
 	case v.Fits:
 		return nil
@@ -431,12 +438,21 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 	// PostFilter also runs for a pod whose PreFilter refused it (an
 	// invalid request), which wrote no cycle: nothing to reclaim for it.
 	c, status := readCycle(state)
-	if status != nil || c.ask.Whole == 0 {
+	if status != nil || !c.ask.GPU() {
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
 	infos, err := statuses.NodesForStatusCode(p.handle.SnapshotSharedLister().NodeInfos(), fwk.Unschedulable)
 	if err != nil {
 		return nil, fwk.AsStatus(err)
+	}
+	if gone, node, behind := p.waitForCache(pod, infos); behind {
+		// Unresolvable ends PostFilter here: DefaultPreemption, next,
+		// would weigh the same stale ledger.
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
+			"gpufrac's GPU cache has not yet seen pod %s leave node %s; trying again once it has, before reclaiming GPUs or preempting", gone, node))
+	}
+	if c.ask.Whole == 0 {
+		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
 	var nodes []string
 	for _, info := range infos {

@@ -1,0 +1,187 @@
+package scheduler
+
+import (
+	"context"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
+)
+
+// preemptNode is n1 with two 80000 MiB GPUs, each shared by two halves
+// (a, b on GPU 0; c, d on GPU 1) and held by its reservation pod, as the
+// cache and kube-scheduler's NodeInfo both hold it.
+func preemptNode(t *testing.T) (*Plugin, *framework.NodeInfo, map[string]*corev1.Pod) {
+	t.Helper()
+	p := &Plugin{args: testArgs(), cache: NewCache(testArgs())}
+	n := node("n1", 2, 80000, true)
+	p.cache.SetNode(n)
+	pods := map[string]*corev1.Pod{}
+	info := framework.NewNodeInfo()
+	info.SetNode(n)
+	for i, g := range []string{"g0", "g1"} {
+		uuid := []string{"GPU-0", "GPU-1"}[i]
+		r := reservationPod("n1", g, uuid)
+		r.Spec.Containers[0].Resources.Requests = corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(1, resource.DecimalSI)}
+		p.cache.SetPod(r)
+		info.AddPod(r)
+		for _, name := range []string{"ab", "cd"}[i] {
+			pod := placedPod(string(name), "n1", 40000, api.TimeSlicing, "", []string{g}, []string{uuid})
+			p.cache.SetPod(pod)
+			info.AddPod(pod)
+			pods[string(name)] = pod
+		}
+	}
+	return p, info, pods
+}
+
+func cycleFor(a Ask) fwk.CycleState {
+	state := framework.NewCycleState()
+	state.Write(stateKey, &cycle{ask: a})
+	return state
+}
+
+func podInfo(t *testing.T, pod *corev1.Pod) fwk.PodInfo {
+	t.Helper()
+	pi, err := framework.NewPodInfo(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pi
+}
+
+// Removing a share, as DefaultPreemption weighs a victim, frees its
+// memory for the preemptor in Filter; adding it back takes it again; the
+// cache's ledger never changes, and a clone of the state (one per node
+// weighed) is apart from the original.
+func TestFilterWeighsPreemptionsRemovals(t *testing.T) {
+	p, info, pods := preemptNode(t)
+	ctx := context.Background()
+	state := cycleFor(ask("preemptor", 40000, api.TimeSlicing, 1))
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() || s.Code() != fwk.Unschedulable {
+		t.Fatalf("full node: %v, want Unschedulable (preemption may help)", s)
+	}
+	if s := p.RemovePod(ctx, state, nil, podInfo(t, pods["c"]), info); !s.IsSuccess() {
+		t.Fatal(s)
+	}
+	if s := p.Filter(ctx, state, nil, info); !s.IsSuccess() {
+		t.Fatalf("with c weighed as a victim: %v, want it to fit", s)
+	}
+	clone := state.Clone()
+	if s := p.AddPod(ctx, clone, nil, podInfo(t, pods["c"]), info); !s.IsSuccess() {
+		t.Fatal(s)
+	}
+	if s := p.Filter(ctx, clone, nil, info); s.IsSuccess() {
+		t.Fatal("c reprieved on a clone: the preemptor still fits")
+	}
+	if s := p.Filter(ctx, state, nil, info); !s.IsSuccess() {
+		t.Fatalf("the clone's reprieve changed the original state: %v", s)
+	}
+	if s := p.cache.Filter("n1", ask("other", 40000, api.TimeSlicing, 1)); s.Fits {
+		t.Fatal("a what-if removal freed memory in the cache's ledger")
+	}
+	// An sm-sharing preemptor needs a GPU whose time-slicing tenants are
+	// all gone: one victim frees memory but not the mode.
+	sm := cycleFor(ask("sm", 40000, api.SMSharing, 1))
+	_ = p.RemovePod(ctx, sm, nil, podInfo(t, pods["c"]), info)
+	if s := p.Filter(ctx, sm, nil, info); s.IsSuccess() {
+		t.Fatal("an sm-sharing preemptor fits beside a time-slicing share")
+	}
+	_ = p.RemovePod(ctx, sm, nil, podInfo(t, pods["d"]), info)
+	if s := p.Filter(ctx, sm, nil, info); !s.IsSuccess() {
+		t.Fatalf("with both time-slicing shares of GPU 1 weighed: %v", s)
+	}
+}
+
+// A whole-GPU preemptor fits once every share of one GPU is weighed away:
+// kube-scheduler's count (NodeInfo) still holds the GPU's reservation
+// pod, which is never a victim, and which Reclaim deletes once its group
+// is empty; one share gone is not enough.
+func TestWholeGPUPreemptorNeedsAGPUEmptied(t *testing.T) {
+	p, info, pods := preemptNode(t)
+	ctx := context.Background()
+	state := cycleFor(Ask{UID: "whole", Whole: 1})
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() || s.Code() != fwk.Unschedulable {
+		t.Fatalf("full node: %v, want Unschedulable", s)
+	}
+	_ = p.RemovePod(ctx, state, nil, podInfo(t, pods["a"]), info)
+	_ = p.RemovePod(ctx, state, nil, podInfo(t, pods["c"]), info)
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("a whole GPU fits with one share gone from each GPU")
+	}
+	_ = p.RemovePod(ctx, state, nil, podInfo(t, pods["b"]), info)
+	if s := p.Filter(ctx, state, nil, info); !s.IsSuccess() {
+		t.Fatalf("GPU 0 emptied: %v, want the whole-GPU pod to fit", s)
+	}
+	// Reservation pods are never weighed: removing one changes nothing.
+	state = cycleFor(Ask{UID: "whole", Whole: 1})
+	_ = p.RemovePod(ctx, state, nil, podInfo(t, reservationPod("n1", "g0", "GPU-0")), info)
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("a reservation pod weighed as a victim freed its GPU under its tenants")
+	}
+}
+
+// A pod nominated to the node (a preemptor waiting for its victims) is
+// held the room its victims free: a pod of lower priority filtered
+// meanwhile sees that room taken, even while the victims still terminate.
+func TestNominatedPodHoldsTheRoomItsVictimsFree(t *testing.T) {
+	p, info, pods := preemptNode(t)
+	ctx := context.Background()
+	nominee := pod("nominee", "", map[string]string{api.KeyFraction: "0.5"})
+	now := metav1.Now()
+	victim := pods["d"].DeepCopy()
+	victim.DeletionTimestamp = &now
+	if err := info.RemovePod(klog.Background(), pods["d"]); err != nil {
+		t.Fatal(err)
+	}
+	info.AddPod(victim)
+
+	// The victim has not gone: nobody fits, with or without the nominee.
+	state := cycleFor(ask("late", 40000, api.TimeSlicing, 1))
+	_ = p.AddPod(ctx, state, nil, podInfo(t, nominee), info)
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("a late pod fits while the victim terminates")
+	}
+	// The victim gone: its GPU's half is the nominee's, not the late pod's.
+	p.cache.DeletePod(victim)
+	_ = info.RemovePod(klog.Background(), victim)
+	if s := p.Filter(ctx, cycleFor(ask("late", 40000, api.TimeSlicing, 1)), nil, info); !s.IsSuccess() {
+		t.Fatalf("without the nominee the freed half fits: %v", s)
+	}
+	state = cycleFor(ask("late", 40000, api.TimeSlicing, 1))
+	_ = p.AddPod(ctx, state, nil, podInfo(t, nominee), info)
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("a lower-priority pod took the room freed for the nominated preemptor")
+	}
+	// A pod already booked in the cache (assumed or bound) is not booked
+	// twice.
+	state = cycleFor(ask("late", 40000, api.TimeSlicing, 1))
+	_ = p.AddPod(ctx, state, nil, podInfo(t, pods["a"]), info)
+	if s := p.Filter(ctx, state, nil, info); !s.IsSuccess() {
+		t.Fatalf("a bound tenant added again took room: %v", s)
+	}
+}
+
+// Behind says when the cache still books a pod the scheduler's snapshot
+// no longer shows on its node: PostFilter then waits for the cache
+// rather than weigh preemption on a stale ledger.
+func TestBehindFindsAPodOnlyTheCacheHolds(t *testing.T) {
+	p, info, pods := preemptNode(t)
+	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}); behind {
+		t.Fatal("behind with the cache and the snapshot alike")
+	}
+	_ = info.RemovePod(klog.Background(), pods["b"])
+	if gone, node, behind := p.cache.Behind([]fwk.NodeInfo{info}); !behind || gone != "default/b" || node != "n1" {
+		t.Fatalf("Behind = %s %s %v, want default/b on n1", gone, node, behind)
+	}
+	p.cache.DeletePod(pods["b"])
+	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}); behind {
+		t.Fatal("still behind once the cache saw the pod go")
+	}
+}
