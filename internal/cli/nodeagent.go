@@ -65,6 +65,12 @@ with no GPU, kubelet or container runtime.`,
 			if opts.UsageWindow < opts.ResyncPeriod {
 				return fmt.Errorf("--usage-window %s must be at least --resync-period (%s): it holds a reading per resync", opts.UsageWindow, opts.ResyncPeriod)
 			}
+			if opts.BurstReclaim != agent.BurstReclaimPriority && opts.BurstReclaim != agent.BurstReclaimOff {
+				return fmt.Errorf("--burst-reclaim %q: must be %s (stop the lowest-priority tenant above its request on a GPU short of memory) or %s", opts.BurstReclaim, agent.BurstReclaimPriority, agent.BurstReclaimOff)
+			}
+			if opts.BurstReclaimBelowPercent < 1 || opts.BurstReclaimBelowPercent > 50 {
+				return fmt.Errorf("--burst-reclaim-below %d: must be a percentage of a GPU's memory from 1 to 50", opts.BurstReclaimBelowPercent)
+			}
 			if opts.ResyncPeriod < time.Second {
 				return fmt.Errorf("--resync-period %s must be at least 1s", opts.ResyncPeriod)
 			}
@@ -120,6 +126,8 @@ with no GPU, kubelet or container runtime.`,
 	f.StringVar(&opts.MetricsAddr, "metrics-addr", opts.MetricsAddr, "address of /metrics, over TLS (a self-signed certificate) for callers with a token the API server accepts and the right to get the non-resource URL /metrics (the chart's gpufrac-metrics-reader role); empty disables")
 	f.DurationVar(&opts.ResyncPeriod, "resync-period", opts.ResyncPeriod, "how often to re-read the GPUs, republish and annotate reservation pods (and read what the tenants use)")
 	f.DurationVar(&opts.UsagePublishPeriod, "usage-publish-period", opts.UsagePublishPeriod, "how often, at most, the tenants' use is rewritten on the Node (annotation gpufrac.io/gpu-usage) for gpufrac top and the dashboard; /metrics has every reading")
+	f.StringVar(&opts.BurstReclaim, "burst-reclaim", opts.BurstReclaim, "what to do when a GPU runs short of memory while tenants use more than their request: priority (stop the lowest-priority one above its request first, then the one furthest above it; never one within its request) or off (leave it to the driver)")
+	f.IntVar(&opts.BurstReclaimBelowPercent, "burst-reclaim-below", opts.BurstReclaimBelowPercent, "free memory, in percent of a GPU's, below which --burst-reclaim acts")
 	f.DurationVar(&opts.UsageWindow, "usage-window", opts.UsageWindow, "how far back the agent remembers its tenants' GPU use (a reading per resync, in memory) for the percentiles it publishes on the Node (gpufrac top --advise)")
 	f.DurationVar(&opts.SecurityStopGrace, "security-stop-grace", opts.SecurityStopGrace, "the most grace the agent's deletions give a pod it must stop (a container unenforced, a root MPS client, a share no reservation holds), whatever terminationGracePeriodSeconds or preStop hook its tenant wrote")
 	f.DurationVar(&opts.StopGrace, "stop-grace", opts.StopGrace, "how long a stopping agent, its node already marked not ready, keeps serving the runtime for the containers of pods placed just before (keep it below the pod's termination grace period)")

@@ -109,6 +109,12 @@ type Options struct {
 	// running unenforced (or on a replaced MPS daemon) is killed on the
 	// node (its cgroup's processes).
 	SecurityStopGrace time.Duration
+	// BurstReclaim is the policy for a GPU short of memory while tenants
+	// use more than their request (BurstReclaimPriority, or
+	// BurstReclaimOff); BurstReclaimBelowPercent is the free memory, in
+	// percent of the GPU's, below which it acts (reclaim.go).
+	BurstReclaim             string
+	BurstReclaimBelowPercent int
 	// MetricsAddr serves /metrics over TLS to the callers MetricsAuth lets
 	// through; "" serves no metrics.
 	MetricsAddr string
@@ -176,6 +182,9 @@ type Agent struct {
 	// usagePublished is when the usage annotation was last handed to
 	// publish (resync only).
 	usagePublished time.Time
+	// reclaiming are the pods burst reclaim deleted, by UID, until they
+	// are gone from the readings (resync only).
+	reclaiming map[string]bool
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -202,9 +211,12 @@ func DefaultOptions() Options {
 		ResyncPeriod:       30 * time.Second,
 		UsageWindow:        time.Hour,
 		UsagePublishPeriod: time.Minute,
-		StopGrace:          5 * time.Second,
-		SecurityStopGrace:  10 * time.Second,
-		DRA:                DRAOptions{StandingGPUs: -1},
+
+		BurstReclaim:             BurstReclaimPriority,
+		BurstReclaimBelowPercent: api.DefaultReclaimBelowPercent,
+		StopGrace:                5 * time.Second,
+		SecurityStopGrace:        10 * time.Second,
+		DRA:                      DRAOptions{StandingGPUs: -1},
 	}
 }
 
@@ -217,7 +229,9 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	opts.CgroupRoot = cmp.Or(opts.CgroupRoot, d.CgroupRoot)
 	opts.UsageWindow = cmp.Or(opts.UsageWindow, d.UsageWindow)
 	opts.UsagePublishPeriod = cmp.Or(opts.UsagePublishPeriod, d.UsagePublishPeriod)
-	return &Agent{opts: opts, client: client, metrics: metrics.New(), usage: usage.NewWindow(opts.UsageWindow)}
+	opts.BurstReclaim = cmp.Or(opts.BurstReclaim, d.BurstReclaim)
+	opts.BurstReclaimBelowPercent = cmp.Or(opts.BurstReclaimBelowPercent, d.BurstReclaimBelowPercent)
+	return &Agent{opts: opts, client: client, metrics: metrics.New(), usage: usage.NewWindow(opts.UsageWindow), reclaiming: map[string]bool{}}
 }
 
 // Run works until ctx ends, then marks the node not ready for fractions

@@ -227,7 +227,8 @@ func (a *Agent) resync(ctx context.Context) {
 	a.reconcileContainers(ctx, hw.mpsErr == nil)
 	desired := publish.Compute(cfg.Publish, node.Labels)
 	a.record(hw, cfg, desired.Condition.Status == corev1.ConditionTrue)
-	use, publishUse := a.measureUsage(logger, hw)
+	measured, use, publishUse := a.measureUsage(logger, hw)
+	a.reclaimBursts(ctx, logger, hw, measured)
 	if err := publish.Apply(ctx, a.client, node, desired); err != nil {
 		logger.Error(err, "Cannot publish the node's GPU-fraction state")
 		a.setPublished(false)

@@ -77,7 +77,7 @@ func slimPod(obj any) (any, error) {
 		ObjectMeta: metav1.ObjectMeta{Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID,
 			ResourceVersion: pod.ResourceVersion, DeletionTimestamp: pod.DeletionTimestamp},
 		Spec: corev1.PodSpec{NodeName: pod.Spec.NodeName, TerminationGracePeriodSeconds: pod.Spec.TerminationGracePeriodSeconds,
-			HostUsers: pod.Spec.HostUsers},
+			HostUsers: pod.Spec.HostUsers, Priority: pod.Spec.Priority},
 		Status: corev1.PodStatus{Phase: pod.Status.Phase},
 	}
 	// Of each container, its name and whether it may gain privileges.
@@ -125,6 +125,18 @@ func (w *podWatch) grace(namespace, name, uid string) (int64, bool) {
 		return 0, false
 	}
 	return *pod.Spec.TerminationGracePeriodSeconds, true
+}
+
+// pod is the watched pod of that name and UID.
+func (w *podWatch) pod(namespace, name, uid string) (*corev1.Pod, bool) {
+	if w == nil || !w.synced() {
+		return nil, false
+	}
+	pod, err := w.lister.Pods(namespace).Get(name)
+	if err != nil || string(pod.UID) != uid {
+		return nil, false
+	}
+	return pod, true
 }
 
 // mayEscalate is nriplugin.Options.MayEscalate: whether the container of

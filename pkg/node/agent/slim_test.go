@@ -40,11 +40,17 @@ func fatPod(i int) *corev1.Pod {
 
 // Issue 53: the agent caches of its node's pods only what it reads.
 func TestSlimPodKeepsWhatTheAgentReads(t *testing.T) {
-	obj, err := slimPod(fatPod(0))
+	fat := fatPod(0)
+	priority := int32(1000)
+	fat.Spec.Priority = &priority // burst reclaim's order
+	obj, err := slimPod(fat)
 	if err != nil {
 		t.Fatal(err)
 	}
 	slim := obj.(*corev1.Pod)
+	if slim.Spec.Priority == nil || *slim.Spec.Priority != 1000 {
+		t.Error("the pod's priority was dropped")
+	}
 	if _, ok := slim.Annotations["team.example.com/blob"]; ok {
 		t.Error("a tenant's own annotation was kept")
 	}

@@ -18,11 +18,11 @@ import (
 // notes when a write succeeded, usagePublished); ok is
 // false when the GPUs are not known or the period has not passed (the
 // annotation is then left as it is).
-func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[string]*string, ok bool) {
+func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (m usage.Measurement, annotations map[string]*string, ok bool) {
 	if hw.invErr != nil {
 		// The GPUs unknown, so is their use: no figure stays exported.
 		a.metrics.Usage(a.opts.NodeName, usage.Measurement{}, 0)
-		return nil, false
+		return m, nil, false
 	}
 	gpus := make([]string, 0, len(hw.inv.GPUs))
 	for _, g := range hw.inv.GPUs {
@@ -34,20 +34,20 @@ func (a *Agent) measureUsage(logger klog.Logger, hw hardware) (annotations map[s
 			Devices: t.Devices, RequestMiB: t.RequestMiB, LimitMiB: t.LimitMiB, Mode: t.Mode})
 	}
 	start := time.Now()
-	m := a.env.measure(tenants, a.shareholders, gpus, start)
+	m = a.env.measure(tenants, a.shareholders, gpus, start)
 	a.metrics.Usage(a.opts.NodeName, m, time.Since(start))
 	a.usage.Add(m)
 	// Less half a resync: resyncs do not start to the millisecond, and a
 	// period of a minute must not slip to a minute and a half.
 	if start.Sub(a.usagePublished) < a.opts.UsagePublishPeriod-a.opts.ResyncPeriod/2 {
-		return nil, false
+		return m, nil, false
 	}
 	annotations, err := api.UsageWrite(a.usage.Summary())
 	if err != nil {
 		logger.Error(err, "Cannot encode the tenants' GPU use")
-		return nil, false
+		return m, nil, false
 	}
-	return annotations, true
+	return m, annotations, true
 }
 
 // shareholders are the node's pods that hold shares, one tenant per

@@ -106,7 +106,7 @@ func New() *Metrics {
 		limitHits: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_container_gpu_memory_limit_hits_total",
 			Help: "Resyncs at which a container's GPU memory use had reached its hard limit."}, container),
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "gpufrac_enforcement_events_total",
-			Help: "Containers refused, started without a GPU (fail-open), evicted for missing enforcement, left running without it (fail-open), or whose soft limit could not be released."},
+			Help: "Containers refused, started without a GPU (fail-open), evicted for missing enforcement, left running without it (fail-open), whose soft limit could not be released, or stopped above their request on a GPU short of memory (burst_reclaimed)."},
 			[]string{"event"}),
 		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "gpufrac_container_enforcement",
 			Help: "1 for each fractional container with its memory-limit backend and enforcement state (injected, enforced, unenforced, fail_open)."},
@@ -138,6 +138,9 @@ const (
 	EventUnenforced    = "unenforced"
 	EventMPSRestarted  = "mps_restarted"
 	EventPoliced       = "policed"
+	// EventReclaimed: a tenant above its request stopped on a GPU short
+	// of memory (burst reclaim).
+	EventReclaimed = "burst_reclaimed"
 )
 
 // Count records one enforcement event.
