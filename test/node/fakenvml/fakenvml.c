@@ -35,7 +35,9 @@
  *              its utilisation, which nvmlDeviceGetProcessUtilization
  *              reports as one sample per busy process (SM > 0) stamped now,
  *              NOT_FOUND when none is busy, as nvml.h says; the GPU's used
- *              memory (nvmlDeviceGetMemoryInfo) and utilisation are the sums;
+ *              memory (nvmlDeviceGetMemoryInfo: of the processes still
+ *              alive, as the driver frees an exited one's) and utilisation
+ *              are the sums;
  *   compute-mode-UUID
  *              the GPU's compute mode, as NVML numbers it (absent: Default),
  *              written by nvmlDeviceSetComputeMode (root only, as nvml.h
@@ -223,8 +225,14 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
     struct nvmlDevice_st *g = dev(d);
     if (g == NULL || m == NULL) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = processes(g, -1, ps, MAX_PROCESSES);
+    char proc[64];
     m->total = g->memory; m->used = 0;
-    for (unsigned int i = 0; i < n; i++) m->used += ps[i].bytes;
+    for (unsigned int i = 0; i < n; i++) {
+        /* The driver frees an exited process's memory at once, whatever a
+         * process list may still say of it. */
+        snprintf(proc, sizeof proc, "/proc/%u", ps[i].pid);
+        if (access(proc, F_OK) == 0) m->used += ps[i].bytes;
+    }
     m->free = m->used < g->memory ? g->memory - m->used : 0;
     return NVML_SUCCESS;
 }
