@@ -73,6 +73,9 @@ Exit status: 0 when clean, 1 on any violation, 2 when the cluster cannot be read
 			for _, r := range audit.Resizes(pods.Items) {
 				fmt.Fprintln(out, r)
 			}
+			for _, r := range audit.Reclaims(nodes.Items, pods.Items, claims) {
+				fmt.Fprintln(out, r)
+			}
 			if len(found) > 0 {
 				return &ExitError{Code: 1, Err: fmt.Errorf("audit: %d violation(s) on %d node(s) and %d pod(s)", len(found), len(nodes.Items), len(pods.Items))}
 			}

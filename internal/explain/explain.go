@@ -173,6 +173,12 @@ func printDecision(out io.Writer, d injection.Decision) {
 			share += fmt.Sprintf(", compute portion %s", a.Portion)
 		}
 		fmt.Fprintln(out, share)
+		if a.LimitMiB > a.RequestMiB {
+			// Burst reclaim (api.ReclaimOrder): what the limit above the
+			// request is worth when the GPU runs short.
+			fmt.Fprintf(out, "  burst: above its request of %dMi it may be stopped while its GPU has under %d%% of its memory free (the node agent's --burst-reclaim: the lowest priority above its request first, then the furthest above it)\n",
+				a.RequestMiB, api.DefaultReclaimBelowPercent)
+		}
 	} else {
 		fmt.Fprintln(out, "  share: none (the container is shown no GPU)")
 	}

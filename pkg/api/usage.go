@@ -18,7 +18,7 @@ const UsageAnnotation = "gpufrac.io/gpu-usage"
 
 // SimulatedLoadAnnotation names, on a pod, the load a simulated GPU
 // (a node agent run with --simulate-gpus: a local cluster, the demo)
-// reports for it: idle, steady, busy or bursty. A node with real GPUs
+// reports for it: idle, steady, busy, bursty or greedy. A node with real GPUs
 // never reads it: there, use is measured.
 const SimulatedLoadAnnotation = "gpufrac.io/simulated-load"
 

@@ -19,6 +19,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
+	"github.com/gpufrac/gpufrac/pkg/clusterview"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
 	"github.com/gpufrac/gpufrac/pkg/ledgers"
 )
@@ -175,6 +176,25 @@ func OnNodes(pods []corev1.Pod, nodes []corev1.Node) []corev1.Pod {
 			out = append(out, p)
 		}
 	}
+	return out
+}
+
+// Reclaims are, for each GPU whose tenants use more than their request by
+// their node's last reading, the order in which its node agent would stop
+// them were the GPU short of memory (api.ReclaimOrder), one line per GPU,
+// sorted: no violation (a share may burst up to its limit while the GPU
+// has room), but what an operator reads beside the audit.
+func Reclaims(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.ResourceClaim) []string {
+	var out []string
+	for _, n := range clusterview.Build(nodes, pods, claims).Nodes {
+		for _, g := range n.Shared {
+			if len(g.ReclaimOrder) == 0 {
+				continue
+			}
+			out = append(out, fmt.Sprintf("reclaimed first on %s GPU %s, were it short of memory: %s", n.Name, g.UUID, strings.Join(g.ReclaimOrder, ", ")))
+		}
+	}
+	slices.Sort(out)
 	return out
 }
 

@@ -146,3 +146,40 @@ func TestEditedGroupsAreReported(t *testing.T) {
 		t.Errorf("violations %v: want the edited groups and GPU-a over-committed", got)
 	}
 }
+
+// The audit names, beside its findings, who would be reclaimed first on
+// each GPU were it short of memory: the tenants above their request by
+// their node's last reading, lowest priority first. A burst is no
+// violation: the cluster stays clean.
+func TestReclaimsNameTheOrderBesideACleanAudit(t *testing.T) {
+	node := gpuNode("n1", 1)
+	ann, err := api.UsageWrite(api.NodeUsage{At: time.Now(), Pods: []api.PodGPUUsage{
+		{Pod: "team/low", GPU: "GPU-a", UsedMiB: i64(25000)},
+		{Pod: "team/high", GPU: "GPU-a", UsedMiB: i64(30000)},
+		{Pod: "team/within", GPU: "GPU-a", UsedMiB: i64(10000)},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if node.Annotations == nil {
+		node.Annotations = map[string]string{}
+	}
+	for k, v := range ann {
+		node.Annotations[k] = *v
+	}
+	pods := []corev1.Pod{reservation("n1", "ga", "GPU-a")}
+	for name, priority := range map[string]int32{"low": 0, "high": 1000, "within": -1} {
+		p := tenant(name, "n1", 20000, api.TimeSlicing, "", "ga", "GPU-a")
+		p.Spec.Priority = &priority
+		pods = append(pods, p)
+	}
+	if got := check([]corev1.Node{node}, pods...); len(got) != 0 {
+		t.Fatalf("bursting tenants reported as violations: %v", got)
+	}
+	got := Reclaims([]corev1.Node{node}, pods, nil)
+	if want := []string{"reclaimed first on n1 GPU GPU-a, were it short of memory: team/low, team/high"}; !slices.Equal(got, want) {
+		t.Errorf("Reclaims = %q, want %q", got, want)
+	}
+}
+
+func i64(v int64) *int64 { return &v }

@@ -2,6 +2,7 @@ package clusterview
 
 import (
 	"bytes"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -124,5 +125,39 @@ func TestHistoryKeepsAnHourOfReadingsOnce(t *testing.T) {
 	}
 	if _, ok := h.tenants["n1/GPU-a/ml/b"]; ok {
 		t.Error("a tenant gone is remembered")
+	}
+}
+
+// Top marks the tenants above their request with their place in the
+// reclaim order, the lowest priority first; one within its request, or
+// whose use is unknown, is never in it.
+func TestRenderShowsTheReclaimOrder(t *testing.T) {
+	g := GPU{UUID: "GPU-a", Mode: api.TimeSlicing, Tenants: []Tenant{
+		{Pod: "ml/prod", RequestMiB: 8192, LimitMiB: 16384, Priority: 1000, Use: usage(12288, 12288, 10)},
+		{Pod: "ml/nb", RequestMiB: 8192, LimitMiB: 16384, Use: usage(9216, 9216, 10)},
+		{Pod: "ml/within", RequestMiB: 8192, LimitMiB: 16384, Priority: -1, Use: usage(8192, 8192, 10)},
+		{Pod: "ml/unknown", RequestMiB: 4096, LimitMiB: 8192},
+	}}
+	g.ReclaimOrder = reclaimOrder(g.Tenants)
+	if want := []string{"ml/nb", "ml/prod"}; !slices.Equal(g.ReclaimOrder, want) {
+		t.Fatalf("order %v, want %v", g.ReclaimOrder, want)
+	}
+	var out bytes.Buffer
+	if err := Render(&out, View{Nodes: []Node{{Name: "n1", GPUs: 1, MemoryMiB: 81920, Ready: true, Shared: []GPU{g}}}}); err != nil {
+		t.Fatal(err)
+	}
+	marks := map[string]string{"ml/nb": "reclaim #1", "ml/prod": "reclaim #2", "ml/within": "", "ml/unknown": ""}
+	for _, line := range strings.Split(out.String(), "\n") {
+		for pod, mark := range marks {
+			if !strings.Contains(line, pod) {
+				continue
+			}
+			if has := strings.Contains(line, "reclaim #"); has != (mark != "") || !strings.Contains(line, mark) {
+				t.Errorf("line %q, want mark %q", line, mark)
+			}
+			if len(line) > 80 {
+				t.Errorf("line of %d columns: %q", len(line), line)
+			}
+		}
 	}
 }

@@ -86,6 +86,10 @@ type GPU struct {
 	Use *api.GPUUsage `json:"use,omitempty"`
 	// History is its use over the last hour, as for a tenant.
 	History []Sample `json:"history,omitempty"`
+	// ReclaimOrder are the tenants (namespace/name) the node agent would
+	// stop, first to last, were the GPU short of memory now: those above
+	// their request by their last reading (api.ReclaimOrder).
+	ReclaimOrder []string `json:"reclaimOrder,omitempty"`
 }
 
 // Tenant is a fractional pod on a GPU.
@@ -95,6 +99,8 @@ type Tenant struct {
 	Claim      bool  `json:"claim,omitempty"`
 	RequestMiB int64 `json:"requestMiB"`
 	LimitMiB   int64 `json:"limitMiB"`
+	// Priority is the pod's (spec.priority), which orders burst reclaim.
+	Priority int32 `json:"priority,omitempty"`
 	// Portion is the sm-sharing compute share ("" for time-slicing).
 	Portion string `json:"portion,omitempty"`
 	// Annotations are the pod's GPU-fraction annotations: what it asked
@@ -155,8 +161,12 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 	c := ledgers.Build(nodes, pods, claims)
 	annotations := map[string]map[string]string{} // namespace/name → GPU-fraction annotations
 	resizes := map[string]string{}                // namespace/name → api.DescribeResize
+	priorities := map[string]int32{}              // namespace/name → spec.priority
 	for i := range pods {
 		p := &pods[i]
+		if p.Spec.Priority != nil {
+			priorities[p.Namespace+"/"+p.Name] = *p.Spec.Priority
+		}
 		if as, err := api.ParseAssignments(p.Annotations); err == nil && len(as) > 0 && p.Spec.NodeName != "" {
 			resizes[p.Namespace+"/"+p.Name] = api.DescribeResize(p, as[0])
 		}
@@ -233,7 +243,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 						}
 						tenant := Tenant{Pod: t.Pod, Claim: t.Claim, RequestMiB: shares[key].Request, LimitMiB: shares[key].Limit, Annotations: annotations[t.Pod]}
 						if !t.Claim {
-							tenant.Resize = resizes[t.Pod]
+							tenant.Resize, tenant.Priority = resizes[t.Pod], priorities[t.Pod]
 						}
 						if pu, ok := use.Of(t.Pod, g.UUID); ok && measured {
 							tenant.Use = &pu
@@ -245,6 +255,7 @@ func Build(nodes []corev1.Node, pods []corev1.Pod, claims []resourceapi.Resource
 						g.Tenants = append(g.Tenants, tenant)
 					}
 					slices.SortFunc(g.Tenants, func(a, b Tenant) int { return strings.Compare(a.Pod, b.Pod) })
+					g.ReclaimOrder = reclaimOrder(g.Tenants)
 					n.Shared = append(n.Shared, g)
 					held += d.Charged()
 					free += max(d.Free(), 0)
@@ -371,6 +382,11 @@ func Render(w io.Writer, v View) error {
 				if t.NearLimit {
 					portion = strings.TrimSpace(portion + "  NEAR LIMIT")
 				}
+				if i := slices.Index(g.ReclaimOrder, t.Pod); i >= 0 && !t.Claim {
+					// Above its request: where it stands should the GPU
+					// run short of memory.
+					portion = strings.TrimSpace(fmt.Sprintf("%s  reclaim #%d", portion, i+1))
+				}
 				line := fmt.Sprintf("    %-37s %7s %7s %7s  %s", clip(who, 37), mib(t.RequestMiB), mib(t.LimitMiB), used(t.Use), portion)
 				b.WriteString(strings.TrimRight(line, " ") + "\n")
 			}
@@ -385,6 +401,24 @@ func Render(w io.Writer, v View) error {
 		s.GPUs, s.AllocationPct, s.FragmentationPct, s.Pending)
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// reclaimOrder is the order in which the node agent would stop a GPU's
+// tenants were it short of memory (api.ReclaimOrder), by their last
+// reading. A claim's share is left out: it is ordered by the pod that
+// consumes it, which the view does not name.
+func reclaimOrder(tenants []Tenant) []string {
+	var bursts []api.Burst
+	for _, t := range tenants {
+		if !t.Claim && t.Use != nil && t.Use.UsedMiB != nil {
+			bursts = append(bursts, api.Burst{Pod: t.Pod, Priority: t.Priority, RequestMiB: t.RequestMiB, UsedMiB: *t.Use.UsedMiB})
+		}
+	}
+	var out []string
+	for _, b := range api.ReclaimOrder(bursts) {
+		out = append(out, b.Pod)
+	}
+	return out
 }
 
 // used prints a tenant's memory in use, "-" where unknown.

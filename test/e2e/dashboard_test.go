@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -186,6 +187,34 @@ func TestDashboardInABrowser(t *testing.T) {
 	}
 	if gpuUse := text(chromedp.CSS(`.gpu[data-uuid="` + halfGPU.UUID + `"] .gpu-use`)); !strings.HasPrefix(gpuUse, "in use ") {
 		t.Errorf("fraction-half's GPU's use: %q", gpuUse)
+	}
+
+	// A share that holds most of its limit, above its request, is named
+	// first to be reclaimed on its GPU, as /api/view (top's order) says.
+	greedy := pod("greedy", map[string]string{api.KeyMemory: "4096", api.KeyMemoryLimit: "8Gi", api.SimulatedLoadAnnotation: "greedy"})
+	if _, err := c.Admin.CoreV1().Pods("default").Create(ctx, greedy, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var greedyGPU, reclaim string
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(500 * time.Millisecond) {
+		for _, n := range apiView(t, c.DashboardURL).Nodes {
+			for _, g := range n.Shared {
+				if slices.Contains(g.ReclaimOrder, "default/greedy") {
+					greedyGPU = g.UUID
+				}
+			}
+		}
+		if greedyGPU == "" {
+			continue
+		}
+		// Read in one step of the page's script, which may redraw it.
+		got, err := chromedp.Run(page, chromedp.Evaluate[string](`(document.querySelector('.gpu[data-uuid="`+greedyGPU+`"] .reclaim') || {textContent: ""}).textContent`))
+		if reclaim = got; err == nil && strings.Contains(reclaim, "default/greedy") {
+			break
+		}
+	}
+	if !strings.HasPrefix(reclaim, "reclaimed first if short of memory: ") || !strings.Contains(reclaim, "default/greedy") {
+		t.Errorf("greedy's GPU %q says %q, want it named first to be reclaimed", greedyGPU, reclaim)
 	}
 
 	// A pod appears once placed, and goes once deleted, without a reload.

@@ -100,6 +100,7 @@ function renderTenant(node, gpu, t, i) {
   const key = node.name + "/" + gpu.uuid + "/" + t.pod;
   const nums = "request " + mib(t.requestMiB) + " · limit " + mib(t.limitMiB) +
     (t.limitMiB > t.requestMiB ? " (burst " + mib(t.limitMiB - t.requestMiB) + ")" : "") +
+    (t.priority ? " · priority " + t.priority : "") +
     (t.portion ? " · compute " + t.portion : "") +
     (t.resize ? " · " + t.resize : "");
   const swatch = el("span", { class: "swatch", "aria-hidden": "true" });
@@ -152,6 +153,10 @@ function renderGPU(node, gpu) {
       el("span", { class: "uuid" }, gpu.uuid),
       el("span", { class: "mode " + gpu.mode }, gpu.mode)),
     requests, limits, free, use,
+    gpu.reclaimOrder && gpu.reclaimOrder.length
+      ? el("p", { class: "reclaim", title: "above their request, lowest priority first, then furthest above it: the node agent stops them in this order when the GPU runs short of memory" },
+        "reclaimed first if short of memory: " + gpu.reclaimOrder.join(", "))
+      : null,
     el("ul", { class: "tenants", "aria-label": "tenants of " + gpu.uuid }, ...gpu.tenants.map((t, i) => renderTenant(node, gpu, t, i))));
 }
 

@@ -15,6 +15,10 @@ const (
 	LoadSteady = "steady" // about half its request, a third of the SMs
 	LoadBusy   = "busy"   // close to its request, most of the SMs
 	LoadBursty = "bursty" // swings from a third of its request up to its limit
+	// LoadGreedy holds most of its limit all along: above its request
+	// whenever its limit is, a share burst reclaim stops first. Only an
+	// annotation names it (Loads, which names pick from, leaves it out).
+	LoadGreedy = "greedy"
 )
 
 // Loads are the simulated loads, in the order a pod's name picks them.
@@ -29,6 +33,9 @@ type Model struct{}
 // LoadOf is the simulated load of a tenant: its pod's annotation if it
 // names one, else one picked by its pod's name.
 func LoadOf(t Tenant) string {
+	if t.Load == LoadGreedy {
+		return LoadGreedy
+	}
 	for _, l := range Loads {
 		if t.Load == l {
 			return l
@@ -64,6 +71,8 @@ func (Model) Measure(tenants []Tenant, gpus []string, now time.Time) Measurement
 		case LoadBursty:
 			low, high := req/3, limit
 			memMiB, smPct = low+(high-low)*(0.5+0.5*slow), 50+40*slow
+		case LoadGreedy:
+			memMiB, smPct = limit*(0.95+0.02*slow+0.01*fast), 60+10*fast
 		}
 		portion := 1.0
 		if t.Mode == api.SMSharing {
