@@ -5,11 +5,16 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
+	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
 
 	"github.com/gpufrac/gpufrac/pkg/api"
 )
@@ -183,5 +188,73 @@ func TestBehindFindsAPodOnlyTheCacheHolds(t *testing.T) {
 	p.cache.DeletePod(pods["b"])
 	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}); behind {
 		t.Fatal("still behind once the cache saw the pod go")
+	}
+}
+
+// draHandle is a framework handle whose DRA manager is kube-scheduler's
+// own (dynamicresources.NewDRAManager over an informer of the claims).
+type draHandle struct {
+	fwk.Handle
+	dra fwk.SharedDRAManager
+}
+
+func (h draHandle) SharedDRAManager() fwk.SharedDRAManager { return h.dra }
+
+// A victim's claim of gpufrac's driver is freed with it when the victim
+// is its only consumer (the claim is deallocated once its last consumer
+// goes); one another pod also uses stays booked.
+func TestPreemptionFreesAVictimsOwnClaim(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	victim := pod("victim", "n1", nil)
+	victim.Namespace = "ml"
+	other := pod("other", "n1", nil)
+	other.Namespace = "ml"
+	own, sharedClaim := claimOn("own", "n1", "GPU-a", 40000), claimOn("shared", "n1", "GPU-a", 40000)
+	own.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: victim.Name, UID: victim.UID}}
+	sharedClaim.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{
+		{Resource: "pods", Name: victim.Name, UID: victim.UID}, {Resource: "pods", Name: other.Name, UID: other.UID}}
+	for _, p := range []*corev1.Pod{victim, other} {
+		for _, c := range []string{"own", "shared"} {
+			if p == other && c == "own" {
+				continue
+			}
+			name := c
+			p.Spec.ResourceClaims = append(p.Spec.ResourceClaims, corev1.PodResourceClaim{Name: c, ResourceClaimName: &name})
+		}
+	}
+	client := fake.NewClientset(own, sharedClaim)
+	factory := informers.NewSharedInformerFactory(client, 0)
+	claims := assumecache.NewAssumeCache(klog.Background(), factory.Resource().V1().ResourceClaims().Informer(), "ResourceClaim", "", nil)
+	manager := dynamicresources.NewDRAManager(ctx, claims, nil, factory)
+	factory.Start(ctx.Done())
+	factory.WaitForCacheSync(ctx.Done())
+
+	p := &Plugin{args: testArgs(), cache: NewCache(testArgs()), handle: draHandle{dra: manager}}
+	n := node("n1", 1, 80000, true)
+	n.Labels[api.LabelStandingGPUs] = "1" // held for claims, as a node serving them asks
+	p.cache.SetNode(n)
+	for _, st := range p.cache.TakeStanding() {
+		p.cache.SetPod(reservationPod("n1", st.Group, "GPU-a"))
+	}
+	if err := p.cache.SyncClaims([]*resourceapi.ResourceClaim{own, sharedClaim}); err != nil {
+		t.Fatal(err)
+	}
+	info := framework.NewNodeInfo(victim, other)
+	info.SetNode(n)
+	state := cycleFor(ask("preemptor", 40000, api.TimeSlicing, 1))
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("the claims' GPU took the preemptor")
+	}
+	if s := p.RemovePod(ctx, state, nil, podInfo(t, victim), info); !s.IsSuccess() {
+		t.Fatal(s)
+	}
+	if s := p.Filter(ctx, state, nil, info); !s.IsSuccess() {
+		t.Fatalf("the victim's own claim was not freed with it: %v", s)
+	}
+	state = cycleFor(ask("preemptor", 80000, api.TimeSlicing, 1))
+	_ = p.RemovePod(ctx, state, nil, podInfo(t, victim), info)
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("a claim another pod still uses was freed with the victim")
 	}
 }
