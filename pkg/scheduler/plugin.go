@@ -63,6 +63,9 @@ type Plugin struct {
 	// (waitForCache).
 	waitingMu sync.Mutex
 	waiting   map[string]map[types.UID]*corev1.Pod
+	// behindSince is when each pod (namespace/name@node) was first seen
+	// held by the cache and not by the snapshot.
+	behindSince map[string]time.Time
 }
 
 var (

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -189,8 +191,9 @@ func (c *Cache) Holds(uid types.UID, node string) bool {
 // Behind says whether the cache still holds a tenant pod on one of the
 // nodes that the scheduler's snapshot no longer shows there (its
 // namespace/name and node): the snapshot has seen it leave, this cache
-// not yet. Claim shares are not pods, and are left out.
-func (c *Cache) Behind(nodes []fwk.NodeInfo) (pod, node string, behind bool) {
+// not yet. Claim shares are not pods, and are left out; so are the pairs
+// ignore names.
+func (c *Cache) Behind(nodes []fwk.NodeInfo, ignore func(pod, node string) bool) (pod, node string, behind bool) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	for _, info := range nodes {
@@ -203,7 +206,7 @@ func (c *Cache) Behind(nodes []fwk.NodeInfo) (pod, node string, behind bool) {
 			present[string(pi.GetPod().UID)] = true
 		}
 		for key, t := range ns.Tenants {
-			if !t.Claim && !present[key] {
+			if !t.Claim && !present[key] && (ignore == nil || !ignore(t.Pod, ns.Name)) {
 				return t.Pod, ns.Name, true
 			}
 		}
@@ -219,8 +222,31 @@ func (c *Cache) Behind(nodes []fwk.NodeInfo) (pod, node string, behind bool) {
 // Weighed then, preemption would evict more for room already free, and
 // reclaiming would find nothing idle; and nothing else would retry the
 // pod when the cache catches up (the queue saw the deletion already).
+//
+// The lag is of milliseconds; a pod seen behind for longer than
+// behindBound is not waited for again (the two are apart for another
+// reason, which must not stop preemption and reclaiming on its node for
+// good), and is logged.
 func (p *Plugin) waitForCache(pod *corev1.Pod, nodes []fwk.NodeInfo) (gone, node string, behind bool) {
-	gone, node, behind = p.cache.Behind(nodes)
+	now := time.Now()
+	gone, node, behind = p.cache.Behind(nodes, func(pod, node string) bool {
+		p.waitingMu.Lock()
+		defer p.waitingMu.Unlock()
+		key := pod + "@" + node
+		since, seen := p.behindSince[key]
+		if !seen {
+			if p.behindSince == nil {
+				p.behindSince = map[string]time.Time{}
+			}
+			p.behindSince[key] = now
+			return false
+		}
+		if now.Sub(since) > behindBound {
+			klog.Background().V(2).Info("The GPU cache holds a pod the scheduler's snapshot has not shown on its node for a while; weighing the node without waiting for it", "pod", pod, "node", node, "since", since)
+			return true
+		}
+		return false
+	})
 	if !behind {
 		return "", "", false
 	}
@@ -233,11 +259,15 @@ func (p *Plugin) waitForCache(pod *corev1.Pod, nodes []fwk.NodeInfo) (gone, node
 	}
 	p.waiting[node][pod.UID] = pod
 	p.waitingMu.Unlock()
-	if _, _, still := p.cache.Behind(nodes); !still {
+	if _, _, still := p.cache.Behind(nodes, func(pd, nd string) bool { return pd != gone || nd != node }); !still {
 		p.wake(node) // caught up meanwhile: the queue requeues the pod once its cycle ends
 	}
 	return gone, node, true
 }
+
+// behindBound is how long a pod the cache holds and the snapshot does not
+// is waited for.
+const behindBound = 10 * time.Second
 
 // wake moves the pods waiting for the cache on a node back to the
 // scheduling queue.
@@ -245,6 +275,11 @@ func (p *Plugin) wake(node string) {
 	p.waitingMu.Lock()
 	pods := p.waiting[node]
 	delete(p.waiting, node)
+	for key := range p.behindSince {
+		if strings.HasSuffix(key, "@"+node) {
+			delete(p.behindSince, key)
+		}
+	}
 	p.waitingMu.Unlock()
 	if len(pods) == 0 || p.handle == nil {
 		return

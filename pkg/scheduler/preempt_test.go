@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -178,16 +179,33 @@ func TestNominatedPodHoldsTheRoomItsVictimsFree(t *testing.T) {
 // rather than weigh preemption on a stale ledger.
 func TestBehindFindsAPodOnlyTheCacheHolds(t *testing.T) {
 	p, info, pods := preemptNode(t)
-	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}); behind {
+	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}, nil); behind {
 		t.Fatal("behind with the cache and the snapshot alike")
 	}
 	_ = info.RemovePod(klog.Background(), pods["b"])
-	if gone, node, behind := p.cache.Behind([]fwk.NodeInfo{info}); !behind || gone != "default/b" || node != "n1" {
+	if gone, node, behind := p.cache.Behind([]fwk.NodeInfo{info}, nil); !behind || gone != "default/b" || node != "n1" {
 		t.Fatalf("Behind = %s %s %v, want default/b on n1", gone, node, behind)
 	}
+	// PostFilter waits for it, but not for good: a pair apart for longer
+	// than behindBound is apart for another reason.
+	waiter := pod("waiter", "", nil)
+	if _, _, behind := p.waitForCache(waiter, []fwk.NodeInfo{info}); !behind {
+		t.Fatal("PostFilter does not wait for a cache that lags")
+	}
+	if len(p.waiting["n1"]) != 1 {
+		t.Fatalf("waiting %v, want the pod waiting on n1", p.waiting)
+	}
+	p.behindSince["default/b@n1"] = time.Now().Add(-behindBound - time.Second)
+	if gone, _, behind := p.waitForCache(waiter, []fwk.NodeInfo{info}); behind {
+		t.Fatalf("still waiting for %s past %s", gone, behindBound)
+	}
 	p.cache.DeletePod(pods["b"])
-	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}); behind {
+	if _, _, behind := p.cache.Behind([]fwk.NodeInfo{info}, nil); behind {
 		t.Fatal("still behind once the cache saw the pod go")
+	}
+	p.wake("n1")
+	if len(p.waiting) != 0 || len(p.behindSince) != 0 {
+		t.Fatalf("after the node's pods changed: waiting %v, behind since %v", p.waiting, p.behindSince)
 	}
 }
 
