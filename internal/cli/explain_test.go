@@ -54,7 +54,7 @@ spec:
 		{"bad flag value", scheduled, []string{"--memory-limits", "strong"}, 2, `--memory-limits "strong": must be auto, driver, toolkit, mps-pinned or off`},
 		{"unknown machine", scheduled, []string{"--simulate-gpus", "dgx1"}, 2, `--simulate-gpus "dgx1": unknown machine`},
 		{"a burst above the request", strings.Replace(scheduled, "gpu-memory.request: 2Gi", "gpu-memory.request: 2Gi\n    nvidia.com/container.main.gpu-memory.limit: 4Gi", 1), nil, 0,
-			"burst: above its request of 2048Mi it may be stopped while its GPU has under 5% of its memory free"},
+			"burst: above its request of 2048Mi it may be stopped while its GPU has under --burst-reclaim-below (5% by default) of its memory free"},
 		{"auto on a pre-r615 mock machine", scheduled, []string{"--memory-limits", "auto", "--simulate-gpus", "dgxa100"}, 0, "env set: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

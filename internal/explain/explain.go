@@ -176,7 +176,7 @@ func printDecision(out io.Writer, d injection.Decision) {
 		if a.LimitMiB > a.RequestMiB {
 			// Burst reclaim (api.ReclaimOrder): what the limit above the
 			// request is worth when the GPU runs short.
-			fmt.Fprintf(out, "  burst: above its request of %dMi it may be stopped while its GPU has under %d%% of its memory free (the node agent's --burst-reclaim: the lowest priority above its request first, then the furthest above it)\n",
+			fmt.Fprintf(out, "  burst: above its request of %dMi it may be stopped while its GPU has under --burst-reclaim-below (%d%% by default) of its memory free, unless the node runs --burst-reclaim off: the lowest priority above its request first, then the furthest above it\n",
 				a.RequestMiB, api.DefaultReclaimBelowPercent)
 		}
 	} else {

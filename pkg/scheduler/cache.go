@@ -254,7 +254,7 @@ func (c *Cache) register(ns *nodeState, t *ledgers.Tenant) {
 // node whatever arrives: not part of the stream the policies plan for).
 func (c *Cache) setDemand(pod *corev1.Pod, terminal bool) {
 	d := demand{whole: api.WholeGPUs(&pod.Spec)}
-	d.cpu, d.memoryMiB = podRequests(pod)
+	d.cpu, d.memoryMiB, _ = podRequests(pod)
 	if reqs, err := api.Parse(api.Intent(pod)); err == nil && len(reqs) > 0 {
 		d.fraction = &reqs[0]
 	}

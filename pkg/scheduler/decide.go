@@ -31,6 +31,11 @@ type Ask struct {
 	// than that: the namespace's quota counted the charge, not the share.
 	Charged   bool
 	ChargeMiB int64
+	// DeviceGPUs is nvidia.com/gpu as kube-scheduler counts the pod's
+	// requests (sidecars and init containers as NodeResourcesFit adds
+	// them), against the node's allocatable; Whole is what the ledger
+	// books.
+	DeviceGPUs int64
 }
 
 // GPU says whether the pod asks for a GPU, whole or shared.

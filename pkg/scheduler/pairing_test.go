@@ -69,7 +69,7 @@ func TestPluginPlacesASliceAsTheSimulator(t *testing.T) {
 				}
 				c.SetPod(pod)
 				asks[i] = Ask{UID: pod.UID, Whole: api.WholeGPUs(&pod.Spec)}
-				asks[i].CPU, asks[i].MemoryMiB = podRequests(pod)
+				asks[i].CPU, asks[i].MemoryMiB, _ = podRequests(pod)
 				if reqs, _ := api.Parse(api.Intent(pod)); len(reqs) > 0 {
 					asks[i].Fraction = &reqs[0]
 				}

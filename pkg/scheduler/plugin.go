@@ -19,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -56,6 +57,8 @@ type Plugin struct {
 	// GPU memory (a resize then stays within its pod's charge).
 	quotas       corev1listers.ResourceQuotaLister
 	quotasSynced toolscache.InformerSynced
+	// pods is the scheduler's pod informer's lister (stillOn).
+	pods corev1listers.PodLister
 	// lead caches what the leader-election Lease last said (leader.go).
 	lead leadership
 	// waiting are the pods whose PostFilter found the cache behind the
@@ -93,6 +96,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	p := &Plugin{args: args, handle: h, cache: NewCache(args)}
 	quotas := h.SharedInformerFactory().Core().V1().ResourceQuotas()
 	p.quotas, p.quotasSynced = quotas.Lister(), quotas.Informer().HasSynced
+	p.pods = h.SharedInformerFactory().Core().V1().Pods().Lister()
 	pods := h.SharedInformerFactory().Core().V1().Pods().Informer()
 	nodes := h.SharedInformerFactory().Core().V1().Nodes().Informer()
 	podEvents, err := pods.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
@@ -161,6 +165,7 @@ func (p *Plugin) onNode(obj any, deleted bool) {
 	}
 	if deleted {
 		p.cache.DeleteNode(node.Name)
+		p.wake(node.Name) // nothing will leave it any more
 		return
 	}
 	p.cache.SetNode(node)
@@ -208,7 +213,7 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev
 		return nil, fwk.AsStatus(err)
 	}
 	ask := Ask{UID: pod.UID}
-	ask.CPU, ask.MemoryMiB = podRequests(pod)
+	ask.CPU, ask.MemoryMiB, ask.DeviceGPUs = podRequests(pod)
 	if n := api.WholeGPUs(&pod.Spec); n > 0 {
 		ask.Whole = n
 	}
@@ -251,12 +256,12 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev
 	return nil, nil
 }
 
-// podRequests is the pod's CPU (milli-CPU) and memory (MiB) requests as
-// kube-scheduler's NodeResourcesFit counts them (init containers,
-// sidecars and overhead included).
-func podRequests(pod *corev1.Pod) (cpu, memoryMiB int64) {
+// podRequests is the pod's CPU (milli-CPU), memory (MiB) and
+// nvidia.com/gpu requests as kube-scheduler's NodeResourcesFit counts
+// them (init containers, sidecars and overhead included).
+func podRequests(pod *corev1.Pod) (cpu, memoryMiB, gpus int64) {
 	reqs := resourcehelper.PodRequests(pod, resourcehelper.PodResourcesOptions{})
-	return reqs.Cpu().MilliValue(), reqs.Memory().Value() >> 20
+	return reqs.Cpu().MilliValue(), reqs.Memory().Value() >> 20, reqs.Name(api.ResourceGPU, resource.DecimalSI).Value()
 }
 
 // hostOf is a node's CPU and memory as kube-scheduler counts them.

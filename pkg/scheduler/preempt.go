@@ -110,6 +110,9 @@ func (p *Plugin) PreFilterExtensions() fwk.PreFilterExtensions { return p }
 // AddPod implements fwk.PreFilterExtensions: a victim reprieved, or a
 // nominated pod whose room is held.
 func (p *Plugin) AddPod(_ context.Context, state fwk.CycleState, _ *corev1.Pod, info fwk.PodInfo, nodeInfo fwk.NodeInfo) *fwk.Status {
+	if nodeInfo.Node() == nil {
+		return fwk.NewStatus(fwk.Error, "node not found")
+	}
 	pod, node := info.GetPod(), nodeInfo.Node().Name
 	if pod.Namespace == p.args.ReservationNamespace {
 		return nil // their GPUs are their groups', which the tenants decide
@@ -128,6 +131,9 @@ func (p *Plugin) AddPod(_ context.Context, state fwk.CycleState, _ *corev1.Pod, 
 
 // RemovePod implements fwk.PreFilterExtensions: a pod weighed as a victim.
 func (p *Plugin) RemovePod(_ context.Context, state fwk.CycleState, _ *corev1.Pod, info fwk.PodInfo, nodeInfo fwk.NodeInfo) *fwk.Status {
+	if nodeInfo.Node() == nil {
+		return fwk.NewStatus(fwk.Error, "node not found")
+	}
 	pod, node := info.GetPod(), nodeInfo.Node().Name
 	if pod.Namespace == p.args.ReservationNamespace {
 		// Never lower than a preemptor (system-node-critical), so never
@@ -193,7 +199,7 @@ func (c *Cache) Holds(uid types.UID, node string) bool {
 // namespace/name and node): the snapshot has seen it leave, this cache
 // not yet. Claim shares are not pods, and are left out; so are the pairs
 // ignore names.
-func (c *Cache) Behind(nodes []fwk.NodeInfo, ignore func(pod, node string) bool) (pod, node string, behind bool) {
+func (c *Cache) Behind(nodes []fwk.NodeInfo, ignore func(uid types.UID, pod, node string) bool) (pod, node string, behind bool) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	for _, info := range nodes {
@@ -206,7 +212,7 @@ func (c *Cache) Behind(nodes []fwk.NodeInfo, ignore func(pod, node string) bool)
 			present[string(pi.GetPod().UID)] = true
 		}
 		for key, t := range ns.Tenants {
-			if !t.Claim && !present[key] && (ignore == nil || !ignore(t.Pod, ns.Name)) {
+			if !t.Claim && !present[key] && (ignore == nil || !ignore(types.UID(key), t.Pod, ns.Name)) {
 				return t.Pod, ns.Name, true
 			}
 		}
@@ -229,7 +235,10 @@ func (c *Cache) Behind(nodes []fwk.NodeInfo, ignore func(pod, node string) bool)
 // good), and is logged.
 func (p *Plugin) waitForCache(pod *corev1.Pod, nodes []fwk.NodeInfo) (gone, node string, behind bool) {
 	now := time.Now()
-	gone, node, behind = p.cache.Behind(nodes, func(pod, node string) bool {
+	gone, node, behind = p.cache.Behind(nodes, func(uid types.UID, pod, node string) bool {
+		if p.stillOn(uid, pod, node) {
+			return true // the snapshot is behind, not the cache: bound since it was taken
+		}
 		p.waitingMu.Lock()
 		defer p.waitingMu.Unlock()
 		key := pod + "@" + node
@@ -259,10 +268,25 @@ func (p *Plugin) waitForCache(pod *corev1.Pod, nodes []fwk.NodeInfo) (gone, node
 	}
 	p.waiting[node][pod.UID] = pod
 	p.waitingMu.Unlock()
-	if _, _, still := p.cache.Behind(nodes, func(pd, nd string) bool { return pd != gone || nd != node }); !still {
+	if _, _, still := p.cache.Behind(nodes, func(_ types.UID, pd, nd string) bool { return pd != gone || nd != node }); !still {
 		p.wake(node) // caught up meanwhile: the queue requeues the pod once its cycle ends
 	}
 	return gone, node, true
+}
+
+// stillOn says whether the pod informer, which every handler follows,
+// still shows the pod live on the node: a tenant the snapshot lacks was
+// then bound after the snapshot was taken (by another scheduler, or
+// spec.nodeName), and the cache is ahead, not behind. The informer's store
+// changes before its handlers run, so a pod gone from it is one whose
+// deletion the cache is about to see.
+func (p *Plugin) stillOn(uid types.UID, pod, node string) bool {
+	if p.pods == nil {
+		return false
+	}
+	ns, name, _ := strings.Cut(pod, "/")
+	got, err := p.pods.Pods(ns).Get(name)
+	return err == nil && got.UID == uid && got.Spec.NodeName == node && !api.PodEnded(got)
 }
 
 // behindBound is how long a pod the cache holds and the snapshot does not
@@ -333,26 +357,7 @@ func (c *Cache) whatIfLedger(ns *nodeState, v view) (*gpu.Node, int64) {
 				_ = l.Release(key) // a tenant of another node, or none: nothing here
 			}
 		}
-		// A GPU a reservation pod holds counts in NodeInfo as the device
-		// plugin's, whether its group has tenants or not.
-		standing, reserved := map[int]bool{}, map[int]bool{}
-		for g, slot := range ns.Groups {
-			standing[slot] = standing[slot] || ledgers.IsStanding(g)
-			reserved[slot] = reserved[slot] || ns.Reserved(g)
-		}
-		for i, d := range l.Devices {
-			if ledgers.IsPlaceholder(d.Whole()) {
-				_ = l.Release(d.Whole()) // retired: its pod is being deleted
-			}
-			if !d.Idle() {
-				continue
-			}
-			d.Closed = false // it opens once its tenants are gone
-			if reserved[i] && !standing[i] {
-				d.SharedOnly = false
-				reclaimable++
-			}
-		}
+		reclaimable = reclaimIdle(ns, l)
 	}
 	// Room for the nominated pods, most important first, on the GPUs that
 	// fit each the tightest; counted as if the pods being deleted were
@@ -367,11 +372,20 @@ func (c *Cache) whatIfLedger(ns *nodeState, v view) (*gpu.Node, int64) {
 		if !ok {
 			continue
 		}
+		if r.Whole > 0 {
+			// Its victims gone, the GPU they left is held by its idle
+			// reservation pod until Reclaim deletes it for this pod: the
+			// pod's, not a share's to join.
+			reclaimIdle(ns, l)
+		}
 		room := l
 		if len(v.terminating) > 0 {
 			room = l.Clone()
 			for _, uid := range v.terminating {
 				_ = room.Release(string(uid))
+			}
+			if r.Whole > 0 {
+				reclaimIdle(ns, room)
 			}
 		}
 		fit, unfit := room.Fit(r)
@@ -381,6 +395,34 @@ func (c *Cache) whatIfLedger(ns *nodeState, v view) (*gpu.Node, int64) {
 		_ = l.Record(r, tightest(room, fit, max(r.Whole, r.Devices)))
 	}
 	return l, reclaimable
+}
+
+// reclaimIdle opens to whole-GPU pods, on l (a copy of ns's ledger), the
+// idle GPUs that only a reservation pod holds (its group empty; or
+// retired, its pod being deleted), which Reclaim deletes for a whole-GPU
+// pod; a standing group's never. It returns how many: GPUs NodeInfo
+// counts as the device plugin's, which come back.
+func reclaimIdle(ns *nodeState, l *gpu.Node) int64 {
+	standing, reserved := map[int]bool{}, map[int]bool{}
+	for g, slot := range ns.Groups {
+		standing[slot] = standing[slot] || ledgers.IsStanding(g)
+		reserved[slot] = reserved[slot] || ns.Reserved(g)
+	}
+	var n int64
+	for i, d := range l.Devices {
+		if ledgers.IsPlaceholder(d.Whole()) {
+			_ = l.Release(d.Whole()) // retired: its pod is being deleted
+		}
+		if !d.Idle() {
+			continue
+		}
+		d.Closed = false // it opens once its tenants are gone
+		if reserved[i] && !standing[i] {
+			d.SharedOnly = false
+			n++
+		}
+	}
+	return n
 }
 
 // requestOfPod is the ledger request of a pod that is not the one being
@@ -412,7 +454,7 @@ func tightest(n *gpu.Node, fit []int, need int) []int {
 // count, which NodeInfo, where reservation pods are never removed, cannot
 // show. reclaimable are those GPUs.
 func wholeVerdict(ask Ask, v view, reclaimable int64) (Verdict, bool) {
-	switch n := int64(ask.Whole); {
+	switch n := max(ask.DeviceGPUs, int64(ask.Whole)); {
 	case v.gpus < n:
 		return Verdict{Reason: fmt.Sprintf("%s: the node has fewer than %d %s", gpu.ReasonWhole, ask.Whole, api.ResourceGPU)}, false
 	case v.gpusFree+reclaimable < n:

@@ -247,6 +247,17 @@ func TestPreemptionFreesAVictimsOwnClaim(t *testing.T) {
 	manager := dynamicresources.NewDRAManager(ctx, claims, nil, factory)
 	factory.Start(ctx.Done())
 	factory.WaitForCacheSync(ctx.Done())
+	// The assume cache fills from the informer's handlers, after its store.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if _, err := manager.ResourceClaims().Get("ml", "shared"); err == nil {
+			if _, err := manager.ResourceClaims().Get("ml", "own"); err == nil {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the DRA manager never saw the claims")
+		}
+	}
 
 	p := &Plugin{args: testArgs(), cache: NewCache(testArgs()), handle: draHandle{dra: manager}}
 	n := node("n1", 1, 80000, true)
@@ -274,5 +285,28 @@ func TestPreemptionFreesAVictimsOwnClaim(t *testing.T) {
 	_ = p.RemovePod(ctx, state, nil, podInfo(t, victim), info)
 	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
 		t.Fatal("a claim another pod still uses was freed with the victim")
+	}
+}
+
+// A whole-GPU preemptor, nominated, is held the GPU its victims left: the
+// GPU's idle reservation pod still holds it (until PostFilter deletes it
+// for the preemptor), and a share filtered meanwhile must not join it.
+func TestNominatedWholeGPUPodHoldsTheGPUItsVictimsLeft(t *testing.T) {
+	p, info, pods := preemptNode(t)
+	ctx := context.Background()
+	for _, name := range []string{"a", "b"} {
+		p.cache.DeletePod(pods[name])
+		if err := info.RemovePod(klog.Background(), pods[name]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if s := p.Filter(ctx, cycleFor(ask("late", 40000, api.TimeSlicing, 1)), nil, info); !s.IsSuccess() {
+		t.Fatalf("a share does not fit the emptied GPU: %v", s)
+	}
+	nominee := wholePod("nominee", "", 1)
+	state := cycleFor(ask("late", 40000, api.TimeSlicing, 1))
+	_ = p.AddPod(ctx, state, nil, podInfo(t, nominee), info)
+	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
+		t.Fatal("a lower-priority share joined the GPU left for a nominated whole-GPU pod")
 	}
 }

@@ -184,7 +184,7 @@ type Agent struct {
 	usagePublished time.Time
 	// reclaiming are the pods burst reclaim deleted, by UID, until they
 	// are gone from the readings (resync only).
-	reclaiming map[string]bool
+	reclaiming map[string]time.Time
 	// mpsStarted is when the node's MPS daemon started, as last seen:
 	// containers created before it are evicted (see RetryEvictions).
 	mpsStarted time.Time
@@ -231,7 +231,7 @@ func New(opts Options, client kubernetes.Interface) *Agent {
 	opts.UsagePublishPeriod = cmp.Or(opts.UsagePublishPeriod, d.UsagePublishPeriod)
 	opts.BurstReclaim = cmp.Or(opts.BurstReclaim, d.BurstReclaim)
 	opts.BurstReclaimBelowPercent = cmp.Or(opts.BurstReclaimBelowPercent, d.BurstReclaimBelowPercent)
-	return &Agent{opts: opts, client: client, metrics: metrics.New(), usage: usage.NewWindow(opts.UsageWindow), reclaiming: map[string]bool{}}
+	return &Agent{opts: opts, client: client, metrics: metrics.New(), usage: usage.NewWindow(opts.UsageWindow), reclaiming: map[string]time.Time{}}
 }
 
 // Run works until ctx ends, then marks the node not ready for fractions

@@ -24,13 +24,20 @@ const (
 	BurstReclaimOff = "off"
 )
 
+// reclaimSlack is how long past a deletion's grace the memory of the pod
+// is still waited for: the kubelet stops containers, then their
+// processes exit.
+const reclaimSlack = 30 * time.Second
+
 // reclaimBursts stops, on each GPU whose free memory is below
 // Options.BurstReclaimBelowPercent, the first tenant of api.ReclaimOrder:
 // the lowest-priority one above its request, through the deletion every
 // enforcement stop uses (Evict), with an event that names the pressure
-// and the order. One tenant per GPU at a time: while a pod on the GPU is
-// being deleted, its memory is about to come back, and the next reading
-// says whether that was enough. Figures the driver cannot give are never
+// and the order. One tenant per GPU at a time: while a pod on the GPU that
+// holds memory there is being deleted (at most its grace and
+// reclaimSlack), that memory is about to come back, and the next reading
+// says whether it was enough. The pod goes whole: it is stopped for a
+// container above its request. Figures the driver cannot give are never
 // taken for zero: a tenant whose use is unknown is not in the order, and
 // a GPU whose use is unknown is not judged.
 func (a *Agent) reclaimBursts(ctx context.Context, logger klog.Logger, hw hardware, m usage.Measurement) {
@@ -49,17 +56,27 @@ func (a *Agent) reclaimBursts(ctx context.Context, logger klog.Logger, hw hardwa
 	}
 	bursts := map[string][]api.Burst{}
 	refs := map[string]nriplugin.PodRef{}
-	leaving := map[string]bool{} // GPUs with a tenant's pod being deleted
+	leaving := map[string]bool{} // GPUs whose memory a pod being deleted is about to give back
 	present := map[string]bool{}
+	now := time.Now()
 	for _, c := range m.Containers {
 		t := c.Tenant
 		present[t.UID] = true
+		holds := c.MemoryBytes.Known && c.MemoryBytes.Value > 0
+		if asked, ok := a.reclaiming[t.UID]; ok {
+			// Deleted by a reclaim: its memory comes back within the grace
+			// the deletion gave, or never will by waiting.
+			leaving[c.GPU] = leaving[c.GPU] || (holds && now.Before(asked.Add(a.opts.SecurityStopGrace+reclaimSlack)))
+			continue
+		}
 		pod, ok := pods.pod(t.Namespace, t.Pod, t.UID)
 		if !ok {
 			continue
 		}
-		if pod.DeletionTimestamp != nil || a.reclaiming[t.UID] {
-			leaving[c.GPU] = true
+		if pod.DeletionTimestamp != nil {
+			// Its deadline is the deletion's (deletionTimestamp is when the
+			// grace ends).
+			leaving[c.GPU] = leaving[c.GPU] || (holds && now.Before(pod.DeletionTimestamp.Add(reclaimSlack)))
 			continue
 		}
 		if !c.MemoryBytes.Known {
@@ -109,7 +126,7 @@ func (a *Agent) reclaimBursts(ctx context.Context, logger klog.Logger, hw hardwa
 			logger.Error(err, "Cannot stop a bursting tenant of a GPU short of memory; trying again at the next resync", "pod", victim.Pod, "gpu", g.UUID)
 			continue
 		}
-		a.reclaiming[ref.UID] = true
+		a.reclaiming[ref.UID] = now
 		a.metrics.Count(metrics.EventReclaimed)
 		a.recorder.Eventf(podRef(ref), corev1.EventTypeWarning, "GPUMemoryReclaimed", "deleted: %s", why)
 		logger.Info("Stopped a bursting tenant: its GPU is short of memory", "pod", victim.Pod, "gpu", g.UUID, "freeMiB", free, "order", names)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -97,11 +98,22 @@ func TestBurstReclaimStopsTheLowestPriorityAboveItsRequest(t *testing.T) {
 	if got := deleted(client); len(got) != 1 {
 		t.Fatalf("deleted %v while the first victim was still going", got)
 	}
-	// notebook gone; the host takes its memory too: still short.
-	m = reading(55296+8192, used("prod", 12288), used("within", 4096))
+	// notebook still holds its memory past its grace and the slack: its
+	// memory will not come back by waiting, and the GPU is still short.
+	a.reclaiming["uid-notebook"] = time.Now().Add(-a.opts.SecurityStopGrace - reclaimSlack - time.Second)
 	a.reclaimBursts(ctx, logger, hw, m)
 	if got := deleted(client); len(got) != 2 || got[1] != "prod" {
 		t.Fatalf("deleted %v, want prod next", got)
+	}
+	// A pod being deleted that holds nothing on the GPU does not hold
+	// reclaim back there.
+	now := metav1.Now()
+	going := tenantPod("going", 0)
+	going.DeletionTimestamp = &now
+	b, clientB, _, _ := reclaimAgent(t, tenantPod("notebook", 0), going)
+	b.reclaimBursts(ctx, logger, hw, reading(70000, used("notebook", 8192), used("going", 0)))
+	if got := deleted(clientB); len(got) != 1 || got[0] != "notebook" {
+		t.Fatalf("deleted %v, want notebook: the pod being deleted holds no memory", got)
 	}
 	// Memory to spare: nobody.
 	a2, client2, _, _ := reclaimAgent(t, tenantPod("notebook", 0))
