@@ -51,7 +51,7 @@ gpufrac_container_gpu_memory_limit_hits_total{container="main",gpu_uuid="` + uui
 # HELP gpufrac_memory_enforcement 1 for the memory-limit backend in effect (driver, toolkit, mps-pinned, off).
 # TYPE gpufrac_memory_enforcement gauge
 gpufrac_memory_enforcement{backend="driver"} 1
-# HELP gpufrac_enforcement_events_total Containers refused, started without a GPU (fail-open), evicted for missing enforcement, left running without it (fail-open), or whose soft limit could not be released.
+# HELP gpufrac_enforcement_events_total Containers refused, started without a GPU (fail-open), evicted for missing enforcement, left running without it (fail-open), whose soft limit could not be released, or stopped above their request on a GPU short of memory (burst_reclaimed).
 # TYPE gpufrac_enforcement_events_total counter
 gpufrac_enforcement_events_total{event="refused"} 2
 `
