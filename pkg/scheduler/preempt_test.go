@@ -11,6 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
+	corev1listers "k8s.io/client-go/listers/core/v1"
+	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -308,5 +310,44 @@ func TestNominatedWholeGPUPodHoldsTheGPUItsVictimsLeft(t *testing.T) {
 	_ = p.AddPod(ctx, state, nil, podInfo(t, nominee), info)
 	if s := p.Filter(ctx, state, nil, info); s.IsSuccess() {
 		t.Fatal("a lower-priority share joined the GPU left for a nominated whole-GPU pod")
+	}
+}
+
+// A pod bound since the snapshot was taken (by another scheduler, or
+// spec.nodeName) is the snapshot's lag, not the cache's: PostFilter does
+// not wait for it. One the informer shows gone is the cache's.
+func TestBehindIgnoresAPodBoundSinceTheSnapshot(t *testing.T) {
+	p, info, pods := preemptNode(t)
+	indexer := toolscache.NewIndexer(toolscache.MetaNamespaceKeyFunc, toolscache.Indexers{toolscache.NamespaceIndex: toolscache.MetaNamespaceIndexFunc})
+	p.pods = corev1listers.NewPodLister(indexer)
+	_ = info.RemovePod(klog.Background(), pods["b"]) // the snapshot lacks b
+	if err := indexer.Add(pods["b"]); err != nil {
+		t.Fatal(err)
+	}
+	if gone, _, behind := p.waitForCache(pod("waiter", "", nil), []fwk.NodeInfo{info}); behind {
+		t.Fatalf("waits for %s, which the informer shows live on its node", gone)
+	}
+	if err := indexer.Delete(pods["b"]); err != nil {
+		t.Fatal(err)
+	}
+	if gone, _, behind := p.waitForCache(pod("waiter", "", nil), []fwk.NodeInfo{info}); !behind || gone != "default/b" {
+		t.Fatalf("does not wait for default/b, gone from the informer and still in the cache (%s, %v)", gone, behind)
+	}
+}
+
+// nvidia.com/gpu is counted as kube-scheduler adds a pod's requests: a
+// restartable init container (a sidecar) runs beside the main ones.
+func TestWholeGPUsCountedWithSidecars(t *testing.T) {
+	always := corev1.ContainerRestartPolicyAlways
+	one := corev1.ResourceList{api.ResourceGPU: *resource.NewQuantity(1, resource.DecimalSI)}
+	p := wholePod("w", "", 1)
+	p.Spec.Containers[0].Resources.Requests = one // as the API server defaults them from the limits
+	p.Spec.InitContainers = []corev1.Container{{Name: "sidecar", RestartPolicy: &always, Resources: corev1.ResourceRequirements{Limits: one, Requests: one}}}
+	if _, _, gpus := podRequests(p); gpus != 2 {
+		t.Errorf("nvidia.com/gpu counted %d, want 2 (the main container's and its sidecar's)", gpus)
+	}
+	v := view{gpus: 8, gpusFree: 1}
+	if _, fits := wholeVerdict(Ask{Whole: api.WholeGPUs(&p.Spec), DeviceGPUs: 2}, v, 0); fits {
+		t.Error("a pod of two nvidia.com/gpu fit a node with one free")
 	}
 }
