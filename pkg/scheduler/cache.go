@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -56,6 +57,10 @@ type Cache struct {
 	// write the cache has not seen yet, with the memory granted.
 	resizes  map[types.UID]*corev1.Pod
 	resizing map[types.UID]api.Memory
+	// freed counts the tenants removed: a scheduling cycle notes it at
+	// PreFilter, and PostFilter asks whether a refusing node freed room
+	// since (FreedSince).
+	freed atomic.Uint64
 }
 
 // demand is what one pod of the workload asks: its CPU and memory, and
@@ -77,6 +82,8 @@ type nodeState struct {
 	// its version, so that FilterAt's usual case (the snapshot holds the
 	// informer's very object) costs a pointer comparison.
 	seen *corev1.Node
+	// freedAt is Cache.freed at this node's last tenant removal.
+	freedAt uint64
 	// heartbeat is seen's agent heartbeat (api.AgentHeartbeat).
 	heartbeat api.Heartbeat
 	// otherReservations is the reservation namespace seen's agent
@@ -222,6 +229,7 @@ func (c *Cache) rebuild(ns *nodeState) {
 
 // remove forgets a tenant and frees its GPUs.
 func (c *Cache) remove(ns *nodeState, uid types.UID) {
+	ns.freedAt = c.freed.Add(1)
 	ns.Remove(string(uid))
 	delete(c.where, uid)
 	delete(c.assumed, uid)

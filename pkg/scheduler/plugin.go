@@ -176,6 +176,8 @@ func (p *Plugin) onNode(obj any, deleted bool) {
 type cycle struct {
 	ask    Ask
 	policy placement.Policy
+	// freed is the cache's count of removed tenants at PreFilter.
+	freed uint64
 }
 
 // Clone implements fwk.StateData; the cycle is never changed after
@@ -245,11 +247,12 @@ func (p *Plugin) PreFilter(ctx context.Context, state fwk.CycleState, pod *corev
 		}
 		ask.Charged = true
 	}
+	freed := p.cache.Freed() // before any Filter reads the cache
 	policy, err := p.policy()
 	if err != nil {
 		return nil, fwk.AsStatus(err)
 	}
-	state.Write(stateKey, &cycle{ask: ask, policy: policy})
+	state.Write(stateKey, &cycle{ask: ask, policy: policy, freed: freed})
 	if !ask.GPU() {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
@@ -452,6 +455,16 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 	infos, err := statuses.NodesForStatusCode(p.handle.SnapshotSharedLister().NodeInfos(), fwk.Unschedulable)
 	if err != nil {
 		return nil, fwk.AsStatus(err)
+	}
+	if node, freed := p.cache.FreedSince(infos, c.freed); freed && p.handle != nil {
+		// Room came free on a refusing node while this cycle ran (a victim
+		// gone between its Filter and now): its verdict may be stale, and
+		// the event that frees it was handled before. Tried again at once
+		// (the queue requeues an in-flight pod it is asked to activate),
+		// rather than preempt or reclaim for room already there.
+		p.handle.Activate(klog.FromContext(ctx), map[string]*corev1.Pod{pod.Namespace + "/" + pod.Name: pod})
+		return nil, fwk.NewStatus(fwk.UnschedulableAndUnresolvable, fmt.Sprintf(
+			"GPU memory came free on node %s while this pod was being scheduled; trying again before reclaiming GPUs or preempting", node))
 	}
 	if gone, node, behind := p.waitForCache(pod, infos); behind {
 		// Unresolvable ends PostFilter here: DefaultPreemption, next,

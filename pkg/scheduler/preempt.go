@@ -315,6 +315,22 @@ func (p *Plugin) wake(node string) {
 	p.handle.Activate(klog.Background(), byName)
 }
 
+// Freed is the count of tenants removed so far, as a cycle notes it.
+func (c *Cache) Freed() uint64 { return c.freed.Load() }
+
+// FreedSince names a node among nodes that lost a tenant after the count
+// since was taken: its verdict in this cycle's Filter may be stale.
+func (c *Cache) FreedSince(nodes []fwk.NodeInfo, since uint64) (string, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for _, info := range nodes {
+		if ns, ok := c.nodes[info.Node().Name]; ok && ns.freedAt > since {
+			return ns.Name, true
+		}
+	}
+	return "", false
+}
+
 // view is what Filter weighs a node with beyond the cache: the
 // simulation's changes, and the node's whole GPUs as kube-scheduler
 // counts them (NodeInfo, from which preemption removes its victims).
