@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"text/tabwriter"
@@ -34,6 +35,7 @@ type simOptions struct {
 	published   string
 	workers     int
 	variant     string
+	consolidate int
 }
 
 func newSimCommand() *cobra.Command {
@@ -71,6 +73,7 @@ Policies: ` + strings.Join(placement.Names, ", ") + ` (default gpufrac), or all.
 	f.StringVar(&o.out, "out", "", "directory for curves.csv and allocation.png")
 	f.StringVar(&o.published, "published", "", "the study's analysis_allo_discrete.csv, drawn for comparison (default: fgd-atc23-expected-results/ beside --pods, when there)")
 	f.IntVar(&o.workers, "parallel", runtime.NumCPU(), "runs at once")
+	f.IntVar(&o.consolidate, "consolidate", 0, "also run each policy with consolidation: a pod that fits nowhere may have up to this many best-effort pods (qos BE) moved to make room; 0: no consolidation runs")
 	f.StringVar(&o.variant, "variant", "", "derive a mix from --pods first, as the study derived its variants: "+variantNames())
 	_ = cmd.MarkFlagRequired("nodes")
 	_ = cmd.MarkFlagRequired("pods")
@@ -88,7 +91,12 @@ type simRun struct {
 	AllocAt100  *float64 `json:"alloc_at_100"`
 	AllocAt130  *float64 `json:"alloc_at_130"`
 	FragAt80    *float64 `json:"frag_at_80"`
-	Seconds     float64  `json:"seconds"`
+	// Consolidate is the moves allowed per pending pod (0: none); Moves
+	// the pods moved, Consolidated the pods placed thanks to them.
+	Consolidate  int     `json:"consolidate"`
+	Moves        int     `json:"moves"`
+	Consolidated int     `json:"consolidated"`
+	Seconds      float64 `json:"seconds"`
 }
 
 func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
@@ -115,6 +123,9 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 		}
 	default:
 		return fmt.Errorf("--order %q: must be study or given", o.order)
+	}
+	if o.consolidate < 0 {
+		return fmt.Errorf("--consolidate %d must be 0 (no consolidation runs) or more", o.consolidate)
 	}
 	if o.workers < 1 {
 		return fmt.Errorf("--parallel %d must be at least 1", o.workers)
@@ -144,14 +155,21 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 	}
 
 	type job struct {
-		i      int
-		policy string
-		seed   int64
+		i           int
+		policy      string
+		seed        int64
+		consolidate int
+	}
+	budgets := []int{0}
+	if o.consolidate > 0 {
+		budgets = append(budgets, o.consolidate)
 	}
 	var jobs []job
 	for _, p := range policies {
-		for _, s := range seeds {
-			jobs = append(jobs, job{len(jobs), p, s})
+		for _, b := range budgets {
+			for _, s := range seeds {
+				jobs = append(jobs, job{len(jobs), p, s, b})
+			}
 		}
 	}
 	results := make([]sim.Result, len(jobs))
@@ -162,7 +180,7 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 	for range min(o.workers, len(jobs)) {
 		wg.Go(func() {
 			for j := range queue {
-				results[j.i], errs[j.i] = sim.Run(nodes, pods, sim.Config{Policy: j.policy, Seed: j.seed, Tune: o.tune, Given: given},
+				results[j.i], errs[j.i] = sim.Run(nodes, pods, sim.Config{Policy: j.policy, Seed: j.seed, Tune: o.tune, Given: given, Consolidate: j.consolidate},
 					func(done, total int) { bar.update(j.i, done, total) })
 			}
 		})
@@ -189,6 +207,7 @@ func runSim(ctx context.Context, stdout, stderr io.Writer, o simOptions) error {
 			c := r.Discrete(sim.MaxArrived)
 			_ = enc.Encode(simRun{Policy: r.Policy, Seed: r.Seed, Tune: r.Tune, Order: o.order, Pods: r.Pods, Unscheduled: r.Unscheduled,
 				AllocAt100: at(c, c.Alloc, 100), AllocAt130: at(c, c.Alloc, 130), FragAt80: at(c, c.Frag, 80),
+				Consolidate: r.Consolidate, Moves: r.Moves, Consolidated: r.Consolidated,
 				Seconds: math.Round(r.Elapsed.Seconds()*1000) / 1000})
 		}
 	} else {
@@ -250,18 +269,28 @@ func at(c sim.Curve, values []float64, pct int) *float64 {
 func printSummary(w io.Writer, workload string, results []sim.Result, published sim.Published) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	_, _ = fmt.Fprintf(w, "trace %s, tune %.2f\n", workload, results[0].Tune)
-	_, _ = fmt.Fprintln(tw, "policy\tseeds\tpods\tunscheduled\talloc@100%\talloc@130%\tfrag@80%\ts/run\t")
+	consolidating := slices.ContainsFunc(results, func(r sim.Result) bool { return r.Consolidate > 0 })
+	head := "policy\tseeds\tpods\tunscheduled\talloc@100%\talloc@130%\tfrag@80%\t"
+	if consolidating {
+		head += "moves\tmoves/1k placed\t"
+	}
+	_, _ = fmt.Fprintln(tw, head+"s/run\t")
 	var order []string
 	by := map[string][]sim.Result{}
 	for _, r := range results {
-		if by[r.Policy] == nil {
-			order = append(order, r.Policy)
+		label := r.Policy
+		if r.Consolidate > 0 {
+			label = fmt.Sprintf("%s+moves≤%d", r.Policy, r.Consolidate)
 		}
-		by[r.Policy] = append(by[r.Policy], r)
+		if by[label] == nil {
+			order = append(order, label)
+		}
+		by[label] = append(by[label], r)
 	}
 	for _, p := range order {
-		var pods, unsched, a100, a130, f80, secs float64
+		var pods, unsched, a100, a130, f80, secs, moves float64
 		for _, r := range by[p] {
+			moves += float64(r.Moves)
 			c := r.Discrete(sim.MaxArrived)
 			pods += float64(r.Pods)
 			unsched += float64(r.Unscheduled)
@@ -271,7 +300,11 @@ func printSummary(w io.Writer, workload string, results []sim.Result, published 
 			secs += r.Elapsed.Seconds()
 		}
 		n := float64(len(by[p]))
-		_, _ = fmt.Fprintf(tw, "%s\t%d\t%.0f\t%.0f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", p, len(by[p]), pods/n, unsched/n, a100/n, a130/n, f80/n, secs/n)
+		row := fmt.Sprintf("%s\t%d\t%.0f\t%.0f\t%.2f\t%.2f\t%.2f\t", p, len(by[p]), pods/n, unsched/n, a100/n, a130/n, f80/n)
+		if consolidating {
+			row += fmt.Sprintf("%.1f\t%.2f\t", moves/n, moves/(pods-unsched)*1000)
+		}
+		_, _ = fmt.Fprintf(tw, "%s%.1f\t\n", row, secs/n)
 	}
 	_ = tw.Flush()
 	if fgd := published["06-FGD"]; fgd != nil {

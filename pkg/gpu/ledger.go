@@ -377,6 +377,13 @@ func (n *Node) Holds(tenant string) ([]int, bool) {
 	return slices.Clone(h.Devices), ok
 }
 
+// Held returns what a tenant holds: its request and devices, and whether
+// it holds anything.
+func (n *Node) Held(tenant string) (Request, []int, bool) {
+	h, ok := n.held[tenant]
+	return h.Request, slices.Clone(h.Devices), ok
+}
+
 // Used returns the node's charged CPU and memory.
 func (n *Node) Used() (cpu, memory int64) { return n.cpuUsed, n.memUsed }
 

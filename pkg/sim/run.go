@@ -26,6 +26,10 @@ type Config struct {
 	// go to the earlier by name. A live run can place the very same
 	// sequence, so the two pair up. The seed still seeds the policy.
 	Given bool
+	// Consolidate is the most pods one pending pod may have moved to make
+	// it fit (placement.Consolidator); 0 moves none. Only Movable pods
+	// move.
+	Consolidate int
 }
 
 // Sample is the cluster after one pod arrived (placed or not).
@@ -49,8 +53,11 @@ type Result struct {
 	// Placed is, for a Given run, where each pod went (as a live replay
 	// reports it, a share's group named by its GPU's index), so that a
 	// live run can be compared with it pod by pod.
-	Placed  []Placement
-	Elapsed time.Duration
+	Placed []Placement
+	// Consolidate is the run's budget of moves per pending pod; Moves the
+	// pods moved, Consolidated the pods placed thanks to them.
+	Consolidate, Moves, Consolidated int
+	Elapsed                          time.Duration
 }
 
 // Run replays the workload of SPEC §4 on the GPU nodes with one policy.
@@ -111,7 +118,16 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 		tune = 0
 	}
 	res := Result{Policy: policy.Name(), Seed: cfg.Seed, Tune: tune, Given: cfg.Given, Pods: len(workload), CapacityMilli: capacity,
-		Samples: make([]Sample, 0, len(workload))}
+		Samples: make([]Sample, 0, len(workload)), Consolidate: cfg.Consolidate}
+	// Consolidation weighs the nodes in the run's order, so that its ties
+	// go where the policy's do.
+	ordered := make([]*gpu.Node, len(order))
+	for i, ni := range order {
+		ordered[i] = nodes[ni]
+	}
+	movable := map[string]bool{}
+	cons := placement.Consolidator{Policy: policy, MaxMoves: cfg.Consolidate,
+		Movable: func(_ int, tenant string) bool { return movable[tenant] }}
 	var arrived, alloc int64
 	cands := make([]placement.Candidate, 0, len(nodes))
 	for i, p := range workload {
@@ -128,6 +144,17 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 			}
 		}
 		b := placement.Best(policy, cands)
+		if b < 0 && cfg.Consolidate > 0 {
+			if plan, ok := cons.Plan(ordered, r); ok {
+				if err := s.apply(order, plan); err != nil {
+					return Result{}, fmt.Errorf("pod %s: %w", p.Name, err)
+				}
+				res.Moves += len(plan.Moves)
+				res.Consolidated++
+				cands = append(cands[:0], placement.Candidate{Node: order[plan.Node], Choice: placement.Choice{Devices: plan.Devices}})
+				b = 0
+			}
+		}
 		if b < 0 {
 			res.Unscheduled++
 			if cfg.Given {
@@ -138,6 +165,7 @@ func Run(nodeSpecs []NodeSpec, pods []PodSpec, cfg Config, progress func(done, t
 			if err := nodes[c.Node].Assign(r, c.Devices); err != nil {
 				return Result{}, fmt.Errorf("pod %s: the policy chose what the ledger refuses: %w", p.Name, err)
 			}
+			movable[r.Tenant] = p.Movable
 			s.changed(c.Node)
 			alloc += p.GPURequest()
 			if cfg.Given {
@@ -215,6 +243,23 @@ func (s *state) rate(ni int, key rateKey, r gpu.Request) (placement.Choice, bool
 		s.cache[ni][key] = c
 	}
 	return c.choice, c.ok
+}
+
+// apply moves a consolidation plan's tenants (its node indices are into
+// order), leaving the room the plan made for the pending pod.
+func (s *state) apply(order []int, plan placement.Plan) error {
+	for _, m := range plan.Moves {
+		from, to := order[m.From], order[m.To]
+		if err := s.nodes[from].Release(m.Tenant); err != nil {
+			return fmt.Errorf("consolidation: %w", err)
+		}
+		s.changed(from)
+		if err := s.nodes[to].Assign(m.Request, m.Devices); err != nil {
+			return fmt.Errorf("consolidation moved %s where the ledger refuses it: %w", m.Tenant, err)
+		}
+		s.changed(to)
+	}
+	return nil
 }
 
 func (s *state) changed(ni int) {

@@ -42,6 +42,10 @@ type PodSpec struct {
 	GPUMilli  int64
 	// GPUSpec lists the allowed GPU models; empty allows any.
 	GPUSpec []string
+	// Movable says that consolidation may move the pod (its controller
+	// makes it again elsewhere): the trace's best-effort pods (qos BE),
+	// the batch work a platform lets the scheduler restart.
+	Movable bool
 }
 
 // GPURequest is the pod's GPU demand in milli-GPU.
@@ -79,7 +83,7 @@ func LoadNodes(r io.Reader, file string) ([]NodeSpec, error) {
 }
 
 // LoadPods reads a pod CSV (name, cpu_milli, memory_mib, num_gpu,
-// gpu_milli, and optionally gpu_spec; other columns are ignored).
+// gpu_milli, and optionally gpu_spec and qos; other columns are ignored).
 func LoadPods(r io.Reader, file string) ([]PodSpec, error) {
 	rows, col, err := readCSV(r, file, "name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 	if err != nil {
@@ -95,6 +99,9 @@ func LoadPods(r io.Reader, file string) ([]PodSpec, error) {
 		n, errs = parseInt(row[col["num_gpu"]], "num_gpu", errs)
 		p.NumGPU = int(n)
 		p.GPUMilli, errs = parseInt(row[col["gpu_milli"]], "gpu_milli", errs)
+		if c, ok := col["qos"]; ok {
+			p.Movable = strings.TrimSpace(row[c]) == "BE"
+		}
 		if c, ok := col["gpu_spec"]; ok {
 			if spec := strings.TrimSpace(row[c]); spec != "" && spec != "nan" {
 				p.GPUSpec = strings.Split(spec, "|")
