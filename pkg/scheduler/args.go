@@ -61,6 +61,21 @@ type Args struct {
 	// when it is created, so one without gained its share after (a claim
 	// replaced, keys the webhook never saw) and its quota never counted it.
 	AllowUncharged bool `json:"allowUncharged,omitempty"`
+	// ConsolidationMaxMoves is the most pods consolidation may move for one
+	// pod that fits nowhere (docs/scheduler.md, Consolidation); only pods
+	// that opted in move. Default 4; 0 turns consolidation off.
+	ConsolidationMaxMoves *int `json:"consolidationMaxMoves,omitempty"`
+}
+
+// DefaultConsolidationMaxMoves is ConsolidationMaxMoves when unset.
+const DefaultConsolidationMaxMoves = 4
+
+// MaxMoves is the consolidation budget the arguments set (0: off).
+func (a Args) MaxMoves() int {
+	if a.ConsolidationMaxMoves == nil {
+		return DefaultConsolidationMaxMoves
+	}
+	return max(*a.ConsolidationMaxMoves, 0)
 }
 
 // Device namings.
@@ -176,6 +191,9 @@ func (a *Args) Default() {
 
 // Validate reports the first bad field: its name, value and rule.
 func (a Args) Validate() error {
+	if m := a.ConsolidationMaxMoves; m != nil && *m < 0 {
+		return fmt.Errorf("GPUFractions args: consolidationMaxMoves %d must be 0 (no consolidation) or more", *m)
+	}
 	if !slices.Contains(PolicyNames(), a.Policy) {
 		return fmt.Errorf("GPUFractions args: policy %q is not known: use one of %s", a.Policy, strings.Join(PolicyNames(), ", "))
 	}

@@ -14,6 +14,12 @@ func TestDecodeArgs(t *testing.T) {
 		a.DeviceNaming != DeviceNamingUUID || a.CDIKind() != "" {
 		t.Fatalf("defaults: %+v, %v", a, err)
 	}
+	if a.MaxMoves() != DefaultConsolidationMaxMoves {
+		t.Errorf("default consolidation budget %d, want %d", a.MaxMoves(), DefaultConsolidationMaxMoves)
+	}
+	if off, err := DecodeArgs(&runtime.Unknown{Raw: []byte(`{"consolidationMaxMoves":0}`)}); err != nil || off.MaxMoves() != 0 {
+		t.Errorf("consolidationMaxMoves 0: %d, %v; want consolidation off", off.MaxMoves(), err)
+	}
 	a, err = DecodeArgs(&runtime.Unknown{Raw: []byte("policy: spread\nbindTimeout: 30s\n"), ContentType: runtime.ContentTypeYAML})
 	if err != nil || a.Policy != "spread" || a.BindTimeout.Duration != 30*time.Second {
 		t.Fatalf("YAML args: %+v, %v", a, err)
@@ -30,6 +36,7 @@ func TestDecodeArgs(t *testing.T) {
 		`{"deviceNaming":"CDI"}`:                           `deviceNaming "CDI" must be uuid (bare GPU UUIDs) or cdi (k8s.device-plugin.nvidia.com/gpu=<UUID>, for NVIDIA's node operator on CDI clusters)`,
 		`{"policy":"random"}`:                              `policy "random" is not known`,
 		`{"policy":"gpufrac","gpuMemoryReserveMiB":"1Gi"}`: "cannot unmarshal string",
+		`{"consolidationMaxMoves":-1}`:                     "consolidationMaxMoves -1 must be 0 (no consolidation) or more",
 	} {
 		_, err := DecodeArgs(&runtime.Unknown{Raw: []byte(raw)})
 		if err == nil || !strings.Contains(err.Error(), want) || !strings.HasPrefix(err.Error(), "GPUFractions args: ") || strings.Contains(err.Error(), "\n") {

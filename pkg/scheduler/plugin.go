@@ -473,7 +473,7 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 			"gpufrac's GPU cache has not yet seen pod %s leave node %s; trying again once it has, before reclaiming GPUs or preempting", gone, node))
 	}
 	if c.ask.Whole == 0 {
-		return nil, fwk.NewStatus(fwk.Unschedulable)
+		return p.consolidated(ctx, pod, c, infos, "")
 	}
 	var nodes []string
 	for _, info := range infos {
@@ -483,7 +483,7 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 	}
 	node, retired := p.cache.Reclaim(c.ask.Whole, nodes)
 	if node == "" {
-		return nil, fwk.NewStatus(fwk.Unschedulable, "no node would fit it by deleting idle reservation pods")
+		return p.consolidated(ctx, pod, c, infos, "no node would fit it by deleting idle reservation pods")
 	}
 	logger := klog.FromContext(ctx)
 	for _, o := range retired {
@@ -494,6 +494,18 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 		}
 	}
 	logger.V(2).Info("Deleted idle reservation pods to make room for a whole-GPU pod", "pod", klog.KObj(pod), "node", node, "reservationPods", len(retired))
+	return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride}}, fwk.NewStatus(fwk.Success)
+}
+
+// consolidated tries consolidation (consolidate.go) for a pod nothing
+// else made room for; on success the pod is nominated to the node the
+// moves free, so that the moved pods, made again, go elsewhere. Otherwise
+// DefaultPreemption runs next.
+func (p *Plugin) consolidated(ctx context.Context, pod *corev1.Pod, c *cycle, refused []fwk.NodeInfo, why string) (*fwk.PostFilterResult, *fwk.Status) {
+	node, whyNot := p.consolidate(ctx, pod, c, refused)
+	if node == "" {
+		return nil, fwk.NewStatus(fwk.Unschedulable, strings.TrimPrefix(why+"; "+whyNot, "; "))
+	}
 	return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride}}, fwk.NewStatus(fwk.Success)
 }
 

@@ -1,0 +1,139 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/gpufrac/gpufrac/pkg/gpu"
+	"github.com/gpufrac/gpufrac/pkg/placement"
+)
+
+// PreemptibilityLabel is KAI Scheduler's opt-in to being moved or
+// preempted (pkg/podgrouper/podgrouper/plugins/constants in KAI); a pod
+// labelled PreemptibilityMovable may be moved by gpufrac's consolidation.
+// KAI also counts pods below priority 100 preemptible when unlabelled;
+// gpufrac does not: on a stock cluster every pod runs at priority 0, and
+// moving pods that never asked for it would surprise their owners.
+const (
+	PreemptibilityLabel   = "kai.scheduler/preemptibility"
+	PreemptibilityMovable = "preemptible"
+)
+
+// movable says whether consolidation may move pod for a pod of priority
+// prio: it opted in, a controller makes it again once evicted (a bare pod
+// would be lost), it is not already going, and it matters no more than
+// the pod it makes room for.
+func movable(pod *corev1.Pod, prio int32) bool {
+	return pod.Labels[PreemptibilityLabel] == PreemptibilityMovable && metav1.GetControllerOf(pod) != nil &&
+		pod.DeletionTimestamp == nil && corev1helpers.PodPriority(pod) <= prio
+}
+
+// consolidate is PostFilter's last resort before preemption: it plans
+// moving pods that opted in so that the pod fits one of the nodes that
+// refused it (placement.Consolidator, on copies of the ledgers), evicts
+// them through the Eviction API, and returns the node to nominate, or ""
+// with why not.
+func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, refused []fwk.NodeInfo) (string, string) {
+	budget := p.args.MaxMoves()
+	if budget == 0 || p.handle == nil {
+		return "", "consolidation is off"
+	}
+	all, err := p.handle.SnapshotSharedLister().NodeInfos().List()
+	if err != nil {
+		return "", err.Error()
+	}
+	prio := corev1helpers.PodPriority(pod)
+	pods := map[string]*corev1.Pod{}
+	var going []types.UID
+	for _, info := range all {
+		for _, pi := range info.GetPods() {
+			switch q := pi.GetPod(); {
+			case q.DeletionTimestamp != nil:
+				going = append(going, q.UID)
+			case movable(q, prio):
+				pods[string(q.UID)] = q
+			}
+		}
+	}
+	plan, names, ok := p.cache.planConsolidation(c, all, refused, going, budget, func(tenant string) bool { return pods[tenant] != nil })
+	if !ok {
+		return "", fmt.Sprintf("no node fits it by moving at most %d pods labelled %s=%s", budget, PreemptibilityLabel, PreemptibilityMovable)
+	}
+	logger := klog.FromContext(ctx)
+	var moved []string
+	for _, m := range plan.Moves {
+		q := pods[m.Tenant]
+		ev := &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: q.Name, Namespace: q.Namespace}}
+		if err := p.handle.ClientSet().PolicyV1().Evictions(q.Namespace).Evict(ctx, ev); err != nil {
+			// A disruption budget, most likely: the pods moved so far are
+			// made again by their controllers; this pod tries again later.
+			logger.Info("Consolidation could not evict a pod", "pod", klog.KObj(pod), "node", names[plan.Node], "evicting", klog.KObj(q), "err", err)
+			return "", fmt.Sprintf("consolidation could not evict %s/%s: %v", q.Namespace, q.Name, err)
+		}
+		moved = append(moved, q.Namespace+"/"+q.Name+" (to room on "+names[m.To]+")")
+	}
+	logger.V(2).Info("Consolidation moved pods to make room", "pod", klog.KObj(pod), "node", names[plan.Node], "moved", moved)
+	if p.handle.EventRecorder() != nil {
+		p.handle.EventRecorder().Eventf(pod, nil, corev1.EventTypeNormal, "Consolidating", "Scheduling",
+			"Moving %d pod(s) to make room on node %s: %s", len(moved), names[plan.Node], strings.Join(moved, ", "))
+	}
+	return names[plan.Node], ""
+}
+
+// planConsolidation plans on copies of the ledgers of every node the
+// snapshot holds (pods being deleted counted gone, as their room is
+// coming), for targets among the nodes that refused the pod. It returns
+// the plan and the nodes' names (the plan's indices).
+func (c *Cache) planConsolidation(cy *cycle, all, refused []fwk.NodeInfo, going []types.UID, budget int, canMove func(string) bool) (placement.Plan, []string, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	var ledgers []*gpu.Node
+	var states []*nodeState
+	var names []string
+	for _, info := range all {
+		ns, ok := c.nodes[info.Node().Name]
+		if !ok || ns.Ledger == nil {
+			continue
+		}
+		l := ns.Ledger.Clone()
+		for _, uid := range going {
+			_ = l.Release(string(uid)) // a tenant of another node, or none: nothing here
+		}
+		ledgers, states, names = append(ledgers, l), append(states, ns), append(names, info.Node().Name)
+	}
+	targets := map[string]bool{}
+	for _, info := range refused {
+		targets[info.Node().Name] = true
+	}
+	cons := placement.Consolidator{
+		Policy:   cy.policy,
+		MaxMoves: budget,
+		Movable:  func(_ int, tenant string) bool { return canMove(tenant) },
+		// A GPU its shares leave is held by their group's idle
+		// reservation pod, which PostFilter's reclaim deletes for a
+		// whole-GPU pod on the next try.
+		Emptied: func(i int, l *gpu.Node) { reclaimIdle(states[i], l) },
+		On: func(i int, _ gpu.Request) (gpu.Request, bool) {
+			if !targets[names[i]] {
+				return gpu.Request{}, false
+			}
+			r, _, err := c.request(states[i], cy.ask)
+			return r, err == nil
+		},
+	}
+	plan, ok := cons.Plan(ledgers, gpu.Request{Tenant: string(cy.ask.UID)})
+	if ok && slices.ContainsFunc(plan.Moves, func(m placement.Move) bool { return !canMove(m.Tenant) }) {
+		return placement.Plan{}, nil, false // the planner moves only what Movable allows; kept as a guard
+	}
+	return plan, names, ok
+}
