@@ -56,7 +56,7 @@ type Plan struct {
 // the fewest tenants, the earliest target node on a tie, and whether
 // there is one. Nodes are only read.
 func (c Consolidator) Plan(nodes []*gpu.Node, r gpu.Request) (Plan, bool) {
-	if c.MaxMoves <= 0 || c.Movable == nil || c.Policy == nil || (r.Devices > 1) {
+	if c.MaxMoves <= 0 || c.Movable == nil || c.Policy == nil {
 		return Plan{}, false
 	}
 	type target struct {
@@ -70,8 +70,8 @@ func (c Consolidator) Plan(nodes []*gpu.Node, r gpu.Request) (Plan, bool) {
 		if c.On != nil {
 			ri, ok = c.On(i, r)
 		}
-		if !ok {
-			continue
+		if !ok || ri.Devices > 1 || (ri.Whole == 0 && ri.Devices == 0) {
+			continue // shares of several GPUs are not planned for; a pod without GPUs has nothing to gain
 		}
 		if t, ok := c.toFree(i, n, ri); ok && len(t) > 0 && len(t) <= c.MaxMoves {
 			targets = append(targets, target{i, ri, t})
@@ -84,7 +84,7 @@ func (c Consolidator) Plan(nodes []*gpu.Node, r gpu.Request) (Plan, bool) {
 	// a plan is booked in full.
 	fits := map[string]bool{}
 	roomFor := func(req gpu.Request) bool {
-		key := fmt.Sprintf("%d/%d/%d/%d/%s/%d/%v", req.CPU, req.Memory, req.Whole, req.Share.Request, req.Share.Mode, req.Share.Portion, req.Models)
+		key := fmt.Sprintf("%d/%d/%d/%d/%d/%s/%d/%v", req.CPU, req.Memory, req.Whole, req.Devices, req.Share.Request, req.Share.Mode, req.Share.Portion, req.Models)
 		ok, seen := fits[key]
 		if !seen {
 			req.Tenant = "consolidation-check"
@@ -140,6 +140,9 @@ func (c Consolidator) toFree(i int, n *gpu.Node, r gpu.Request) ([]string, bool)
 	if r.Whole > 0 {
 		var costs [][]string
 		for _, d := range n.Devices {
+			if d.Idle() && d.SharedOnly {
+				continue // held for shares for good: no move opens it
+			}
 			if ts, ok := movable(d); ok {
 				costs = append(costs, ts)
 			}
@@ -152,7 +155,8 @@ func (c Consolidator) toFree(i int, n *gpu.Node, r gpu.Request) ([]string, bool)
 		for _, ts := range costs[:r.Whole] {
 			out = append(out, ts...)
 		}
-		return out, true
+		slices.Sort(out) // a share over several GPUs moves once
+		return slices.Compact(out), true
 	}
 	var best []string
 	found := false
@@ -179,8 +183,8 @@ func (c Consolidator) toFree(i int, n *gpu.Node, r gpu.Request) ([]string, bool)
 			out = append(out, t)
 			free += shares[t].Request
 		}
-		if free < r.Share.Request || modeClash(shares, out, mode) {
-			continue
+		if len(out) == 0 || free < r.Share.Request || modeClash(shares, out, mode) {
+			continue // room without moves that Fit refuses (held, closed), or none with them
 		}
 		if !found || len(out) < len(best) {
 			best, found = out, true

@@ -34,7 +34,11 @@ const (
 // would be lost), it is not already going, and it matters no more than
 // the pod it makes room for.
 func movable(pod *corev1.Pod, prio int32) bool {
-	return pod.Labels[PreemptibilityLabel] == PreemptibilityMovable && metav1.GetControllerOf(pod) != nil &&
+	owner := metav1.GetControllerOf(pod)
+	return pod.Labels[PreemptibilityLabel] == PreemptibilityMovable && owner != nil &&
+		// A DaemonSet makes its pod again on the same node, and a static
+		// pod's mirror (owned by its Node) is the kubelet's: neither moves.
+		owner.Kind != "DaemonSet" && owner.Kind != "Node" &&
 		pod.DeletionTimestamp == nil && corev1helpers.PodPriority(pod) <= prio
 }
 
@@ -70,11 +74,23 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 		return "", fmt.Sprintf("no node fits it by moving at most %d pods labelled %s=%s", budget, PreemptibilityLabel, PreemptibilityMovable)
 	}
 	logger := klog.FromContext(ctx)
+	evict := func(q *corev1.Pod, dryRun []string) error {
+		// The UID precondition: never a replacement of the same name.
+		ev := &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: q.Name, Namespace: q.Namespace},
+			DeleteOptions: &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &q.UID}, DryRun: dryRun}}
+		return p.handle.ClientSet().PolicyV1().Evictions(q.Namespace).Evict(ctx, ev)
+	}
+	// Every eviction is tried dry first (a disruption budget refuses it
+	// then too), so that a plan that cannot be carried out moves nobody.
+	for _, m := range plan.Moves {
+		if q := pods[m.Tenant]; evict(q, []string{metav1.DryRunAll}) != nil {
+			return "", fmt.Sprintf("consolidation would need to evict %s/%s, which its disruption budget or the API refuses now", q.Namespace, q.Name)
+		}
+	}
 	var moved []string
 	for _, m := range plan.Moves {
 		q := pods[m.Tenant]
-		ev := &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: q.Name, Namespace: q.Namespace}}
-		if err := p.handle.ClientSet().PolicyV1().Evictions(q.Namespace).Evict(ctx, ev); err != nil {
+		if err := evict(q, nil); err != nil {
 			// A disruption budget, most likely: the pods moved so far are
 			// made again by their controllers; this pod tries again later.
 			logger.Info("Consolidation could not evict a pod", "pod", klog.KObj(pod), "node", names[plan.Node], "evicting", klog.KObj(q), "err", err)

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -473,7 +474,7 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 			"gpufrac's GPU cache has not yet seen pod %s leave node %s; trying again once it has, before reclaiming GPUs or preempting", gone, node))
 	}
 	if c.ask.Whole == 0 {
-		return p.consolidated(ctx, pod, c, infos, "")
+		return p.consolidated(ctx, pod, c, refusedForGPUs(infos, statuses), "")
 	}
 	var nodes []string
 	for _, info := range infos {
@@ -483,7 +484,7 @@ func (p *Plugin) PostFilter(ctx context.Context, state fwk.CycleState, pod *core
 	}
 	node, retired := p.cache.Reclaim(c.ask.Whole, nodes)
 	if node == "" {
-		return p.consolidated(ctx, pod, c, infos, "no node would fit it by deleting idle reservation pods")
+		return p.consolidated(ctx, pod, c, refusedForGPUs(infos, statuses), "no node would fit it by deleting idle reservation pods")
 	}
 	logger := klog.FromContext(ctx)
 	for _, o := range retired {
@@ -507,6 +508,16 @@ func (p *Plugin) consolidated(ctx context.Context, pod *corev1.Pod, c *cycle, re
 		return nil, fwk.NewStatus(fwk.Unschedulable, strings.TrimPrefix(why+"; "+whyNot, "; "))
 	}
 	return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride}}, fwk.NewStatus(fwk.Success)
+}
+
+// refusedForGPUs are the nodes that refused the pod for its GPUs alone:
+// the plugins before this one (CPU, memory, affinity, taints) let it
+// through, so only GPU room stands in the way, which moves can make.
+func refusedForGPUs(infos []fwk.NodeInfo, statuses fwk.NodeToStatusReader) []fwk.NodeInfo {
+	return slices.DeleteFunc(slices.Clone(infos), func(info fwk.NodeInfo) bool {
+		s := statuses.Get(info.Node().Name)
+		return !shortOfGPUsOnly(s) && (s.Code() != fwk.Unschedulable || s.Plugin() != Name)
+	})
 }
 
 // shortOfGPUsOnly says whether a node refused a pod for its GPUs alone:

@@ -248,16 +248,18 @@ func (s *state) rate(ni int, key rateKey, r gpu.Request) (placement.Choice, bool
 // apply moves a consolidation plan's tenants (its node indices are into
 // order), leaving the room the plan made for the pending pod.
 func (s *state) apply(order []int, plan placement.Plan) error {
+	// Every tenant leaves before any lands, as the plan was booked.
 	for _, m := range plan.Moves {
-		from, to := order[m.From], order[m.To]
-		if err := s.nodes[from].Release(m.Tenant); err != nil {
+		if err := s.nodes[order[m.From]].Release(m.Tenant); err != nil {
 			return fmt.Errorf("consolidation: %w", err)
 		}
-		s.changed(from)
-		if err := s.nodes[to].Assign(m.Request, m.Devices); err != nil {
+		s.changed(order[m.From])
+	}
+	for _, m := range plan.Moves {
+		if err := s.nodes[order[m.To]].Assign(m.Request, m.Devices); err != nil {
 			return fmt.Errorf("consolidation moved %s where the ledger refuses it: %w", m.Tenant, err)
 		}
-		s.changed(to)
+		s.changed(order[m.To])
 	}
 	return nil
 }
