@@ -35,6 +35,12 @@ type Consolidator struct {
 	// memory depends on the GPU's), false where it cannot go at all; nil
 	// asks the same everywhere.
 	On func(node int, r gpu.Request) (gpu.Request, bool)
+	// MoveTo, if set, is a moved tenant's request as it would stand on
+	// node (its share's memory there), false where it cannot go at all
+	// (its pod's node selector, taints, the host's CPU and memory with
+	// the plan's earlier moves there: moved, the tenants it moves to that
+	// node before this one); nil lets it go wherever its GPU room fits.
+	MoveTo func(tenant string, node int, moved []string, r gpu.Request) (gpu.Request, bool)
 }
 
 // Move is one tenant moved from node From to node To's Devices.
@@ -242,13 +248,22 @@ func (c Consolidator) try(nodes []*gpu.Node, r gpu.Request, ti int, tenants []st
 		return Plan{}, false
 	}
 	slices.SortStableFunc(moves, func(a, b Move) int { return cmp.Compare(size(b.Request), size(a.Request)) })
+	landed := map[int][]string{} // moved tenants booked per node
 	for m := range moves {
-		req := moves[m].Request
 		var cands []Candidate
+		var reqs []gpu.Request
 		for i := range nodes {
+			req, ok := moves[m].Request, true
+			if c.MoveTo != nil {
+				req, ok = c.MoveTo(moves[m].Tenant, i, landed[i], req)
+			}
+			if !ok {
+				continue
+			}
 			n := at(i)
 			if fit, unfit := n.Fit(req); unfit == nil {
 				cands = append(cands, Candidate{Node: i, Choice: c.Policy.Score(n, req, fit)})
+				reqs = append(reqs, req)
 			}
 		}
 		b := Best(c.Policy, cands)
@@ -256,10 +271,11 @@ func (c Consolidator) try(nodes []*gpu.Node, r gpu.Request, ti int, tenants []st
 			return Plan{}, false
 		}
 		to := cands[b]
-		if err := own(to.Node).Assign(req, to.Devices); err != nil {
+		if err := own(to.Node).Assign(reqs[b], to.Devices); err != nil {
 			return Plan{}, false
 		}
-		moves[m].To, moves[m].Devices = to.Node, to.Devices
+		landed[to.Node] = append(landed[to.Node], moves[m].Tenant)
+		moves[m].To, moves[m].Devices, moves[m].Request = to.Node, to.Devices, reqs[b]
 	}
 	return Plan{Node: ti, Devices: devices, Moves: moves}, true
 }

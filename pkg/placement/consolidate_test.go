@@ -109,3 +109,30 @@ func TestConsolidationForAShare(t *testing.T) {
 		t.Errorf("move = %+v, want it on the other node", m)
 	}
 }
+
+func TestConsolidationMovesOnlyWhereTheMovedPodMayRun(t *testing.T) {
+	// As in the first test, but the moved share may not run on b or c
+	// (its pod's node selector, say): it must stay on a, on GPU 1.
+	nodes := []*gpu.Node{held(t, "a", 250, 250), held(t, "b", 250, 250), held(t, "c", 250, 250)}
+	cons := Consolidator{Policy: BestFit{}, MaxMoves: 4, Movable: movableIf("old"),
+		MoveTo: func(_ string, node int, _ []string, r gpu.Request) (gpu.Request, bool) { return r, node == 0 }}
+	plan, ok := cons.Plan(nodes, gpu.Request{Tenant: "big", Whole: 1})
+	if !ok || len(plan.Moves) != 1 {
+		t.Fatalf("plan = %+v, %v; want one move", plan, ok)
+	}
+	if m := plan.Moves[0]; m.To != 0 || plan.Node != 0 || slices.Contains(plan.Devices, m.Devices[0]) {
+		t.Errorf("plan = %+v: the move must stay on a, off the GPU it frees", plan)
+	}
+	// Nowhere to go at all: no plan.
+	cons.MoveTo = func(string, int, []string, gpu.Request) (gpu.Request, bool) { return gpu.Request{}, false }
+	if plan, ok := cons.Plan(nodes, gpu.Request{Tenant: "big", Whole: 1}); ok {
+		t.Errorf("plan %+v moves a pod that may run nowhere", plan)
+	}
+}
+
+func TestConsolidationIgnoresPodsWithoutGPUs(t *testing.T) {
+	nodes := []*gpu.Node{held(t, "a", 250, 250)}
+	if plan, ok := (Consolidator{Policy: BestFit{}, MaxMoves: 4, Movable: movableIf("old")}).Plan(nodes, gpu.Request{Tenant: "cpu", CPU: 1 << 40}); ok {
+		t.Errorf("plan %+v for a pod that asks for no GPU", plan)
+	}
+}

@@ -10,7 +10,9 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	resourcehelper "k8s.io/component-helpers/resource"
 	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
@@ -69,7 +71,7 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 			}
 		}
 	}
-	plan, names, ok := p.cache.planConsolidation(c, all, refused, going, budget, func(tenant string) bool { return pods[tenant] != nil })
+	plan, names, ok := p.cache.planConsolidation(c, all, refused, going, budget, pods)
 	if !ok {
 		return "", fmt.Sprintf("no node fits it by moving at most %d pods labelled %s=%s", budget, PreemptibilityLabel, PreemptibilityMovable)
 	}
@@ -106,16 +108,44 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 	return names[plan.Node], ""
 }
 
+// mayRunOn says whether a pod made again from pod's spec could run on the
+// node: its node selector and required affinity, the node's NoSchedule
+// and NoExecute taints, and the host's CPU and memory, after the pods
+// the plan moves there before it.
+func mayRunOn(pod *corev1.Pod, info fwk.NodeInfo, before []*corev1.Pod) bool {
+	node := info.Node()
+	if ok, err := nodeaffinity.GetRequiredNodeAffinity(pod).Match(node); err != nil || !ok {
+		return false
+	}
+	if _, untolerated := corev1helpers.FindMatchingUntoleratedTaint(klog.Background(), node.Spec.Taints, pod.Spec.Tolerations, func(t *corev1.Taint) bool {
+		return t.Effect == corev1.TaintEffectNoSchedule || t.Effect == corev1.TaintEffectNoExecute
+	}, false); untolerated {
+		return false
+	}
+	alloc, used := info.GetAllocatable(), info.GetRequested()
+	cpu, mem := used.GetMilliCPU(), used.GetMemory()
+	for _, q := range append(before, pod) {
+		if q.Spec.NodeName == node.Name {
+			continue // moved within its node: already counted there
+		}
+		req := resourcehelper.PodRequests(q, resourcehelper.PodResourcesOptions{})
+		cpu, mem = cpu+req.Cpu().MilliValue(), mem+req.Memory().Value()
+	}
+	return cpu <= alloc.GetMilliCPU() && mem <= alloc.GetMemory()
+}
+
 // planConsolidation plans on copies of the ledgers of every node the
 // snapshot holds (pods being deleted counted gone, as their room is
 // coming), for targets among the nodes that refused the pod. It returns
 // the plan and the nodes' names (the plan's indices).
-func (c *Cache) planConsolidation(cy *cycle, all, refused []fwk.NodeInfo, going []types.UID, budget int, canMove func(string) bool) (placement.Plan, []string, bool) {
+func (c *Cache) planConsolidation(cy *cycle, all, refused []fwk.NodeInfo, going []types.UID, budget int, movable map[string]*corev1.Pod) (placement.Plan, []string, bool) {
+	canMove := func(tenant string) bool { return movable[tenant] != nil }
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	var ledgers []*gpu.Node
 	var states []*nodeState
 	var names []string
+	var infos []fwk.NodeInfo
 	for _, info := range all {
 		ns, ok := c.nodes[info.Node().Name]
 		if !ok || ns.Ledger == nil {
@@ -125,7 +155,7 @@ func (c *Cache) planConsolidation(cy *cycle, all, refused []fwk.NodeInfo, going 
 		for _, uid := range going {
 			_ = l.Release(string(uid)) // a tenant of another node, or none: nothing here
 		}
-		ledgers, states, names = append(ledgers, l), append(states, ns), append(names, info.Node().Name)
+		ledgers, states, names, infos = append(ledgers, l), append(states, ns), append(names, info.Node().Name), append(infos, info)
 	}
 	targets := map[string]bool{}
 	for _, info := range refused {
@@ -145,6 +175,20 @@ func (c *Cache) planConsolidation(cy *cycle, all, refused []fwk.NodeInfo, going 
 			}
 			r, _, err := c.request(states[i], cy.ask)
 			return r, err == nil
+		},
+		// A moved pod is made again from the same spec: it goes only where
+		// that spec may run, with its host's CPU and memory to spare, its
+		// share sized on that node's GPUs.
+		MoveTo: func(tenant string, i int, moved []string, _ gpu.Request) (gpu.Request, bool) {
+			pod := movable[tenant]
+			before := make([]*corev1.Pod, 0, len(moved))
+			for _, t := range moved {
+				before = append(before, movable[t])
+			}
+			if pod == nil || !mayRunOn(pod, infos[i], before) {
+				return gpu.Request{}, false
+			}
+			return c.requestOfPod(states[i], pod)
 		},
 	}
 	plan, ok := cons.Plan(ledgers, gpu.Request{Tenant: string(cy.ask.UID)})
