@@ -136,3 +136,36 @@ func TestConsolidationIgnoresPodsWithoutGPUs(t *testing.T) {
 		t.Errorf("plan %+v for a pod that asks for no GPU", plan)
 	}
 }
+
+// BenchmarkConsolidationPlan is one plan over 1,000 nodes of 8 GPUs each
+// holding one movable share, for a whole GPU that fits nowhere: "found",
+// quarters that fit beside one another (one move); "none", 810 shares
+// that fit nowhere else (every target refused, the case a full cluster
+// pays on each try of a pod that waits).
+func BenchmarkConsolidationPlan(b *testing.B) {
+	for _, c := range []struct {
+		name string
+		size int64
+	}{{"found", 250}, {"none", 810}} {
+		b.Run(c.name, func(b *testing.B) {
+			nodes := make([]*gpu.Node, 1000)
+			for i := range nodes {
+				nodes[i] = node(b, fmt.Sprintf("n%04d", i), 96000, "G2", make([]int64, 8)...)
+				for g := range 8 {
+					if err := nodes[i].Assign(share(fmt.Sprintf("old-%d-%d", i, g), c.size, 1000), []int{g}); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			cons := Consolidator{Policy: NewOurs(benchShapes, Supply{}), MaxMoves: 4, Movable: movableIf("old")}
+			r := gpu.Request{Tenant: "big", Whole: 1, CPU: 8000}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				if _, ok := cons.Plan(nodes, r); ok != (c.name == "found") {
+					b.Fatalf("plan found: %v", ok)
+				}
+			}
+		})
+	}
+}

@@ -71,6 +71,10 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 			}
 		}
 	}
+	if len(pods) == 0 || len(refused) == 0 {
+		// Most clusters: nothing opted in, and no plan to weigh.
+		return "", fmt.Sprintf("no running pod labelled %s=%s may move for it", PreemptibilityLabel, PreemptibilityMovable)
+	}
 	plan, names, ok := p.cache.planConsolidation(c, all, refused, going, budget, pods)
 	if !ok {
 		return "", fmt.Sprintf("no node fits it by moving at most %d pods labelled %s=%s", budget, PreemptibilityLabel, PreemptibilityMovable)
