@@ -63,7 +63,8 @@ var contract = []contractKey{
 	{name: "LabelFractionsClosed", key: LabelFractionsClosed, what: "label", object: "node", writer: "gpufrac mps-replace: drain.Run", reader: "scheduler: Inventory; node agent: publish.Compute"},
 	{name: "LabelReservationNamespace", key: LabelReservationNamespace, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "audit, top, dashboard: ReservationNamespace; scheduler: ReservationNamespaceLabelled"},
 	{name: "LabelAgentHeartbeat", key: LabelAgentHeartbeat, what: "label", object: "node", writer: "node agent: NodeReport.Labels", reader: "AgentSilent"},
-	{name: "UsageAnnotation", key: UsageAnnotation, what: "annotation", object: "node", writer: "node agent: UsageWrite", reader: "top, dashboard: UsageOf"},
+	{name: "UsageAnnotation", key: UsageAnnotation, what: "annotation", object: "node", writer: "node agent: UsageWrite", reader: "top, dashboard, audit (burst reclaim order, through clusterview): UsageOf"},
+	{name: "LabelPreemptibility", key: LabelPreemptibility, what: "label", object: "tenant pod", writer: "user", reader: "scheduler (consolidation): OptedInToMoves", user: true},
 	{name: "SimulatedLoadAnnotation", key: SimulatedLoadAnnotation, what: "annotation", object: "tenant pod (simulated nodes only)", writer: "user", reader: "node agent (--simulate-gpus): SimulatedLoad", user: true},
 	{name: "ConditionFractioningReady", key: ConditionFractioningReady, what: "condition", object: "node", writer: "node agent: publish.Compute", reader: "InventoryOf, FractioningCondition"},
 }

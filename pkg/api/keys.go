@@ -53,6 +53,18 @@ const (
 	KeyComputeSharingMode = "kai.scheduler/gpu-compute-sharing-mode"
 )
 
+// LabelPreemptibility is KAI Scheduler's opt-in to being moved or
+// preempted (KAI's pkg/podgrouper/podgrouper/plugins/constants), which a
+// user sets on a pod; gpufrac's consolidation moves only pods labelled
+// Preemptible (OptedInToMoves).
+const (
+	LabelPreemptibility = "kai.scheduler/preemptibility"
+	Preemptible         = "preemptible"
+)
+
+// OptedInToMoves says whether the pod's owner let the scheduler move it.
+func OptedInToMoves(labels map[string]string) bool { return labels[LabelPreemptibility] == Preemptible }
+
 // ResourceGPU is the device plugin's whole-GPU extended resource.
 const ResourceGPU = "nvidia.com/gpu"
 

@@ -16,28 +16,22 @@ import (
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
+	"github.com/gpufrac/gpufrac/pkg/api"
 	"github.com/gpufrac/gpufrac/pkg/gpu"
 	"github.com/gpufrac/gpufrac/pkg/placement"
 )
 
-// PreemptibilityLabel is KAI Scheduler's opt-in to being moved or
-// preempted (pkg/podgrouper/podgrouper/plugins/constants in KAI); a pod
-// labelled PreemptibilityMovable may be moved by gpufrac's consolidation.
-// KAI also counts pods below priority 100 preemptible when unlabelled;
-// gpufrac does not: on a stock cluster every pod runs at priority 0, and
-// moving pods that never asked for it would surprise their owners.
-const (
-	PreemptibilityLabel   = "kai.scheduler/preemptibility"
-	PreemptibilityMovable = "preemptible"
-)
-
 // movable says whether consolidation may move pod for a pod of priority
-// prio: it opted in, a controller makes it again once evicted (a bare pod
-// would be lost), it is not already going, and it matters no more than
-// the pod it makes room for.
+// prio: it opted in (api.OptedInToMoves: KAI's preemptibility label), a
+// controller makes it again once evicted (a bare pod would be lost), it
+// is not already going, and it matters no more than the pod it makes room
+// for. KAI also counts pods below priority 100 preemptible when
+// unlabelled; gpufrac does not: on a stock cluster every pod runs at
+// priority 0, and moving pods that never asked for it would surprise
+// their owners.
 func movable(pod *corev1.Pod, prio int32) bool {
 	owner := metav1.GetControllerOf(pod)
-	return pod.Labels[PreemptibilityLabel] == PreemptibilityMovable && owner != nil &&
+	return api.OptedInToMoves(pod.Labels) && owner != nil &&
 		// A DaemonSet makes its pod again on the same node, and a static
 		// pod's mirror (owned by its Node) is the kubelet's: neither moves.
 		owner.Kind != "DaemonSet" && owner.Kind != "Node" &&
@@ -73,11 +67,11 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 	}
 	if len(pods) == 0 || len(refused) == 0 {
 		// Most clusters: nothing opted in, and no plan to weigh.
-		return "", fmt.Sprintf("no running pod labelled %s=%s may move for it", PreemptibilityLabel, PreemptibilityMovable)
+		return "", fmt.Sprintf("no running pod labelled %s=%s may move for it", api.LabelPreemptibility, api.Preemptible)
 	}
 	plan, names, ok := p.cache.planConsolidation(c, all, refused, going, budget, pods)
 	if !ok {
-		return "", fmt.Sprintf("no node fits it by moving at most %d pods labelled %s=%s", budget, PreemptibilityLabel, PreemptibilityMovable)
+		return "", fmt.Sprintf("no node fits it by moving at most %d pods labelled %s=%s", budget, api.LabelPreemptibility, api.Preemptible)
 	}
 	logger := klog.FromContext(ctx)
 	evict := func(q *corev1.Pod, dryRun []string) error {

@@ -8,13 +8,15 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 // mover is a pod that opted in to being moved, made by a ReplicaSet.
 func mover(prio int32) *corev1.Pod {
 	yes := true
 	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "m", Namespace: "ns", Labels: map[string]string{PreemptibilityLabel: PreemptibilityMovable},
+		ObjectMeta: metav1.ObjectMeta{Name: "m", Namespace: "ns", Labels: map[string]string{api.LabelPreemptibility: api.Preemptible},
 			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "rs", UID: "rs", Controller: &yes}}},
 		Spec: corev1.PodSpec{Priority: &prio, Containers: []corev1.Container{{Name: "c", Resources: corev1.ResourceRequirements{
 			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("2"), corev1.ResourceMemory: resource.MustParse("1Gi")}}}}},
@@ -27,7 +29,7 @@ func TestOnlyOptedInPodsWithAControllerMove(t *testing.T) {
 	}
 	for name, edit := range map[string]func(*corev1.Pod){
 		"not labelled":      func(p *corev1.Pod) { p.Labels = nil },
-		"non-preemptible":   func(p *corev1.Pod) { p.Labels[PreemptibilityLabel] = "non-preemptible" },
+		"non-preemptible":   func(p *corev1.Pod) { p.Labels[api.LabelPreemptibility] = "non-preemptible" },
 		"a bare pod":        func(p *corev1.Pod) { p.OwnerReferences = nil },
 		"a DaemonSet's":     func(p *corev1.Pod) { p.OwnerReferences[0].Kind = "DaemonSet" },
 		"a static mirror":   func(p *corev1.Pod) { p.OwnerReferences[0].Kind = "Node" },

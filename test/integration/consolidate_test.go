@@ -18,7 +18,7 @@ import (
 	"github.com/gpufrac/gpufrac/internal/checkout"
 	"github.com/gpufrac/gpufrac/internal/localcluster"
 	"github.com/gpufrac/gpufrac/internal/testenv"
-	"github.com/gpufrac/gpufrac/pkg/scheduler"
+	"github.com/gpufrac/gpufrac/pkg/api"
 )
 
 // startReplicaSetController runs kube-controller-manager's ReplicaSet
@@ -91,7 +91,7 @@ func TestConsolidationMovesOnlyOptedInPods(t *testing.T) {
 	ns := namespace(t, "sched-consolidate")
 	gpuNode(t, "consolidate-0", "consolidate", 2, 81920, true)
 	cleanUp(t, ns, "consolidate-0")
-	optIn := map[string]string{scheduler.PreemptibilityLabel: scheduler.PreemptibilityMovable}
+	optIn := map[string]string{api.LabelPreemptibility: api.Preemptible}
 	zero := int64(0)
 
 	// GPU A: a 0.75 share, gone later; GPU B: the mover's half.
@@ -100,7 +100,7 @@ func TestConsolidationMovesOnlyOptedInPods(t *testing.T) {
 	create(t, temp)
 	gpuA := devices(placed(t, ns, "temp"))[0]
 	tmpl := workload(ns, "", testScheduler, "consolidate", map[string]string{"gpu-fraction": "0.5"})
-	tmpl.Labels = map[string]string{"app": "mover", scheduler.PreemptibilityLabel: scheduler.PreemptibilityMovable}
+	tmpl.Labels = map[string]string{"app": "mover", api.LabelPreemptibility: api.Preemptible}
 	tmpl.Spec.TerminationGracePeriodSeconds = &zero
 	one := int32(1)
 	rs := &appsv1.ReplicaSet{
