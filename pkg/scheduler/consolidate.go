@@ -28,14 +28,38 @@ import (
 // for. KAI also counts pods below priority 100 preemptible when
 // unlabelled; gpufrac does not: on a stock cluster every pod runs at
 // priority 0, and moving pods that never asked for it would surprise
-// their owners.
+// their owners. A pod whose replacement the planner cannot place as
+// kube-scheduler would (volumes bound to a node or zone, host ports, pod
+// affinity or spread constraints, DRA claims) does not move either.
 func movable(pod *corev1.Pod, prio int32) bool {
 	owner := metav1.GetControllerOf(pod)
-	return api.OptedInToMoves(pod.Labels) && owner != nil &&
-		// A DaemonSet makes its pod again on the same node, and a static
-		// pod's mirror (owned by its Node) is the kubelet's: neither moves.
-		owner.Kind != "DaemonSet" && owner.Kind != "Node" &&
-		pod.DeletionTimestamp == nil && corev1helpers.PodPriority(pod) <= prio
+	if !api.OptedInToMoves(pod.Labels) || owner == nil || pod.DeletionTimestamp != nil || corev1helpers.PodPriority(pod) > prio {
+		return false
+	}
+	switch owner.Kind {
+	case "DaemonSet", "Node", "Job":
+		// A DaemonSet makes its pod again on the same node; a static
+		// pod's mirror (owned by its Node) is the kubelet's; an evicted
+		// Job pod counts against the Job's backoffLimit.
+		return false
+	}
+	if len(pod.Spec.ResourceClaims) > 0 || len(pod.Spec.TopologySpreadConstraints) > 0 ||
+		(pod.Spec.Affinity != nil && (pod.Spec.Affinity.PodAffinity != nil || pod.Spec.Affinity.PodAntiAffinity != nil)) {
+		return false
+	}
+	for _, v := range pod.Spec.Volumes {
+		if v.PersistentVolumeClaim != nil || v.Ephemeral != nil {
+			return false
+		}
+	}
+	for _, c := range pod.Spec.Containers {
+		for _, port := range c.Ports {
+			if port.HostPort != 0 {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // consolidate is PostFilter's last resort before preemption: it plans
@@ -65,9 +89,12 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 			}
 		}
 	}
-	if len(pods) == 0 || len(refused) == 0 {
+	switch {
+	case len(pods) == 0:
 		// Most clusters: nothing opted in, and no plan to weigh.
 		return "", fmt.Sprintf("no running pod labelled %s=%s may move for it", api.LabelPreemptibility, api.Preemptible)
+	case len(refused) == 0:
+		return "", "no node refused it for GPU room alone, which moving pods could make"
 	}
 	plan, names, ok := p.cache.planConsolidation(c, all, refused, going, budget, pods)
 	if !ok {
@@ -104,6 +131,23 @@ func (p *Plugin) consolidate(ctx context.Context, pod *corev1.Pod, c *cycle, ref
 			"Moving %d pod(s) to make room on node %s: %s", len(moved), names[plan.Node], strings.Join(moved, ", "))
 	}
 	return names[plan.Node], ""
+}
+
+// askOfPod is what PreFilter would ask for a pod made again from pod's
+// spec: its GPUs, and the GPU memory its quota was charged (claims aside:
+// a pod with claims never moves).
+func askOfPod(pod *corev1.Pod) (Ask, bool) {
+	ask := Ask{UID: pod.UID, Whole: api.WholeGPUs(&pod.Spec)}
+	ask.CPU, ask.MemoryMiB, ask.DeviceGPUs = podRequests(pod)
+	reqs, err := api.Parse(api.Intent(pod))
+	if err != nil {
+		return Ask{}, false
+	}
+	if len(reqs) > 0 {
+		ask.Whole, ask.Fraction = 0, &reqs[0]
+	}
+	ask.ChargeMiB, ask.Charged = api.ShareBudgetMiB(&pod.Spec, 0)
+	return ask, ask.GPU()
 }
 
 // mayRunOn says whether a pod made again from pod's spec could run on the
@@ -179,14 +223,22 @@ func (c *Cache) planConsolidation(cy *cycle, all, refused []fwk.NodeInfo, going 
 		// share sized on that node's GPUs.
 		MoveTo: func(tenant string, i int, moved []string, _ gpu.Request) (gpu.Request, bool) {
 			pod := movable[tenant]
+			if pod == nil {
+				return gpu.Request{}, false
+			}
 			before := make([]*corev1.Pod, 0, len(moved))
 			for _, t := range moved {
 				before = append(before, movable[t])
 			}
-			if pod == nil || !mayRunOn(pod, infos[i], before) {
+			ask, ok := askOfPod(pod)
+			// Filter's own verdict on the node as it stands (ready, its
+			// agent alive, its books clean, the share within the pod's
+			// quota charge, room on the ledger), then the host.
+			if !ok || !c.filter(states[i], true, ask, nil).Fits || !mayRunOn(pod, infos[i], before) {
 				return gpu.Request{}, false
 			}
-			return c.requestOfPod(states[i], pod)
+			r, _, err := c.request(states[i], ask)
+			return r, err == nil
 		},
 	}
 	plan, ok := cons.Plan(ledgers, gpu.Request{Tenant: string(cy.ask.UID)})

@@ -36,6 +36,18 @@ func TestOnlyOptedInPodsWithAControllerMove(t *testing.T) {
 		"higher priority":   func(p *corev1.Pod) { *p.Spec.Priority = 1 },
 		"already deleting":  func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{Time: time.Now()} },
 		"owned, no control": func(p *corev1.Pod) { p.OwnerReferences[0].Controller = nil },
+		"a Job's":           func(p *corev1.Pod) { p.OwnerReferences[0].Kind = "Job" },
+		"a volume claim": func(p *corev1.Pod) {
+			p.Spec.Volumes = []corev1.Volume{{Name: "d", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "d"}}}}
+		},
+		"a host port": func(p *corev1.Pod) {
+			p.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 80, HostPort: 80}}
+		},
+		"anti-affinity": func(p *corev1.Pod) { p.Spec.Affinity = &corev1.Affinity{PodAntiAffinity: &corev1.PodAntiAffinity{}} },
+		"spread": func(p *corev1.Pod) {
+			p.Spec.TopologySpreadConstraints = []corev1.TopologySpreadConstraint{{MaxSkew: 1}}
+		},
+		"a DRA claim": func(p *corev1.Pod) { p.Spec.ResourceClaims = []corev1.PodResourceClaim{{Name: "gpu"}} },
 	} {
 		p := mover(0)
 		edit(p)

@@ -510,13 +510,28 @@ func (p *Plugin) consolidated(ctx context.Context, pod *corev1.Pod, c *cycle, re
 	return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride}}, fwk.NewStatus(fwk.Success)
 }
 
-// refusedForGPUs are the nodes that refused the pod for its GPUs alone:
+// refusedForGPUs are the nodes that refused the pod for GPU room alone:
 // the plugins before this one (CPU, memory, affinity, taints) let it
-// through, so only GPU room stands in the way, which moves can make.
+// through, and this one's ledger found too little memory, idle GPUs,
+// compute or GPUs of its mode, which moves can make. A node not ready,
+// with a silent agent or GPUs it cannot account for is not one.
 func refusedForGPUs(infos []fwk.NodeInfo, statuses fwk.NodeToStatusReader) []fwk.NodeInfo {
+	room := func(s *fwk.Status) bool {
+		if s.Code() != fwk.Unschedulable || s.Plugin() != Name || len(s.Reasons()) == 0 {
+			return false
+		}
+		for _, r := range s.Reasons() {
+			if !slices.ContainsFunc([]gpu.Reason{gpu.ReasonGPUs, gpu.ReasonWhole, gpu.ReasonMode, gpu.ReasonCompute}, func(g gpu.Reason) bool {
+				return strings.HasPrefix(r, string(g)+":")
+			}) {
+				return false
+			}
+		}
+		return true
+	}
 	return slices.DeleteFunc(slices.Clone(infos), func(info fwk.NodeInfo) bool {
 		s := statuses.Get(info.Node().Name)
-		return !shortOfGPUsOnly(s) && (s.Code() != fwk.Unschedulable || s.Plugin() != Name)
+		return !shortOfGPUsOnly(s) && !room(s)
 	})
 }
 
